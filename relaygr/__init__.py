@@ -1,0 +1,3 @@
+"""RelayGR: relay-race serving of generative-recommendation ranking models."""
+
+__version__ = "0.1.0"

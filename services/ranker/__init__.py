@@ -1,0 +1,1 @@
+"""RelayGR ranker: the HSTU ranking model, its prefix KV cache and (later) the KV tiers."""

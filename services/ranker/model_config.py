@@ -1,0 +1,105 @@
+"""The ranking model's one frozen configuration object and its validation."""
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from relaygr.errors import ConfigError
+
+
+class KVDtype(StrEnum):
+    """Storage dtype of cached K/V; compute stays float32 whatever is stored."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {
+            KVDtype.FLOAT32: torch.float32,
+            KVDtype.BFLOAT16: torch.bfloat16,
+            KVDtype.FLOAT16: torch.float16,
+        }[self]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and limits of the HSTU ranking model.
+
+    The defaults size the model so that full inference over a 4k-token history with 256
+    candidates takes a few hundred milliseconds on two CPU cores (see docs/benchmarks.md).
+    """
+
+    num_layers: int = 3
+    d_model: int = 512
+    num_heads: int = 2
+    d_qk: int = 64  # per head
+    d_v: int = 128  # per head; heads * d_v is the width of U, V and the attention output
+    ffn_mult: int = 4  # hidden width of the pointwise feed-forward block; 0 disables it
+    item_buckets: int = 1 << 15
+    user_feature_buckets: int = 1 << 12
+    num_actions: int = 16  # action 0 is reserved for candidates
+    num_position_buckets: int = 64
+    num_time_buckets: int = 64
+    tasks: tuple[str, ...] = ("click", "like")
+    max_user_features: int = 32
+    max_history_tokens: int = 16384  # user features + long-term + short-term behaviours
+    max_candidates: int = 1024
+    attention_block: int = 512  # query rows per attention block (bounds the score buffer)
+    kv_dtype: KVDtype = KVDtype.FLOAT32
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_layers", "d_model", "num_heads", "d_qk", "d_v", "item_buckets",
+            "user_feature_buckets", "num_position_buckets", "num_time_buckets",
+            "max_history_tokens", "max_candidates", "attention_block",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config {name} must be > 0, got {getattr(self, name)}")
+        if self.ffn_mult < 0:
+            raise ConfigError(f"model config ffn_mult must be >= 0, got {self.ffn_mult}")
+        if self.num_actions < 2:
+            raise ConfigError(f"model config num_actions must be >= 2, got {self.num_actions}")
+        if self.max_user_features < 0:
+            raise ConfigError("model config max_user_features must be >= 0")
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks):
+            raise ConfigError(f"model config tasks must be non-empty and unique, got {self.tasks}")
+        if not isinstance(self.kv_dtype, KVDtype):
+            object.__setattr__(self, "kv_dtype", parse_kv_dtype(str(self.kv_dtype)))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached prefix token holds: every layer's K and V in the storage dtype."""
+        element = torch.empty((), dtype=self.kv_dtype.torch_dtype).element_size()
+        return self.num_layers * self.num_heads * (self.d_qk + self.d_v) * element
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tasks"] = list(self.tasks)
+        data["kv_dtype"] = self.kv_dtype.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
+        values = dict(data)
+        if "tasks" in values:
+            values["tasks"] = tuple(values["tasks"])
+        if "kv_dtype" in values:
+            values["kv_dtype"] = parse_kv_dtype(str(values["kv_dtype"]))
+        return cls(**values)
+
+
+def parse_kv_dtype(value: str) -> KVDtype:
+    try:
+        return KVDtype(value)
+    except ValueError as err:
+        valid = ", ".join(d.value for d in KVDtype)
+        raise ConfigError(f"kv_dtype {value!r} is not one of: {valid}") from err

@@ -1,0 +1,59 @@
+"""PrefixKV: per-layer K/V of a user's prefix, the baton the relay hands from PreInfer to Rank."""
+
+from dataclasses import dataclass, replace
+from typing import NewType
+
+import torch
+from relaygr.ranker.digest import PrefixDigest, PrefixHasher
+
+ModelVersion = NewType("ModelVersion", str)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKV:
+    """K and V of every prefix token at every layer, plus what ranking against them needs.
+
+    `keys` is [layers, heads, tokens, d_qk] and `values` [layers, heads, tokens, d_v], stored in
+    the configured KV dtype; `timestamps` (int64, [tokens]) feeds the relative time bias of later
+    tokens. Token order is [user features..., long-term behaviours...].
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    timestamps: torch.Tensor
+    num_user_tokens: int
+    hasher: PrefixHasher
+    model_version: ModelVersion
+
+    @property
+    def digest(self) -> PrefixDigest:
+        return self.hasher.digest()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def num_behaviours(self) -> int:
+        return self.num_tokens - self.num_user_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on its device: K, V and the token timestamps."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.timestamps))
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def to(self, device: torch.device | str) -> "PrefixKV":
+        """This prefix on `device`: itself when already there, else a copy."""
+        target = torch.device(device)
+        if self.keys.device == target:
+            return self
+        return replace(
+            self,
+            keys=self.keys.to(target),
+            values=self.values.to(target),
+            timestamps=self.timestamps.to(target),
+        )

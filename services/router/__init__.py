@@ -1,0 +1,1 @@
+"""RelayGR router: affinity-aware placement of PreInfer and Rank (arrives with the router issue)."""

@@ -1,0 +1,1 @@
+"""RelayGR trigger: sequence-aware admission of relays (arrives with the trigger issue)."""

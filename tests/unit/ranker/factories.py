@@ -1,0 +1,59 @@
+"""Small factories for ranking-model tests: a tiny config and random requests."""
+
+import numpy as np
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
+from relaygr.ranker.model_config import ModelConfig
+
+T0 = 1_700_000_000
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    """A model small enough for fast tests, with blocks small enough to span several."""
+    values: dict[str, object] = dict(
+        num_layers=3,
+        d_model=64,
+        num_heads=2,
+        d_qk=16,
+        d_v=32,
+        ffn_mult=2,
+        item_buckets=4096,
+        user_feature_buckets=256,
+        max_user_features=8,
+        max_history_tokens=4096,
+        max_candidates=64,
+        attention_block=64,
+    )
+    values.update(overrides)
+    return ModelConfig(**values)  # type: ignore[arg-type]
+
+
+def behaviours(rng: np.random.Generator, n: int, start: int = T0, span: int = 10**7) -> Behaviours:
+    return Behaviours.of(
+        rng.integers(0, 1 << 50, n),
+        rng.integers(1, 16, n),
+        np.sort(rng.integers(start, start + span, n)),
+    )
+
+
+def prefix(rng: np.random.Generator, n_long: int, n_user: int = 4, user_id: str = "u") -> Prefix:
+    return Prefix(user_id, rng.integers(0, 1 << 40, n_user), behaviours(rng, n_long))
+
+
+def rank_input(
+    rng: np.random.Generator, p: Prefix, n_short: int = 16, n_candidates: int = 32
+) -> RankInput:
+    start = T0 + 10**7
+    return RankInput(
+        p,
+        behaviours(rng, n_short, start=start, span=10**5),
+        rng.integers(0, 1 << 50, n_candidates),
+        start + 10**5 + int(rng.integers(0, 1000)),
+    )
+
+
+def rel_err(actual: object, expected: object) -> float:
+    """max|a - b| / max|b|: relative to the scale of the scores, not to each (possibly tiny) one."""
+    import torch
+
+    a, b = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))

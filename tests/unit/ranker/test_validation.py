@@ -1,0 +1,115 @@
+"""Bad input raises a typed error that names the problem."""
+
+import numpy as np
+import pytest
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
+from relaygr.ranker.model import RankingModel
+
+from relaygr.errors import InvalidInput
+
+from .factories import behaviours, prefix, rank_input, tiny_config
+
+CFG = tiny_config(max_history_tokens=200, max_candidates=10, max_user_features=3)
+
+
+@pytest.fixture(scope="module")
+def model() -> RankingModel:
+    return RankingModel(CFG, seed=1)
+
+
+def test_ragged_columns_are_named() -> None:
+    with pytest.raises(InvalidInput, match=r"ragged.*item_ids has 3.*actions 2.*timestamps 3"):
+        Behaviours.of([1, 2, 3], [1, 1], [5, 6, 7])
+
+
+def test_non_integer_columns_are_named() -> None:
+    with pytest.raises(InvalidInput, match=r"short_term\.timestamps must be integers"):
+        Behaviours.of([1], [1], ["soon"], what="short_term")
+
+
+def _bad_requests(rng: np.random.Generator) -> dict[str, tuple[RankInput, str]]:
+    good = rank_input(rng, prefix(rng, 20, n_user=2), n_short=5, n_candidates=4)
+    p = good.prefix
+
+    def with_prefix(**changes: object) -> RankInput:
+        fields = {"user_id": p.user_id, "user_features": p.user_features, "long_term": p.long_term}
+        fields.update(changes)
+        return RankInput(Prefix(**fields), good.short_term, good.candidates, good.request_ts)  # type: ignore[arg-type]
+
+    bad_action = behaviours(rng, 5)
+    bad_action.actions[2] = CFG.num_actions
+    reserved = behaviours(rng, 5)
+    reserved.actions[0] = 0
+    negative_ts = behaviours(rng, 5)
+    negative_ts.timestamps[1] = -5
+    return {
+        "empty user": (with_prefix(user_id=""), "user_id must not be empty"),
+        "user features": (
+            with_prefix(user_features=np.arange(4)),
+            "4 user features exceed the limit of 3",
+        ),
+        "long tokens": (with_prefix(long_term=behaviours(rng, 199)), "201 tokens.*limit of 200"),
+        "total tokens": (
+            RankInput(p, behaviours(rng, 180), good.candidates, good.request_ts),
+            "202 history tokens.*limit of 200",
+        ),
+        "no candidates": (
+            RankInput(p, good.short_term, np.zeros(0, np.int64), good.request_ts),
+            "at least one candidate",
+        ),
+        "many candidates": (
+            RankInput(p, good.short_term, np.arange(11), good.request_ts),
+            "11 candidates exceed the limit of 10",
+        ),
+        "action range": (with_prefix(long_term=bad_action), f"action {CFG.num_actions} is outside"),
+        "reserved action": (
+            RankInput(p, reserved, good.candidates, good.request_ts),
+            "short_term action 0 is outside.*reserved for candidates",
+        ),
+        "negative ts": (with_prefix(long_term=negative_ts), "long_term timestamps must be >= 0"),
+        "negative request ts": (
+            RankInput(p, good.short_term, good.candidates, -1),
+            "request_ts must be >= 0",
+        ),
+    }
+
+
+def test_each_bad_request_is_refused_by_every_entry_point(
+    model: RankingModel, rng: np.random.Generator
+) -> None:
+    cases = _bad_requests(rng)
+    for name, (request, message) in cases.items():
+        with pytest.raises(InvalidInput, match=message):
+            model.full_forward(request)
+        prefix_problem = name in {
+            "empty user",
+            "user features",
+            "long tokens",
+            "action range",
+            "negative ts",
+        }
+        if prefix_problem:
+            with pytest.raises(InvalidInput, match=message):
+                model.prefill(request.prefix)
+        else:
+            kv = model.prefill(request.prefix)
+            with pytest.raises(InvalidInput, match=message):
+                model.rank(kv, request.short_term, request.candidates, request.request_ts)
+
+
+def test_extend_past_the_token_limit_is_refused(
+    model: RankingModel, rng: np.random.Generator
+) -> None:
+    kv = model.prefill(prefix(rng, 150, n_user=2))
+    with pytest.raises(InvalidInput, match="extended prefix would have 202 tokens"):
+        model.extend(kv, behaviours(rng, 50))
+
+
+def test_a_cache_from_another_model_is_refused(rng: np.random.Generator) -> None:
+    a, b = RankingModel(CFG, seed=1), RankingModel(CFG, seed=2)
+    request = rank_input(rng, prefix(rng, 10, n_user=2), n_short=2, n_candidates=3)
+    kv = a.prefill(request.prefix)
+    with pytest.raises(InvalidInput, match=f"built by model {a.model_version}"):
+        b.rank(kv, request.short_term, request.candidates, request.request_ts)
+    with pytest.raises(InvalidInput, match="built by model"):
+        b.extend(kv, behaviours(rng, 3))
