@@ -4,10 +4,10 @@ import json
 from pathlib import Path
 
 import torch
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.model_config import ModelConfig
 
 from relaygr.errors import ConfigError
+from relaygr.ranker.model import RankingModel
+from relaygr.ranker.model_config import ModelConfig
 
 _CONFIG_FILE = "config.json"
 _WEIGHTS_FILE = "weights.pt"

@@ -4,6 +4,7 @@ import hashlib
 from typing import NewType
 
 import numpy as np
+
 from relaygr.ranker.inputs import Behaviours, Int64Array
 
 PrefixDigest = NewType("PrefixDigest", str)

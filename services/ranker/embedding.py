@@ -2,9 +2,10 @@
 
 import numpy as np
 import torch
+from torch import nn
+
 from relaygr.ranker.inputs import Behaviours, Int64Array
 from relaygr.ranker.model_config import ModelConfig
-from torch import nn
 
 CANDIDATE_ACTION = 0
 # User-profile tokens carry no time: placed at the earliest representable instant, their time

@@ -4,8 +4,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from relaygr.ranker.model_config import ModelConfig
 from torch import nn
+
+from relaygr.ranker.model_config import ModelConfig
 
 
 def attend(

@@ -5,9 +5,9 @@ from typing import NewType
 
 import numpy as np
 import numpy.typing as npt
-from relaygr.ranker.model_config import ModelConfig
 
 from relaygr.errors import InvalidInput
+from relaygr.ranker.model_config import ModelConfig
 
 UserId = NewType("UserId", str)
 Int64Array = npt.NDArray[np.int64]

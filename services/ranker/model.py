@@ -7,6 +7,10 @@ from typing import cast
 
 import numpy as np
 import torch
+from torch import nn
+
+from relaygr.device import select_device
+from relaygr.errors import InvalidInput
 from relaygr.ranker.digest import PrefixHasher
 from relaygr.ranker.embedding import UNTIMED, TokenEmbedding
 from relaygr.ranker.hstu import HSTULayer, attend
@@ -23,10 +27,6 @@ from relaygr.ranker.inputs import (
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.ranker.prefix_kv import ModelVersion, PrefixKV
 from relaygr.ranker.relative_bias import RelativeBias
-from torch import nn
-
-from relaygr.device import select_device
-from relaygr.errors import InvalidInput
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from dataclasses import dataclass, replace
 from typing import NewType
 
 import torch
+
 from relaygr.ranker.digest import PrefixDigest, PrefixHasher
 
 ModelVersion = NewType("ModelVersion", str)

@@ -3,8 +3,9 @@
 import math
 
 import torch
-from relaygr.ranker.model_config import ModelConfig
 from torch import nn
+
+from relaygr.ranker.model_config import ModelConfig
 
 _EXACT_POSITIONS = 16
 _POSITION_BUCKETS_PER_OCTAVE = 4

@@ -1,6 +1,7 @@
 """Small factories for ranking-model tests: a tiny config and random requests."""
 
 import numpy as np
+
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
 from relaygr.ranker.model_config import ModelConfig
 

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from relaygr.ranker.checkpoint import load_checkpoint, save_checkpoint
-from relaygr.ranker.model import RankingModel
 
 from relaygr.errors import ConfigError
+from relaygr.ranker.checkpoint import load_checkpoint, save_checkpoint
+from relaygr.ranker.model import RankingModel
 
 from .factories import prefix, rank_input, tiny_config
 

@@ -1,6 +1,7 @@
 """Prefix digests: any content change alters them; appending pieces equals hashing whole."""
 
 import numpy as np
+
 from relaygr.ranker.digest import PrefixHasher, prefix_digest
 from relaygr.ranker.inputs import Behaviours
 

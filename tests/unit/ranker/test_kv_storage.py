@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.model_config import KVDtype
 

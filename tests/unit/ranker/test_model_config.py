@@ -1,9 +1,9 @@
 """Model configuration validation names the offending field and the valid values."""
 
 import pytest
-from relaygr.ranker.model_config import KVDtype, ModelConfig
 
 from relaygr.errors import ConfigError
+from relaygr.ranker.model_config import KVDtype, ModelConfig
 
 
 def test_defaults_round_trip_through_a_dict() -> None:

@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
 from relaygr.ranker.inputs import Prefix, RankInput
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.model_config import ModelConfig

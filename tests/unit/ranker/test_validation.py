@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
-from relaygr.ranker.model import RankingModel
 
 from relaygr.errors import InvalidInput
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
+from relaygr.ranker.model import RankingModel
 
 from .factories import behaviours, prefix, rank_input, tiny_config
 
