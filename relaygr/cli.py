@@ -1,23 +1,27 @@
 """The `relaygr` command line: one entry point, one subcommand per role."""
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+# subcommand -> (module with `main(argv) -> int`, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ranker": ("relaygr.ranker.server", "serve RankerService: prefix KV caches and ranking"),
+    "demo": ("relaygr.demo", "in-process relay demo: pre-infer, rank, compare"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relaygr", description="RelayGR serving mesh")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser(
-        "demo", help="in-process relay demo: pre-infer, rank, compare", add_help=False
-    )
+    for name, (_, text) in COMMANDS.items():
+        # Each subcommand parses its own options (and --help) in its module.
+        commands.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from relaygr import demo
-
-        return demo.main(rest)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    module, _ = COMMANDS[args.command]
+    run: Callable[[Sequence[str]], int] = importlib.import_module(module).main
+    return run(rest)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,7 @@ class ConfigError(RelayGRError):
 
 class DeviceUnavailable(ConfigError):
     """The requested accelerator is not present or its runtime is not installed."""
+
+
+class DeadlineExceeded(RelayGRError):
+    """The caller's deadline passed before the work finished (gRPC DEADLINE_EXCEEDED)."""

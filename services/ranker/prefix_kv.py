@@ -47,14 +47,20 @@ class PrefixKV:
     def device(self) -> torch.device:
         return self.keys.device
 
-    def to(self, device: torch.device | str) -> "PrefixKV":
-        """This prefix on `device`: itself when already there, else a copy."""
+    def to(self, device: torch.device | str, pin_memory: bool = False) -> "PrefixKV":
+        """This prefix on `device`: itself when already there, else a copy.
+
+        `pin_memory` page-locks a host copy so that reloading it to an accelerator is a fast,
+        asynchronous DMA (the DRAM tier on CUDA and Ascend hosts).
+        """
         target = torch.device(device)
         if self.keys.device == target:
             return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            moved = t.to(target)
+            return moved.pin_memory() if pin_memory and target.type == "cpu" else moved
+
         return replace(
-            self,
-            keys=self.keys.to(target),
-            values=self.values.to(target),
-            timestamps=self.timestamps.to(target),
+            self, keys=move(self.keys), values=move(self.values), timestamps=move(self.timestamps)
         )

@@ -1,0 +1,247 @@
+"""Shared gRPC plumbing: error interceptor, server bootstrap with health and reflection, drain."""
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from relaygr.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    RelayGRError,
+    ResourceExhausted,
+    Unavailable,
+)
+
+_log = logging.getLogger(__name__)
+
+# Looked up along the exception's MRO, so subclasses inherit their parent's code.
+_STATUS_BY_ERROR: dict[type[RelayGRError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RelayGRError: grpc.StatusCode.INTERNAL,
+}
+
+_HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+UnaryBehaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def status_for(err: RelayGRError) -> grpc.StatusCode:
+    """The gRPC status code for one of our errors (INTERNAL unless a subclass says otherwise)."""
+    for cls in type(err).__mro__:
+        code = _STATUS_BY_ERROR.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def absolute_deadline(time_remaining: float | None, now: float) -> float | None:
+    """`context.time_remaining()` as an absolute `time.monotonic()` deadline; None: no deadline.
+
+    `now` is the caller's `time.monotonic()`, passed in so the function stays pure.
+    """
+    return None if time_remaining is None else now + max(0.0, time_remaining)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps the RelayGRError hierarchy to gRPC status codes for async unary-unary handlers.
+
+    Invariants: a `context.abort` made by the handler keeps its status; CancelledError (RPC
+    cancelled, grace expired) propagates untouched; any other exception becomes INTERNAL with a
+    short message and a logged traceback, so one bad request never takes the server down.
+    Streaming and synchronous handlers pass through unchanged.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or not inspect.iscoroutinefunction(handler.unary_unary):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            _guarded(handler.unary_unary, handler_call_details.method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _guarded(behaviour: UnaryBehaviour, method: str) -> UnaryBehaviour:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behaviour(request, context)
+        except grpc.aio.AbortError:
+            raise  # the handler already chose its status
+        except RelayGRError as err:
+            await context.abort(status_for(err), str(err) or type(err).__name__)
+        except Exception as err:
+            _log.exception("unhandled error in %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__})")
+
+    return guarded
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """Transport limits for one gRPC server; every value must be positive."""
+
+    max_receive_message_bytes: int = 16 * 1024 * 1024
+    max_send_message_bytes: int = 16 * 1024 * 1024
+    max_concurrent_streams: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive number of bytes")
+        if self.max_concurrent_streams <= 0:
+            raise ConfigError("max_concurrent_streams must be a positive integer")
+
+    def channel_args(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.max_send_message_length", self.max_send_message_bytes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            # Without this a second server on the same explicit port would silently share it.
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+class GrpcServer:
+    """A started aio server with health and reflection; build it with `start_server`.
+
+    Invariants: health reports NOT_SERVING for "" and every named service until
+    `set_serving(True)`; once `stop` (or `enter_graceful_shutdown`) begins, health stays
+    NOT_SERVING for good and `set_serving` is ignored.
+    """
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health: health_aio.HealthServicer,
+        port: int,
+        service_names: Sequence[str],
+    ) -> None:
+        self._server = server
+        self._health = health
+        self._port = port
+        self._health_names = ("", *service_names)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when the address asked for port 0)."""
+        return self._port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = _SERVING if serving else _NOT_SERVING
+        for name in self._health_names:
+            await self._health.set(name, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Mark every service NOT_SERVING for good, so probes and balancers stop sending."""
+        await self._health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float) -> None:
+        """Reject new RPCs and let in-flight ones finish for up to `grace` seconds, then cancel."""
+        await self.enter_graceful_shutdown()
+        await self._server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def start_server(
+    address: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    options: ServerOptions | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> GrpcServer:
+    """Start a server on `address` (e.g. "127.0.0.1:0") serving what `register` adds.
+
+    `service_names` are the full names (e.g. "relaygr.v1.RankerService") reported by health
+    and reflection. `credentials` None binds insecure; pass `grpc.ssl_server_credentials(...)`
+    for TLS.
+    """
+    options = options or ServerOptions()
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options.channel_args())
+    register(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (*service_names, _HEALTH_SERVICE, reflection.SERVICE_NAME), server
+    )
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as err:
+        raise ConfigError(f"cannot bind gRPC address {address!r}: in use or invalid") from err
+    if port == 0:
+        raise ConfigError(f"cannot bind gRPC address {address!r}: in use or invalid")
+    grpc_server = GrpcServer(server, health, port, service_names)
+    # Before start: no health check may ever see the servicer's default SERVING for "".
+    await grpc_server.set_serving(False)
+    await server.start()
+    return grpc_server
+
+
+async def drain(
+    server: GrpcServer, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Mark NOT_SERVING, let the caller stop taking work and finish it, then stop the server."""
+    await server.enter_graceful_shutdown()
+    if on_drain is not None:
+        await on_drain()
+    await server.stop(grace)
+
+
+def install_drain_handlers(
+    loop: asyncio.AbstractEventLoop,
+    server: GrpcServer,
+    grace: float,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+) -> asyncio.Future[None]:
+    """Run `drain` on the first SIGTERM or SIGINT; the returned future resolves when it ends.
+
+    Later signals are ignored: the drain already under way bounds shutdown by `grace`.
+    """
+    done: asyncio.Future[None] = loop.create_future()
+    running: list[asyncio.Task[None]] = []  # holds a strong reference to the drain task
+
+    def finished(task: asyncio.Task[None]) -> None:
+        if done.done():
+            return
+        if task.cancelled():
+            done.cancel()
+        elif (err := task.exception()) is not None:
+            done.set_exception(err)
+        else:
+            done.set_result(None)
+
+    def on_signal(signum: signal.Signals) -> None:
+        if running:
+            _log.warning("%s received while draining; ignored", signum.name)
+            return
+        _log.info("%s received: draining", signum.name)
+        running.append(loop.create_task(drain(server, grace, on_drain)))
+        running[0].add_done_callback(finished)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return done

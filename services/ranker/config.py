@@ -1,0 +1,74 @@
+"""The ranker's one typed configuration (file < env RELAYGR_RANKER_* < flags)."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relaygr.device import parse_device_kind
+from relaygr.errors import ConfigError
+
+ENV_PREFIX = "RELAYGR_RANKER_"
+MIB = 1 << 20
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class RankerConfig:
+    listen: str = field(default="127.0.0.1:50061", metadata=_help("gRPC listen address"))
+    instance_id: str = field(default="", metadata=_help("instance id (default: host:port)"))
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or npu"))
+    checkpoint: Path | None = field(
+        default=None, metadata=_help("checkpoint directory (config.json + weights.pt)")
+    )
+    model_config: Path | None = field(
+        default=None,
+        metadata=_help("JSON of ModelConfig fields for a seeded random model (no checkpoint)"),
+    )
+    model_seed: int = field(default=0, metadata=_help("seed of the random model"))
+    hbm_budget_mb: float = field(default=2048.0, metadata=_help("device KV tier budget, MiB"))
+    dram_budget_mb: float = field(default=8192.0, metadata=_help("host KV tier budget, MiB"))
+    dram_ttl_s: float = field(default=300.0, metadata=_help("host tier time to live, seconds"))
+    relay_window_ms: int = field(
+        default=2000, metadata=_help("default pin of a pre-inferred prefix awaiting its Rank")
+    )
+    prefill_chunk_tokens: int = field(
+        default=512, metadata=_help("background prefill chunk: a Rank waits at most one")
+    )
+    relay_enabled: bool = field(
+        default=True, metadata=_help("serve Ranks from prefix caches (off: full inference)")
+    )
+    max_queued_ranks: int = field(default=64, metadata=_help("rank jobs queued before shedding"))
+    max_queued_prefills: int = field(
+        default=256, metadata=_help("background jobs queued before refusing pre-inference")
+    )
+    calibration_lengths: tuple[int, ...] = field(
+        default=(256, 1024, 2048), metadata=_help("history lengths timed at start-up")
+    )
+    calibration_candidates: int = field(default=64, metadata=_help("candidates when calibrating"))
+    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
+    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+
+    def __post_init__(self) -> None:
+        parse_device_kind(self.device)
+        if self.checkpoint is not None and self.model_config is not None:
+            raise ConfigError("set either checkpoint or model_config, not both")
+        positive = (
+            "hbm_budget_mb", "dram_budget_mb", "dram_ttl_s", "relay_window_ms",
+            "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
+            "calibration_candidates", "max_message_mb", "drain_grace_s",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ranker {name} must be > 0, got {getattr(self, name)}")
+        if not self.calibration_lengths or min(self.calibration_lengths) <= 0:
+            raise ConfigError("ranker calibration_lengths must be positive token counts")
+
+    @property
+    def hbm_budget_bytes(self) -> int:
+        return int(self.hbm_budget_mb * MIB)
+
+    @property
+    def dram_budget_bytes(self) -> int:
+        return int(self.dram_budget_mb * MIB)

@@ -1,0 +1,78 @@
+"""Translation between relaygr.v1 messages and the ranker's domain inputs, both ways."""
+
+import numpy as np
+
+from relaygr.errors import InvalidInput
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
+from relaygr.v1 import common_pb2
+
+MAX_ID_BYTES = 256
+
+
+def behaviours_from_proto(msg: common_pb2.Behaviours, what: str) -> Behaviours:
+    # np.array reads the packed containers through the buffer protocol: microseconds for 8k.
+    return Behaviours.of(
+        np.array(msg.item_ids, dtype=np.int64),
+        np.array(msg.actions, dtype=np.int64),
+        np.array(msg.timestamps, dtype=np.int64),
+        what=what,
+    )
+
+
+def _check_ids(request_id: str, user_id: str) -> None:
+    for name, value in (("request_id", request_id), ("user_id", user_id)):
+        if len(value.encode()) > MAX_ID_BYTES:
+            raise InvalidInput(f"{name} is longer than {MAX_ID_BYTES} bytes")
+
+
+def prefix_from_proto(
+    request: common_pb2.PreInferRequest | common_pb2.RankRequest,
+) -> Prefix:
+    _check_ids(request.request_id, request.user_id)
+    return Prefix(
+        UserId(request.user_id),
+        np.array(request.user_features, dtype=np.int64),
+        behaviours_from_proto(request.long_term, "long_term"),
+    )
+
+
+def rank_input_from_proto(request: common_pb2.RankRequest) -> RankInput:
+    return RankInput(
+        prefix_from_proto(request),
+        behaviours_from_proto(request.short_term, "short_term"),
+        np.array(request.candidate_ids, dtype=np.int64),
+        request.request_ts,
+    )
+
+
+def behaviours_to_proto(behaviours: Behaviours) -> common_pb2.Behaviours:
+    return common_pb2.Behaviours(
+        item_ids=behaviours.item_ids.tolist(),
+        actions=behaviours.actions.tolist(),
+        timestamps=behaviours.timestamps.tolist(),
+    )
+
+
+def pre_infer_request_to_proto(
+    prefix: Prefix, request_id: str = "", relay_window_ms: int = 0, request_ts: int = 0
+) -> common_pb2.PreInferRequest:
+    return common_pb2.PreInferRequest(
+        request_id=request_id,
+        user_id=prefix.user_id,
+        user_features=prefix.user_features.tolist(),
+        long_term=behaviours_to_proto(prefix.long_term),
+        relay_window_ms=relay_window_ms,
+        request_ts=request_ts,
+    )
+
+
+def rank_request_to_proto(request: RankInput, request_id: str = "") -> common_pb2.RankRequest:
+    return common_pb2.RankRequest(
+        request_id=request_id,
+        user_id=request.prefix.user_id,
+        user_features=request.prefix.user_features.tolist(),
+        long_term=behaviours_to_proto(request.prefix.long_term),
+        short_term=behaviours_to_proto(request.short_term),
+        candidate_ids=request.candidates.tolist(),
+        request_ts=request.request_ts,
+    )

@@ -1,0 +1,125 @@
+"""Calibrated latency model of one ranker: fitted at start-up, used by trigger and reload policy."""
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
+from relaygr.ranker.model import RankingModel
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Milliseconds for `t` history tokens and `c` candidates (see ranker.proto CostModel).
+
+    full = fixed + per_token * (t + c) + per_pair * t^2 / 2 + per_candidate_key * c * t
+    prefill = fixed + per_token * t + per_pair * t^2 / 2
+    """
+
+    fixed_ms: float
+    per_token_ms: float
+    per_pair_ms: float
+    per_candidate_key_ms: float
+    reload_ms_per_mb: float
+
+    def full_ms(self, tokens: int, candidates: int) -> float:
+        return (
+            self.fixed_ms
+            + self.per_token_ms * (tokens + candidates)
+            + self.per_pair_ms * tokens * tokens / 2
+            + self.per_candidate_key_ms * candidates * tokens
+        )
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.fixed_ms + self.per_token_ms * tokens + self.per_pair_ms * tokens * tokens / 2
+
+    def reload_ms(self, nbytes: int) -> float:
+        return self.reload_ms_per_mb * nbytes / 2**20
+
+    def reload_is_cheaper(self, nbytes: int, tokens: int) -> bool:
+        """Bring a host copy back rather than recompute the prefix?"""
+        return self.reload_ms(nbytes) < self.prefill_ms(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    tokens: int
+    candidates: int
+    ms: float
+
+
+def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostModel:
+    """Least-squares fit of the four non-negative coefficients to measured runs.
+
+    Prefill samples have candidates == 0. Coefficients that come out negative (noise on a
+    term the lengths barely exercise) are clamped to zero and the rest refitted.
+    """
+    rows = np.array(
+        [[1.0, s.tokens + s.candidates, s.tokens**2 / 2, s.candidates * s.tokens] for s in samples]
+    )
+    target = np.array([s.ms for s in samples])
+    active = np.ones(4, dtype=bool)
+    coef = np.zeros(4)
+    for _ in range(4):
+        solution, *_ = np.linalg.lstsq(rows[:, active], target, rcond=None)
+        coef[:] = 0.0
+        coef[active] = solution
+        if (coef >= 0).all():
+            break
+        active &= coef > 0
+    coef = np.clip(coef, 0.0, None)
+    return CostModel(*map(float, coef), reload_ms_per_mb=reload_ms_per_mb)
+
+
+def calibrate(
+    model: RankingModel,
+    lengths: Sequence[int],
+    candidates: int,
+    timer: Callable[[], float] = time.perf_counter,
+    repeats: int = 2,
+) -> CostModel:
+    """Time full inference and prefill on this device at `lengths` and fit the cost model."""
+    rng = np.random.default_rng(0)
+    samples: list[Sample] = []
+
+    def timed(fn: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = timer()
+            fn()
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            best = min(best, (timer() - start) * 1e3)
+        return best
+
+    for length in lengths:
+        behaviours = Behaviours.of(
+            rng.integers(0, 1 << 40, length),
+            rng.integers(1, model.cfg.num_actions, length),
+            np.arange(length, dtype=np.int64) * 60 + 1_700_000_000,
+        )
+        prefix = Prefix("calibration", np.zeros(0, np.int64), behaviours)
+        items = rng.integers(0, 1 << 40, candidates)
+        request = RankInput(prefix, Behaviours.empty(), items, 1_800_000_000)
+        model.prefill(prefix)  # warm-up at this size
+        samples.append(Sample(length, 0, timed(lambda p=prefix: model.prefill(p))))
+        samples.append(Sample(length, candidates, timed(lambda r=request: model.full_forward(r))))
+    return fit_cost_model(samples, reload_ms_per_mb=_reload_ms_per_mb(model.device, timer))
+
+
+def _reload_ms_per_mb(device: torch.device, timer: Callable[[], float]) -> float:
+    """Host-to-device copy time per MiB (a host memcpy when the device is the CPU)."""
+    host = torch.empty(16 * 2**20, dtype=torch.uint8)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    best = float("inf")
+    for _ in range(3):
+        start = timer()
+        host.to(device, copy=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (timer() - start) * 1e3)
+    return best / 16

@@ -1,0 +1,301 @@
+"""The relay on one ranker: PreInfer builds and pins a prefix cache, Rank consumes it."""
+
+import asyncio
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from relaygr.errors import ResourceExhausted, Unavailable
+from relaygr.ranker.cost_model import CostModel
+from relaygr.ranker.digest import PrefixHasher
+from relaygr.ranker.inputs import Prefix, RankInput, validate_prefix, validate_rank_input
+from relaygr.ranker.kv_store import CacheKey, KVStore, Tier
+from relaygr.ranker.model import RankingModel
+from relaygr.ranker.prefix_kv import PrefixKV
+from relaygr.ranker.scheduler import ComputeScheduler, Job, Priority
+
+
+class PreInferOutcome(StrEnum):
+    COMPUTED = "computed"
+    ALREADY_RESIDENT = "already_resident"
+    JOINED_INFLIGHT = "joined_inflight"
+    EXTENDED = "extended"
+    RELOADED = "reloaded"
+
+
+class CacheOutcome(StrEnum):
+    HBM_HIT = "hbm_hit"
+    DRAM_HIT = "dram_hit"
+    WAITED_INFLIGHT = "waited_inflight"
+    EXTENDED = "extended"
+    MISS = "miss"
+    BYPASS = "bypass"
+
+
+class _Source(StrEnum):
+    """How a missing device-resident prefix gets made."""
+
+    RELOAD = "reload"
+    EXTEND = "extend"
+    PREFILL = "prefill"
+
+
+_PRE_INFER_OUTCOME = {
+    _Source.RELOAD: PreInferOutcome.RELOADED,
+    _Source.EXTEND: PreInferOutcome.EXTENDED,
+    _Source.PREFILL: PreInferOutcome.COMPUTED,
+}
+_RANK_OUTCOME = {
+    _Source.RELOAD: CacheOutcome.DRAM_HIT,
+    _Source.EXTEND: CacheOutcome.EXTENDED,
+    _Source.PREFILL: CacheOutcome.MISS,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    relay_enabled: bool
+    relay_window_s: float
+    prefill_chunk_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreInferResult:
+    outcome: PreInferOutcome
+    key: CacheKey
+    tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    scores: torch.Tensor  # [tasks, candidates], on the CPU
+    outcome: CacheOutcome
+    computed_tokens: int
+
+
+@dataclass(eq=False, slots=True)
+class _Inflight:
+    job: Job
+    task: asyncio.Task[PrefixKV]
+    source: _Source
+    computed_tokens: int  # prefix tokens this job computes (0 for a reload)
+
+
+class RankerEngine:
+    """Serves PreInfer and Rank against one model, one KV store and one compute scheduler.
+
+    Runs on one asyncio loop; the store and the in-flight table are touched only from it, the
+    model only from the scheduler's worker. Per cache key at most one computation or reload is
+    in flight (single flight): a PreInfer or Rank that finds one joins it, and a Rank joining
+    background work promotes it to rank priority. A finished prefix is stored before it leaves
+    the in-flight table, so no request ever sees neither. A miss is served by full inference,
+    computed as prefill + rank (the same work), which leaves the prefix cached for return visits.
+    """
+
+    def __init__(
+        self,
+        model: RankingModel,
+        store: KVStore,
+        scheduler: ComputeScheduler,
+        cost_model: CostModel,
+        settings: EngineSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.scheduler = scheduler
+        self.cost_model = cost_model
+        self.settings = settings
+        self._clock = clock
+        self._inflight: dict[CacheKey, _Inflight] = {}
+        self.draining = False
+
+    # -- PreInfer --------------------------------------------------------------------------
+
+    async def pre_infer(
+        self, prefix: Prefix, relay_window_s: float | None, deadline: float | None
+    ) -> PreInferResult:
+        validate_prefix(prefix, self.model.cfg)
+        if self.draining:
+            raise Unavailable("ranker is draining: send pre-inference elsewhere")
+        window = relay_window_s or self.settings.relay_window_s
+        key = self._key(prefix)
+        if self.store.get(key, Tier.HBM) is not None:
+            outcome = PreInferOutcome.ALREADY_RESIDENT
+        elif key in self._inflight:
+            await asyncio.shield(self._inflight[key].task)
+            outcome = PreInferOutcome.JOINED_INFLIGHT
+        else:
+            nbytes = self._expected_bytes(prefix.num_tokens)
+            if not self.store.fits_device(nbytes):
+                raise ResourceExhausted(
+                    f"prefix of {prefix.num_tokens} tokens needs {nbytes} bytes; the device "
+                    f"tier has {self._free_for_pins()} bytes not pinned by other relays"
+                )
+            inflight = self._start(key, prefix, Priority.BACKGROUND, deadline, window)
+            await asyncio.shield(inflight.task)
+            outcome = _PRE_INFER_OUTCOME[inflight.source]
+        kv = self.store.get(key, Tier.HBM)
+        if kv is None or not self.store.put_device(key, kv, pin_for=window):
+            raise ResourceExhausted("the device tier cannot hold this prefix beside pinned relays")
+        return PreInferResult(outcome, key, kv.num_tokens, kv.nbytes)
+
+    # -- Rank ------------------------------------------------------------------------------
+
+    async def rank(self, request: RankInput, deadline: float | None) -> RankResult:
+        validate_rank_input(request, self.model.cfg)
+        candidates = len(request.candidates)
+        if not self.settings.relay_enabled:
+            scores = await self._run(
+                "full", self._once(lambda: self.model.full_forward(request)), deadline
+            )
+            return RankResult(scores, CacheOutcome.BYPASS, request.history_tokens + candidates)
+        key = self._key(request.prefix)
+        kv = self.store.get(key, Tier.HBM)
+        computed = len(request.short_term) + candidates
+        if kv is not None:
+            outcome = CacheOutcome.HBM_HIT
+        elif key in self._inflight:
+            inflight = self._inflight[key]
+            self.scheduler.promote(inflight.job)
+            kv = await asyncio.shield(inflight.task)
+            outcome = CacheOutcome.WAITED_INFLIGHT
+        else:
+            inflight = self._start(key, request.prefix, Priority.RANK, deadline, pin_for=None)
+            kv = await asyncio.shield(inflight.task)
+            outcome = _RANK_OUTCOME[inflight.source]
+            computed += inflight.computed_tokens
+        scores = await self._run(
+            "rank",
+            self._once(
+                lambda: self.model.rank(
+                    kv, request.short_term, request.candidates, request.request_ts
+                )
+            ),
+            deadline,
+        )
+        self.store.consume(key)
+        return RankResult(scores, outcome, computed)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Refuse new pre-inference and wait for every in-flight prefix to land."""
+        self.draining = True
+        while self._inflight:
+            await asyncio.gather(
+                *(asyncio.shield(i.task) for i in self._inflight.values()),
+                return_exceptions=True,
+            )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _key(self, prefix: Prefix) -> CacheKey:
+        digest = PrefixHasher.start(prefix.user_features).absorb(prefix.long_term).digest()
+        return CacheKey(prefix.user_id, self.model.model_version, digest)
+
+    def _expected_bytes(self, tokens: int) -> int:
+        return tokens * (self.model.cfg.kv_bytes_per_token + 8)  # K/V + int64 timestamp
+
+    def _free_for_pins(self) -> int:
+        usage = self.store.usage(Tier.HBM)
+        return usage.budget_bytes - usage.pinned_bytes
+
+    def _start(
+        self,
+        key: CacheKey,
+        prefix: Prefix,
+        priority: Priority,
+        deadline: float | None,
+        pin_for: float | None,
+    ) -> _Inflight:
+        """Submit the cheapest way to make `key` device-resident, as the one in-flight job."""
+        source, steps, computed = self._plan(key, prefix)
+        job = self.scheduler.submit(f"{source}:{key.user_id}", steps, priority, deadline)
+        task = asyncio.get_running_loop().create_task(self._land(key, job, pin_for))
+        # Its waiters may all be gone (deadline, disconnect): the outcome is then nobody's.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        inflight = _Inflight(job, task, source, computed)
+        self._inflight[key] = inflight
+        return inflight
+
+    async def _land(self, key: CacheKey, job: Job, pin_for: float | None) -> PrefixKV:
+        try:
+            kv: PrefixKV = await asyncio.wrap_future(job.future)
+            self.store.put_device(key, kv, pin_for=pin_for)  # may not fit; the waiters still use it
+            return kv
+        finally:
+            del self._inflight[key]
+
+    def _plan(
+        self, key: CacheKey, prefix: Prefix
+    ) -> tuple[_Source, Generator[None, None, Any], int]:
+        """Reload a host copy when cheaper than recomputing, else extend a cached shorter
+        prefix of the user's, else prefill."""
+        device = self.model.device
+        held = self.store.peek(key, Tier.DRAM)
+        if held is not None and self.cost_model.reload_is_cheaper(held.nbytes, prefix.num_tokens):
+            host = held.kv
+            return _Source.RELOAD, self._once(lambda: host.to(device)), 0
+        base = self._extendable(key, prefix)
+        if base is not None:
+            delta = prefix.num_tokens - base.num_tokens
+            return _Source.EXTEND, self._extend_steps(base, prefix), delta
+        return _Source.PREFILL, self._prefill_steps(prefix), prefix.num_tokens
+
+    def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
+        """The user's cached prefix when it is a strict prefix of `prefix` (same features)."""
+        old = self.store.user_key(key.user_id, key.model_version)
+        if old is None or old == key:
+            return None
+        tier = self.store.tier_of(old)
+        entry = self.store.peek(old, tier) if tier is not None else None
+        if entry is None or entry.kv.num_behaviours >= len(prefix.long_term):
+            return None
+        head = prefix.long_term.slice(0, entry.kv.num_behaviours)
+        if PrefixHasher.start(prefix.user_features).absorb(head).digest() != old.digest:
+            return None
+        return entry.kv
+
+    def _prefill_steps(self, prefix: Prefix) -> Generator[None, None, PrefixKV]:
+        """Chunked prefill: the first chunk prefills, the rest extend (the same operation)."""
+        chunk = self.settings.prefill_chunk_tokens
+        first = max(chunk - len(prefix.user_features), 0)
+        head = Prefix(prefix.user_id, prefix.user_features, prefix.long_term.slice(0, first))
+        kv = self.model.prefill(head)
+        yield
+        return (yield from self._extend_from(kv, prefix, start=first))
+
+    def _extend_steps(self, base: PrefixKV, prefix: Prefix) -> Generator[None, None, PrefixKV]:
+        kv = base.to(self.model.device)  # a host-tier base is brought over first
+        yield
+        return (yield from self._extend_from(kv, prefix, start=base.num_behaviours))
+
+    def _extend_from(
+        self, kv: PrefixKV, prefix: Prefix, start: int
+    ) -> Generator[None, None, PrefixKV]:
+        chunk = self.settings.prefill_chunk_tokens
+        for begin in range(start, len(prefix.long_term), chunk):
+            kv = self.model.extend(kv, prefix.long_term.slice(begin, begin + chunk))
+            yield
+        return kv
+
+    @staticmethod
+    def _once(fn: Callable[[], Any]) -> Generator[None, None, Any]:
+        return fn()
+        yield  # a one-step job
+
+    async def _run(
+        self, name: str, steps: Generator[None, None, Any], deadline: float | None
+    ) -> Any:
+        job = self.scheduler.submit(name, steps, Priority.RANK, deadline)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.future.cancel()  # not started yet: never run it
+            raise

@@ -1,0 +1,176 @@
+"""Wires a RankerConfig into a running ranker: model, calibration, KV store, scheduler, gRPC."""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from relaygr.config import add_config_arguments, load_config
+from relaygr.device import select_device
+from relaygr.errors import ConfigError
+from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
+from relaygr.ranker.checkpoint import load_checkpoint
+from relaygr.ranker.config import ENV_PREFIX, MIB, RankerConfig
+from relaygr.ranker.cost_model import CostModel, calibrate
+from relaygr.ranker.engine import EngineSettings, RankerEngine
+from relaygr.ranker.kv_store import KVStore
+from relaygr.ranker.model import RankingModel
+from relaygr.ranker.model_config import ModelConfig
+from relaygr.ranker.prefix_kv import PrefixKV
+from relaygr.ranker.scheduler import ComputeScheduler, Priority
+from relaygr.ranker.service import SERVICE_NAME, RankerServicer
+from relaygr.v1 import ranker_pb2_grpc
+
+_log = logging.getLogger("relaygr.ranker")
+
+
+def load_model(cfg: RankerConfig) -> RankingModel:
+    device = select_device(cfg.device)
+    if cfg.checkpoint is not None:
+        return load_checkpoint(cfg.checkpoint, device=device)
+    model_config = ModelConfig()
+    if cfg.model_config is not None:
+        try:
+            model_config = ModelConfig.from_dict(json.loads(cfg.model_config.read_text()))
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read model_config {cfg.model_config}: {err}") from err
+    return RankingModel(model_config, seed=cfg.model_seed, device=device)
+
+
+def build_engine(
+    cfg: RankerConfig,
+    model: RankingModel,
+    cost_model: CostModel,
+    clock: Callable[[], float] = time.monotonic,
+) -> RankerEngine:
+    pin = model.device.type != "cpu"
+
+    def to_host(kv: PrefixKV) -> PrefixKV:
+        return kv.to("cpu", pin_memory=pin)
+
+    store = KVStore(cfg.hbm_budget_bytes, cfg.dram_budget_bytes, cfg.dram_ttl_s, clock, to_host)
+    scheduler = ComputeScheduler(
+        {Priority.RANK: cfg.max_queued_ranks, Priority.BACKGROUND: cfg.max_queued_prefills},
+        clock=clock,
+    )
+    scheduler.start()
+    settings = EngineSettings(
+        relay_enabled=cfg.relay_enabled,
+        relay_window_s=cfg.relay_window_ms / 1e3,
+        prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+    )
+    return RankerEngine(model, store, scheduler, cost_model, settings, clock)
+
+
+@dataclass(slots=True)
+class RankerServer:
+    """A running ranker: its gRPC server and (once warm) its engine."""
+
+    server: GrpcServer
+    servicer: RankerServicer
+    instance_id: str
+    engine: RankerEngine | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def drain(self) -> None:
+        """Stop taking pre-inference, land in-flight prefixes, finish queued compute."""
+        if self.engine is not None:
+            await self.engine.drain()
+            await asyncio.to_thread(self.engine.scheduler.stop)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.server.enter_graceful_shutdown()
+        await self.drain()
+        await self.server.stop(grace)
+
+
+async def start_ranker(
+    cfg: RankerConfig,
+    model: RankingModel | None = None,
+    cost_model: CostModel | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> RankerServer:
+    """Start serving: health answers NOT_SERVING at once, SERVING when model and cost are ready.
+
+    `model` and `cost_model` may be given (tests, benchmarks) to skip loading and calibration.
+    """
+    servicer = RankerServicer(cfg.instance_id, "pending")
+    options = ServerOptions(
+        max_receive_message_bytes=cfg.max_message_mb * MIB,
+        max_send_message_bytes=cfg.max_message_mb * MIB,
+    )
+    server = await start_server(
+        cfg.listen,
+        lambda s: ranker_pb2_grpc.add_RankerServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        options,
+        credentials,
+    )
+    instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
+    ranker = RankerServer(server, servicer, instance_id)
+    if model is None:
+        model = await asyncio.to_thread(load_model, cfg)
+    if cost_model is None:
+        cost_model = await asyncio.to_thread(
+            calibrate, model, cfg.calibration_lengths, cfg.calibration_candidates
+        )
+        _log.info("calibrated %s: %s", model.device, cost_model)
+    ranker.engine = build_engine(cfg, model, cost_model)
+    servicer.configure(instance_id, str(model.device))
+    servicer.attach(ranker.engine)
+    await server.set_serving(True)
+    _log.info(
+        "ranker %s serving on port %d: model %s on %s, relay %s",
+        instance_id,
+        server.port,
+        model.model_version,
+        model.device,
+        "on" if cfg.relay_enabled else "off (bypass)",
+    )
+    return ranker
+
+
+async def _serve(cfg: RankerConfig) -> None:
+    ranker = await start_ranker(cfg)
+    print(f"relaygr ranker listening on port {ranker.port}", flush=True)
+    done = install_drain_handlers(
+        asyncio.get_running_loop(), ranker.server, cfg.drain_grace_s, ranker.drain
+    )
+    await done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="relaygr ranker",
+        description="Ranker: holds prefix KV caches, scores candidates (relaygr.v1.RankerService).",
+    )
+    add_config_arguments(parser, RankerConfig, env_prefix=ENV_PREFIX)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(RankerConfig, args, os.environ, ENV_PREFIX)
+    except ConfigError as err:
+        parser.error(str(err))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_grad_enabled(False)
+    try:
+        asyncio.run(_serve(cfg))
+    except ConfigError as err:
+        print(f"relaygr ranker: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""RankerService over gRPC: translates relaygr.v1 messages to the engine's domain and back."""
+
+import time
+
+import grpc
+
+from relaygr.errors import Unavailable
+from relaygr.grpc_server import absolute_deadline
+from relaygr.ranker.convert import prefix_from_proto, rank_input_from_proto
+from relaygr.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
+from relaygr.ranker.kv_store import Tier
+from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
+
+SERVICE_NAME = "relaygr.v1.RankerService"
+
+_PRE_INFER_OUTCOME = {
+    outcome: common_pb2.PreInferOutcome.Value(f"PRE_INFER_OUTCOME_{outcome.name}")
+    for outcome in PreInferOutcome
+}
+_CACHE_OUTCOME = {
+    outcome: common_pb2.CacheOutcome.Value(f"CACHE_OUTCOME_{outcome.name}")
+    for outcome in CacheOutcome
+}
+
+
+class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
+    """Proto in, engine call, proto out; errors travel as RelayGRError to the interceptor."""
+
+    def __init__(self, instance_id: str, device: str) -> None:
+        self._engine: RankerEngine | None = None
+        self._instance_id = instance_id
+        self._device = device
+
+    def configure(self, instance_id: str, device: str) -> None:
+        self._instance_id, self._device = instance_id, device
+
+    def attach(self, engine: RankerEngine) -> None:
+        """Start serving with `engine` (the server answers health checks while it warms up)."""
+        self._engine = engine
+
+    @property
+    def engine(self) -> RankerEngine:
+        if self._engine is None:
+            raise Unavailable("ranker is loading its model and calibrating")
+        return self._engine
+
+    async def PreInfer(
+        self, request: common_pb2.PreInferRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.PreInferReply:
+        start = time.perf_counter()
+        prefix = prefix_from_proto(request)
+        window = request.relay_window_ms / 1e3 if request.relay_window_ms else None
+        deadline = absolute_deadline(context.time_remaining(), time.monotonic())
+        result = await self.engine.pre_infer(prefix, window, deadline)
+        return common_pb2.PreInferReply(
+            request_id=request.request_id,
+            outcome=_PRE_INFER_OUTCOME[result.outcome],
+            instance_id=self._instance_id,
+            model_version=result.key.model_version,
+            prefix_digest=result.key.digest,
+            prefix_tokens=result.tokens,
+            kv_bytes=result.nbytes,
+            server_ms=(time.perf_counter() - start) * 1e3,
+        )
+
+    async def Rank(
+        self, request: common_pb2.RankRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.RankReply:
+        start = time.perf_counter()
+        rank_input = rank_input_from_proto(request)
+        deadline = absolute_deadline(context.time_remaining(), time.monotonic())
+        result = await self.engine.rank(rank_input, deadline)
+        scores = result.scores.numpy()
+        tasks = self.engine.model.cfg.tasks
+        return common_pb2.RankReply(
+            request_id=request.request_id,
+            scores=[
+                common_pb2.TaskScores(task=task, scores=scores[i]) for i, task in enumerate(tasks)
+            ],
+            cache_outcome=_CACHE_OUTCOME[result.outcome],
+            instance_id=self._instance_id,
+            model_version=self.engine.model.model_version,
+            server_ms=(time.perf_counter() - start) * 1e3,
+            computed_tokens=result.computed_tokens,
+        )
+
+    async def Describe(
+        self, request: ranker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> ranker_pb2.RankerInfo:
+        engine = self.engine
+        cfg = engine.model.cfg
+        cost = engine.cost_model
+
+        def usage(tier: Tier) -> ranker_pb2.TierUsage:
+            u = engine.store.usage(tier)
+            return ranker_pb2.TierUsage(
+                budget_bytes=u.budget_bytes,
+                used_bytes=u.used_bytes,
+                pinned_bytes=u.pinned_bytes,
+                entries=u.entries,
+            )
+
+        return ranker_pb2.RankerInfo(
+            instance_id=self._instance_id,
+            model_version=engine.model.model_version,
+            device=self._device,
+            dims=ranker_pb2.ModelDims(
+                layers=cfg.num_layers,
+                d_model=cfg.d_model,
+                heads=cfg.num_heads,
+                d_head=cfg.d_v,
+                tasks=list(cfg.tasks),
+                kv_dtype=cfg.kv_dtype.value,
+                max_user_features=cfg.max_user_features,
+                max_history_tokens=cfg.max_history_tokens,
+                max_candidates=cfg.max_candidates,
+                kv_bytes_per_token=cfg.kv_bytes_per_token,
+            ),
+            hbm=usage(Tier.HBM),
+            dram=usage(Tier.DRAM),
+            cost_model=ranker_pb2.CostModel(
+                fixed_ms=cost.fixed_ms,
+                per_token_ms=cost.per_token_ms,
+                per_pair_ms=cost.per_pair_ms,
+                per_candidate_key_ms=cost.per_candidate_key_ms,
+                reload_ms_per_mb=cost.reload_ms_per_mb,
+            ),
+            relay_enabled=engine.settings.relay_enabled,
+        )

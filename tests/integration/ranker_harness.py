@@ -1,0 +1,96 @@
+"""A real ranker gRPC server on loopback around a tiny model, and helpers to drive it."""
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import grpc
+import numpy as np
+
+from relaygr.ranker.config import RankerConfig
+from relaygr.ranker.cost_model import CostModel
+from relaygr.ranker.model import RankingModel
+from relaygr.ranker.scheduler import Priority
+from relaygr.ranker.server import RankerServer, start_ranker
+from relaygr.v1 import common_pb2, ranker_pb2_grpc
+from tests.unit.ranker.factories import tiny_config
+
+# Reloading a host copy is cheap, recomputing is not: the shape every real device has.
+COST = CostModel(
+    fixed_ms=1.0, per_token_ms=0.01, per_pair_ms=1e-6, per_candidate_key_ms=1e-5,
+    reload_ms_per_mb=0.01,
+)  # fmt: skip
+
+BASE = RankerConfig(
+    listen="127.0.0.1:0",
+    calibration_lengths=(32, 64),
+    calibration_candidates=8,
+    prefill_chunk_tokens=64,
+)
+
+
+def tiny_model(**overrides: object) -> RankingModel:
+    return RankingModel(tiny_config(**overrides), seed=7)
+
+
+@dataclass(slots=True)
+class Ranker:
+    server: RankerServer
+    stub: ranker_pb2_grpc.RankerServiceStub
+    channel: grpc.aio.Channel
+
+    @property
+    def engine(self):  # type: ignore[no-untyped-def]
+        assert self.server.engine is not None
+        return self.server.engine
+
+    def scores(self, reply: common_pb2.RankReply) -> np.ndarray:
+        return np.array([list(task.scores) for task in reply.scores])
+
+
+@asynccontextmanager
+async def running_ranker(
+    model: RankingModel | None = None, cost: CostModel | None = COST, **config: object
+) -> AsyncIterator[Ranker]:
+    cfg = replace(BASE, **config)  # type: ignore[arg-type]
+    server = await start_ranker(cfg, model=model or tiny_model(), cost_model=cost)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield Ranker(server, ranker_pb2_grpc.RankerServiceStub(channel), channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=1.0)
+
+
+async def poll(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait until `condition()` holds, checking often; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.002)
+
+
+class Gate:
+    """Holds the ranker's compute worker on a job until released: makes 'in flight' exact."""
+
+    def __init__(self, ranker: Ranker) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+        def hold():  # type: ignore[no-untyped-def]
+            self.entered.set()
+            self.release.wait(30)
+            return None
+            yield
+
+        ranker.engine.scheduler.submit("gate", hold(), Priority.RANK)
+
+    async def wait_entered(self) -> None:
+        await poll(self.entered.is_set)
+
+    def open(self) -> None:
+        self.release.set()
