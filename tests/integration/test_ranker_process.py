@@ -1,0 +1,80 @@
+"""`relaygr ranker` as a user runs it: a real process, configured, healthy, drained on SIGTERM."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
+from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
+from tests.unit.ranker.factories import prefix, rank_input, tiny_config
+
+
+def _wait_for_port(process: subprocess.Popen[str], timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            raise AssertionError(f"ranker exited with {process.returncode}")
+        if match := re.search(r"listening on port (\d+)", line):
+            return int(match.group(1))
+    raise AssertionError("ranker did not report its port in time")
+
+
+def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generator) -> None:
+    model_config = tmp_path / "model.json"
+    model_config.write_text(json.dumps(tiny_config().to_dict()))
+    config_file = tmp_path / "ranker.toml"
+    config_file.write_text("hbm_budget_mb = 64\ncalibration_lengths = [32, 64]\n")
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "relaygr.cli", "ranker", "--config", str(config_file),
+            "--listen", "127.0.0.1:0", "--model-config", str(model_config),
+            "--device", "cpu", "--instance-id", "ranker-test",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={"RELAYGR_RANKER_DRAM_BUDGET_MB": "32", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    try:
+        port = _wait_for_port(process)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(service="relaygr.v1.RankerService"))
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            stub = ranker_pb2_grpc.RankerServiceStub(channel)
+            info = stub.Describe(ranker_pb2.DescribeRequest())
+            assert info.instance_id == "ranker-test"
+            assert info.hbm.budget_bytes == 64 * 2**20  # from the file
+            assert info.dram.budget_bytes == 32 * 2**20  # from the environment
+            request = rank_input(rng, prefix(rng, 100))
+            stub.PreInfer(pre_infer_request_to_proto(request.prefix), timeout=30)
+            reply = stub.Rank(rank_request_to_proto(request), timeout=30)
+            assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_bad_config_is_refused_with_the_field_named(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "relaygr.cli", "ranker", "--hbm-budget-mb", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "hbm_budget_mb must be > 0" in result.stderr

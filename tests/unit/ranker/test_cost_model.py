@@ -1,0 +1,48 @@
+"""Cost model: the fit recovers known coefficients; calibration yields a usable model."""
+
+import numpy as np
+import pytest
+
+from relaygr.ranker.cost_model import CostModel, Sample, calibrate, fit_cost_model
+from relaygr.ranker.model import RankingModel
+
+from .factories import tiny_config
+
+
+def test_fit_recovers_the_generating_coefficients(rng: np.random.Generator) -> None:
+    truth = CostModel(2.0, 0.05, 2e-5, 1e-4, reload_ms_per_mb=0.3)
+    samples = []
+    for tokens in (128, 512, 1024, 2048, 4096):
+        for candidates in (0, 64, 256):
+            noise = float(rng.normal(1.0, 0.01))
+            samples.append(Sample(tokens, candidates, truth.full_ms(tokens, candidates) * noise))
+    fitted = fit_cost_model(samples, reload_ms_per_mb=0.3)
+    for tokens, candidates in ((3000, 128), (8000, 256)):
+        assert fitted.full_ms(tokens, candidates) == pytest.approx(
+            truth.full_ms(tokens, candidates), rel=0.05
+        )
+    assert fitted.prefill_ms(4096) == pytest.approx(truth.prefill_ms(4096), rel=0.05)
+
+
+def test_fit_never_returns_negative_coefficients() -> None:
+    # Pure linear timings: the quadratic terms must come out zero, not negative.
+    samples = [Sample(t, c, 1.0 + 0.01 * (t + c)) for t in (100, 200, 400) for c in (0, 10)]
+    fitted = fit_cost_model(samples, reload_ms_per_mb=1.0)
+    coefficients = (
+        fitted.fixed_ms, fitted.per_token_ms, fitted.per_pair_ms, fitted.per_candidate_key_ms
+    )  # fmt: skip
+    assert min(coefficients) >= 0.0
+    assert fitted.full_ms(1000, 10) == pytest.approx(1.0 + 0.01 * 1010, rel=0.01)
+
+
+def test_reload_is_chosen_only_when_cheaper() -> None:
+    model = CostModel(0.0, 0.01, 0.0, 0.0, reload_ms_per_mb=1.0)
+    assert model.reload_is_cheaper(nbytes=2**20, tokens=1000)  # 1 ms vs 10 ms
+    assert not model.reload_is_cheaper(nbytes=2**20, tokens=50)  # 1 ms vs 0.5 ms
+
+
+def test_calibration_on_this_device_predicts_growth() -> None:
+    model = RankingModel(tiny_config(), seed=1)
+    cost = calibrate(model, lengths=(64, 256, 1024), candidates=16, repeats=1)
+    assert cost.full_ms(2048, 16) > cost.full_ms(256, 16) > 0
+    assert cost.reload_ms_per_mb > 0
