@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/relaygr/v1/*.proto)
 PROTO_OUT := relaygr/v1/.generated
 
-.PHONY: setup proto test lint bench demo clean
+.PHONY: setup proto test lint bench bench-model bench-ranker demo clean
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -37,8 +37,13 @@ lint: setup
 	@for s in ranker router trigger; do ln -s $(CURDIR)/services/$$s build/typecheck/relaygr/$$s; done
 	MYPYPATH=build/typecheck $(PY) -m mypy -p relaygr
 
-bench: setup
+bench: bench-model bench-ranker
+
+bench-model: setup
 	$(PY) bench/model_bench.py
+
+bench-ranker: setup
+	$(PY) bench/ranker_bench.py
 
 demo: setup
 	$(PY) -m relaygr.demo $(DEMO_ARGS)
