@@ -6,7 +6,7 @@ import enum
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -243,3 +243,11 @@ def load_config(
                 f" env {_env_name(env_prefix, f.name)} or flag {_flag(f.name)}"
             )
     return cls(**values)
+
+
+def require_positive(config: object, names: Sequence[str], what: str) -> None:
+    """Raise ConfigError naming the first of `names` whose value on `config` is not > 0."""
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ConfigError(f"{what} {name} must be > 0, got {value}")

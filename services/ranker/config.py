@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relaygr.config import require_positive
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
 
@@ -59,9 +60,7 @@ class RankerConfig:
             "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
             "calibration_candidates", "max_message_mb", "drain_grace_s",
         )  # fmt: skip
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"ranker {name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, positive, "ranker")
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:
             raise ConfigError("ranker calibration_lengths must be positive token counts")
 

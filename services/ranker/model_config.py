@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from relaygr.config import require_positive
 from relaygr.errors import ConfigError
 
 
@@ -57,9 +58,7 @@ class ModelConfig:
             "user_feature_buckets", "num_position_buckets", "num_time_buckets",
             "max_history_tokens", "max_candidates", "attention_block",
         )  # fmt: skip
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model config {name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, positive, "model config")
         if self.ffn_mult < 0:
             raise ConfigError(f"model config ffn_mult must be >= 0, got {self.ffn_mult}")
         if self.num_actions < 2:
