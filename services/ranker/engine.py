@@ -1,6 +1,7 @@
 """The relay on one ranker: PreInfer builds and pins a prefix cache, Rank consumes it."""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from relaygr.errors import ResourceExhausted, Unavailable
+from relaygr.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from relaygr.ranker.cost_model import CostModel
 from relaygr.ranker.digest import PrefixHasher
 from relaygr.ranker.inputs import Prefix, RankInput, validate_prefix, validate_rank_input
@@ -123,6 +124,8 @@ class RankerEngine:
         validate_prefix(prefix, self.model.cfg)
         if self.draining:
             raise Unavailable("ranker is draining: send pre-inference elsewhere")
+        if not self.settings.relay_enabled:
+            raise Unavailable("relay is disabled on this ranker (bypass): nothing to pre-infer")
         window = relay_window_s or self.settings.relay_window_s
         key = self._key(prefix)
         if self.store.get(key, Tier.HBM) is not None:
@@ -158,14 +161,14 @@ class RankerEngine:
         key = self._key(request.prefix)
         kv = self.store.get(key, Tier.HBM)
         computed = len(request.short_term) + candidates
-        if kv is not None:
-            outcome = CacheOutcome.HBM_HIT
-        elif key in self._inflight:
+        outcome = CacheOutcome.HBM_HIT
+        if kv is None and key in self._inflight:
             inflight = self._inflight[key]
-            self.scheduler.promote(inflight.job)
-            kv = await asyncio.shield(inflight.task)
+            self.scheduler.promote(inflight.job, deadline)
             outcome = CacheOutcome.WAITED_INFLIGHT
-        else:
+            with contextlib.suppress(DeadlineExceeded):  # its pre-infer gave up: compute below
+                kv = await asyncio.shield(inflight.task)
+        if kv is None:
             inflight = self._start(key, request.prefix, Priority.RANK, deadline, pin_for=None)
             kv = await asyncio.shield(inflight.task)
             outcome = _RANK_OUTCOME[inflight.source]
@@ -249,18 +252,16 @@ class RankerEngine:
         return _Source.PREFILL, self._prefill_steps(prefix), prefix.num_tokens
 
     def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
-        """The user's cached prefix when it is a strict prefix of `prefix` (same features)."""
-        old = self.store.user_key(key.user_id, key.model_version)
-        if old is None or old == key:
-            return None
-        tier = self.store.tier_of(old)
-        entry = self.store.peek(old, tier) if tier is not None else None
-        if entry is None or entry.kv.num_behaviours >= len(prefix.long_term):
-            return None
-        head = prefix.long_term.slice(0, entry.kv.num_behaviours)
-        if PrefixHasher.start(prefix.user_features).absorb(head).digest() != old.digest:
-            return None
-        return entry.kv
+        """The user's newest cached prefix that is a strict prefix of `prefix`, if any."""
+        for old in self.store.user_keys(key.user_id, key.model_version):
+            tier = self.store.tier_of(old)
+            entry = self.store.peek(old, tier) if tier is not None else None
+            if entry is None or entry.kv.num_behaviours >= len(prefix.long_term):
+                continue
+            head = prefix.long_term.slice(0, entry.kv.num_behaviours)
+            if PrefixHasher.start(prefix.user_features).absorb(head).digest() == old.digest:
+                return entry.kv
+        return None
 
     def _prefill_steps(self, prefix: Prefix) -> Generator[None, None, PrefixKV]:
         """Chunked prefill: the first chunk prefills, the rest extend (the same operation)."""

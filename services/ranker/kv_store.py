@@ -84,9 +84,9 @@ class KVStore:
     Rank consumes it or its relay window ends; pinned entries are never evicted. Unpinned HBM
     entries leave least-recently-used first and are demoted to DRAM (copied by `to_host`) unless
     DRAM already holds them. DRAM entries leave least-recently-used first or when older than
-    `dram_ttl`. A user has at most one prefix (one key) in the store: storing a different
-    prefix for the user supersedes the old one in both tiers. Time comes from `clock`, so
-    expiry and LRU order are exact under test.
+    `dram_ttl`. Storing a prefix for a user supersedes the user's other prefixes in both tiers,
+    except relays still pinned for their Rank (two overlapping requests of one user each keep
+    theirs). Time comes from `clock`, so expiry and LRU order are exact under test.
     """
 
     def __init__(
@@ -98,7 +98,8 @@ class KVStore:
         to_host: Callable[[PrefixKV], PrefixKV],
     ) -> None:
         self._tiers = {Tier.HBM: _Tier(hbm_budget), Tier.DRAM: _Tier(dram_budget)}
-        self._by_user: dict[tuple[UserId, ModelVersion], CacheKey] = {}
+        # per user: the keys the store holds, oldest first
+        self._by_user: dict[tuple[UserId, ModelVersion], list[CacheKey]] = {}
         self._dram_ttl = dram_ttl
         self._clock = clock
         self._to_host = to_host
@@ -106,9 +107,9 @@ class KVStore:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def user_key(self, user_id: UserId, model_version: ModelVersion) -> CacheKey | None:
-        """The key of the prefix the store holds for this user, in either tier."""
-        return self._by_user.get((user_id, model_version))
+    def user_keys(self, user_id: UserId, model_version: ModelVersion) -> list[CacheKey]:
+        """The keys of the prefixes the store holds for this user, newest first."""
+        return self._by_user.get((user_id, model_version), [])[::-1]
 
     def tier_of(self, key: CacheKey) -> Tier | None:
         for tier in (Tier.HBM, Tier.DRAM):
@@ -156,7 +157,7 @@ class KVStore:
                 existing.pinned_until = max(existing.pinned_until or 0.0, now + pin_for)
                 existing.from_pre_infer, existing.consumed = True, False
             return True
-        self._supersede(key)  # the user's old prefix is dead whether or not this one fits
+        self._supersede(key)  # the user's old prefixes are dead whether or not this one fits
         nbytes = kv.nbytes
         if hbm.pinned_bytes + nbytes > hbm.budget:
             self.counters["hbm_rejected"] += 1
@@ -165,7 +166,7 @@ class KVStore:
             self._demote(next(e for e in hbm.entries.values() if not e.pinned))
         pinned_until = None if pin_for is None else now + pin_for
         hbm.add(Entry(key, kv, nbytes, now, pinned_until, from_pre_infer=pin_for is not None))
-        self._by_user[(key.user_id, key.model_version)] = key
+        self._index(key)
         self.counters["hbm_stored"] += 1
         return True
 
@@ -179,7 +180,10 @@ class KVStore:
         entry.pinned_until, entry.consumed = None, True
 
     def put_host(self, key: CacheKey, kv: PrefixKV) -> bool:
-        """Store a host-resident copy in DRAM (evicting LRU DRAM entries); False if too large."""
+        """Store a host copy in DRAM (evicting LRU DRAM entries); False if too large.
+
+        A demotion, not a new prefix: it supersedes nothing.
+        """
         self.expire()
         dram = self._tiers[Tier.DRAM]
         if key in dram.entries:
@@ -188,21 +192,12 @@ class KVStore:
         if kv.nbytes > dram.budget:
             self.counters[f"dram_dropped_{Drop.TOO_LARGE}"] += 1
             return False
-        self._supersede(key)
         while dram.used + kv.nbytes > dram.budget:
             self._drop(Tier.DRAM, next(iter(dram.entries)), Drop.EVICTED)
         dram.add(Entry(key, kv, kv.nbytes, self._clock()))
-        self._by_user[(key.user_id, key.model_version)] = key
+        self._index(key, newest=False)
         self.counters["dram_stored"] += 1
         return True
-
-    def discard_user(self, user_id: UserId, model_version: ModelVersion) -> None:
-        """Forget whatever the store holds for the user (its prefix changed)."""
-        key = self._by_user.get((user_id, model_version))
-        if key is not None:
-            for tier in (Tier.HBM, Tier.DRAM):
-                if key in self._tiers[tier].entries:
-                    self._drop(tier, key, Drop.SUPERSEDED)
 
     def expire(self) -> None:
         """Release pins whose relay window ended; drop DRAM entries past their time to live."""
@@ -218,10 +213,24 @@ class KVStore:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _index(self, key: CacheKey, newest: bool = True) -> None:
+        """Record `key` under its user: as the newest prefix, or where it is (a demotion)."""
+        keys = self._by_user.setdefault((key.user_id, key.model_version), [])
+        if key in keys:
+            if not newest:
+                return
+            keys.remove(key)
+        keys.insert(len(keys) if newest else 0, key)
+
     def _supersede(self, key: CacheKey) -> None:
-        old = self._by_user.get((key.user_id, key.model_version))
-        if old is not None and old != key:
-            self.discard_user(key.user_id, key.model_version)
+        """Drop the user's other prefixes, except relays still pinned for their Rank."""
+        for old in self.user_keys(key.user_id, key.model_version):
+            held = self._tiers[Tier.HBM].entries.get(old)
+            if old == key or (held is not None and held.pinned):
+                continue
+            for tier in (Tier.HBM, Tier.DRAM):
+                if old in self._tiers[tier].entries:
+                    self._drop(tier, old, Drop.SUPERSEDED)
 
     def _demote(self, entry: Entry) -> None:
         """Evict an unpinned HBM entry, keeping a host copy in DRAM when one fits."""
@@ -237,4 +246,8 @@ class KVStore:
         if entry.pinned:
             self.counters["relays_dropped_unconsumed"] += 1
         if self.tier_of(key) is None:
-            self._by_user.pop((key.user_id, key.model_version), None)
+            user = (key.user_id, key.model_version)
+            keys = self._by_user[user]
+            keys.remove(key)
+            if not keys:
+                del self._by_user[user]

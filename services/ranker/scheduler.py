@@ -98,8 +98,11 @@ class ComputeScheduler:
             self._cond.notify()
         return job
 
-    def promote(self, job: Job) -> None:
+    def promote(self, job: Job, deadline: float | None = None) -> None:
+        """Run `job` at rank priority, keeping it alive until `deadline` (None: no deadline)."""
         with self._cond:
+            if job.deadline is not None:
+                job.deadline = None if deadline is None else max(job.deadline, deadline)
             if job.priority is Priority.RANK:
                 return
             queue = self._queues[job.priority]

@@ -90,7 +90,10 @@ def test_bypass_serves_full_inference(rng: np.random.Generator) -> None:
     async def scenario() -> None:
         async with running_ranker(model, relay_enabled=False) as r:
             request = rank_input(rng, prefix(rng, 100))
-            await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "relay is disabled" in (err.value.details() or "")
             reply = await r.stub.Rank(rank_request_to_proto(request))
             assert reply.cache_outcome == Outcome.CACHE_OUTCOME_BYPASS
             assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
@@ -304,5 +307,31 @@ def test_scores_come_back_as_float32_probabilities(rng: np.random.Generator) -> 
             assert [t.task for t in reply.scores] == ["click", "like"]
             values = torch.tensor([list(t.scores) for t in reply.scores])
             assert values.shape == (2, 5) and bool(((values > 0) & (values < 1)).all())
+
+    run(scenario())
+
+
+def test_a_rank_outlives_the_deadline_of_the_pre_infer_it_waits_for(
+    rng: np.random.Generator,
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_ranker(model) as r:
+            request = rank_input(rng, prefix(rng, 200))
+            gate = Gate(r)
+            await gate.wait_entered()
+            pre = asyncio.ensure_future(
+                r.stub.PreInfer(pre_infer_request_to_proto(request.prefix), timeout=0.3)
+            )
+            await poll(lambda: r.engine._key(request.prefix) in r.engine._inflight)
+            ranked = asyncio.ensure_future(r.stub.Rank(rank_request_to_proto(request)))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pre  # its caller gives up while the worker is held
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            gate.open()
+            reply = await ranked
+            assert reply.cache_outcome == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
+            assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
 
     run(scenario())

@@ -127,15 +127,26 @@ def test_a_new_prefix_supersedes_the_users_old_one_in_both_tiers() -> None:
     f = Fixture()
     f.store.put_host(key("a", "old"), kv_of(10))
     f.store.put_device(key("a", "old"), kv_of(10), pin_for=None)
-    assert f.store.user_key(UserId("a"), VERSION) == key("a", "old")
+    assert f.store.user_keys(UserId("a"), VERSION) == [key("a", "old")]
     f.store.put_device(key("a", "new"), kv_of(20), pin_for=1.0)
     assert f.store.tier_of(key("a", "old")) is None
-    assert f.store.user_key(UserId("a"), VERSION) == key("a", "new")
+    assert f.store.user_keys(UserId("a"), VERSION) == [key("a", "new")]
     assert (
         f.store.counters["hbm_dropped_superseded"]
         == f.store.counters["dram_dropped_superseded"]
         == 1
     )
+
+
+def test_a_pending_relay_survives_a_newer_prefix_of_the_same_user() -> None:
+    f = Fixture()
+    f.store.put_device(key("a", "relayed"), kv_of(10), pin_for=5.0)
+    assert f.store.put_device(key("a", "newer"), kv_of(10), pin_for=None)
+    assert f.store.tier_of(key("a", "relayed")) is Tier.HBM  # its Rank still finds it
+    assert f.store.user_keys(UserId("a"), VERSION) == [key("a", "newer"), key("a", "relayed")]
+    f.store.consume(key("a", "relayed"))
+    assert f.store.put_device(key("a", "newest"), kv_of(10), pin_for=None)
+    assert f.store.user_keys(UserId("a"), VERSION) == [key("a", "newest")]
 
 
 def test_demoting_an_entry_dram_already_holds_copies_nothing() -> None:
@@ -169,8 +180,9 @@ def test_budgets_hold_under_random_operations(rng: np.random.Generator) -> None:
             assert usage.used_bytes <= usage.budget_bytes
             entries = f.store._tiers[tier].entries.values()
             assert usage.used_bytes == sum(e.nbytes for e in entries)
-        for (user_id, _), k in f.store._by_user.items():
-            assert k.user_id == user_id and f.store.tier_of(k) is not None
-        for tier in Tier:  # one prefix per user, always indexed
+        for (user_id, _), keys in f.store._by_user.items():
+            assert keys and len(set(keys)) == len(keys)
+            assert all(k.user_id == user_id and f.store.tier_of(k) is not None for k in keys)
+        for tier in Tier:  # every held prefix is indexed under its user
             for k in f.store._tiers[tier].entries:
-                assert f.store.user_key(k.user_id, VERSION) == k
+                assert k in f.store.user_keys(k.user_id, VERSION)
