@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 # subcommand -> (module with `main(argv) -> int`, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "ranker": ("relaygr.ranker.server", "serve RankerService: prefix KV caches and ranking"),
+    "router": ("relaygr.router.server", "serve RouterService: affine placement of relays"),
     "demo": ("relaygr.demo", "in-process relay demo: pre-infer, rank, compare"),
 }
 

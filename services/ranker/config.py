@@ -50,6 +50,16 @@ class RankerConfig:
     calibration_candidates: int = field(default=64, metadata=_help("candidates when calibrating"))
     max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
     drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+    etcd_endpoints: tuple[str, ...] = field(
+        default=(), metadata=_help("etcd endpoints to register in (none: standalone)")
+    )
+    etcd_prefix: str = field(default="/relaygr", metadata=_help("etcd key prefix of the mesh"))
+    lease_ttl_s: float = field(
+        default=5.0, metadata=_help("membership lease: a dead ranker leaves within this")
+    )
+    advertise_address: str = field(
+        default="", metadata=_help("host:port routers dial (default: 127.0.0.1:<bound port>)")
+    )
 
     def __post_init__(self) -> None:
         parse_device_kind(self.device)
@@ -58,7 +68,7 @@ class RankerConfig:
         positive = (
             "hbm_budget_mb", "dram_budget_mb", "dram_ttl_s", "relay_window_ms",
             "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
-            "calibration_candidates", "max_message_mb", "drain_grace_s",
+            "calibration_candidates", "max_message_mb", "drain_grace_s", "lease_ttl_s",
         )  # fmt: skip
         require_positive(self, positive, "ranker")
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:

@@ -2,7 +2,6 @@
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -105,14 +104,12 @@ class RankerEngine:
         scheduler: ComputeScheduler,
         cost_model: CostModel,
         settings: EngineSettings,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
         self.store = store
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.settings = settings
-        self._clock = clock
         self._inflight: dict[CacheKey, _Inflight] = {}
         self.draining = False
 

@@ -41,8 +41,6 @@ class Entry:
     nbytes: int
     stored_at: float
     pinned_until: float | None = None  # relay window end while awaiting its Rank
-    from_pre_infer: bool = False
-    consumed: bool = False
 
     @property
     def pinned(self) -> bool:
@@ -155,7 +153,6 @@ class KVStore:
             hbm.entries.move_to_end(key)
             if pin_for is not None:
                 existing.pinned_until = max(existing.pinned_until or 0.0, now + pin_for)
-                existing.from_pre_infer, existing.consumed = True, False
             return True
         self._supersede(key)  # the user's old prefixes are dead whether or not this one fits
         nbytes = kv.nbytes
@@ -165,7 +162,7 @@ class KVStore:
         while hbm.used + nbytes > hbm.budget:
             self._demote(next(e for e in hbm.entries.values() if not e.pinned))
         pinned_until = None if pin_for is None else now + pin_for
-        hbm.add(Entry(key, kv, nbytes, now, pinned_until, from_pre_infer=pin_for is not None))
+        hbm.add(Entry(key, kv, nbytes, now, pinned_until))
         self._index(key)
         self.counters["hbm_stored"] += 1
         return True
@@ -177,7 +174,7 @@ class KVStore:
             return
         if entry.pinned:
             self.counters["relays_consumed"] += 1
-        entry.pinned_until, entry.consumed = None, True
+        entry.pinned_until = None
 
     def put_host(self, key: CacheKey, kv: PrefixKV) -> bool:
         """Store a host copy in DRAM (evicting LRU DRAM entries); False if too large.

@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from relaygr.cluster import RankerRecord
 from relaygr.config import add_config_arguments, load_config
 from relaygr.device import select_device
-from relaygr.errors import ConfigError
+from relaygr.errors import ConfigError, Unavailable
+from relaygr.etcd import EtcdClient
+from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
 from relaygr.ranker.checkpoint import load_checkpoint
 from relaygr.ranker.config import ENV_PREFIX, MIB, RankerConfig
@@ -68,24 +72,50 @@ def build_engine(
         relay_window_s=cfg.relay_window_ms / 1e3,
         prefill_chunk_tokens=cfg.prefill_chunk_tokens,
     )
-    return RankerEngine(model, store, scheduler, cost_model, settings, clock)
+    return RankerEngine(model, store, scheduler, cost_model, settings)
+
+
+def ranker_record(
+    instance_id: str, address: str, model: RankingModel, cost: CostModel, cfg: RankerConfig
+) -> RankerRecord:
+    """What this ranker publishes in the mesh membership."""
+    return RankerRecord(
+        instance_id=instance_id,
+        address=address,
+        model_version=model.model_version,
+        hbm_budget_bytes=cfg.hbm_budget_bytes,
+        dram_budget_bytes=cfg.dram_budget_bytes,
+        kv_bytes_per_token=model.cfg.kv_bytes_per_token,
+        fixed_ms=cost.fixed_ms,
+        per_token_ms=cost.per_token_ms,
+        per_pair_ms=cost.per_pair_ms,
+        per_candidate_key_ms=cost.per_candidate_key_ms,
+        reload_ms_per_mb=cost.reload_ms_per_mb,
+    )
 
 
 @dataclass(slots=True)
 class RankerServer:
-    """A running ranker: its gRPC server and (once warm) its engine."""
+    """A running ranker: its gRPC server, (once warm) its engine, and its mesh registration."""
 
     server: GrpcServer
     servicer: RankerServicer
     instance_id: str
     engine: RankerEngine | None = None
+    cluster: EtcdCluster | None = None
+    etcd: EtcdClient | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
 
     async def drain(self) -> None:
-        """Stop taking pre-inference, land in-flight prefixes, finish queued compute."""
+        """Leave the mesh, stop taking pre-inference, land in-flight prefixes, finish compute."""
+        if self.cluster is not None and self.etcd is not None:
+            with contextlib.suppress(Unavailable):  # etcd down: the lease lapses by itself
+                await self.cluster.deregister(self.instance_id)
+            await self.etcd.close()
+            self.cluster = self.etcd = None
         if self.engine is not None:
             await self.engine.drain()
             await asyncio.to_thread(self.engine.scheduler.stop)
@@ -131,6 +161,13 @@ async def start_ranker(
     servicer.configure(instance_id, str(model.device))
     servicer.attach(ranker.engine)
     await server.set_serving(True)
+    if cfg.etcd_endpoints:
+        ranker.etcd = EtcdClient(cfg.etcd_endpoints)
+        ranker.cluster = EtcdCluster(ranker.etcd, prefix=cfg.etcd_prefix)
+        address = cfg.advertise_address or f"127.0.0.1:{server.port}"
+        await ranker.cluster.register(
+            ranker_record(instance_id, address, model, cost_model, cfg), cfg.lease_ttl_s
+        )
     _log.info(
         "ranker %s serving on port %d: model %s on %s, relay %s",
         instance_id,

@@ -1,0 +1,207 @@
+"""Cluster ports shared by router, trigger and ranker: ranker membership and placement directory."""
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, Self, TypeVar
+
+from relaygr.errors import InvalidInput
+
+_MAX_PORT = 65535
+_COSTS = ("fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RankerRecord:
+    """What a ranker registers under its lease: where it listens, its model, budgets, cost model.
+
+    Invariants (checked on construction, so a record from the store is usable as is): ids,
+    address and model version are non-empty strings; `address` is "host:port" with a port in
+    1..65535; budgets and bytes per token are non-negative ints; cost coefficients are finite,
+    non-negative floats (see `relaygr.ranker.cost_model.CostModel` for their meaning).
+    """
+
+    instance_id: str
+    address: str
+    model_version: str
+    hbm_budget_bytes: int
+    dram_budget_bytes: int
+    kv_bytes_per_token: int
+    fixed_ms: float
+    per_token_ms: float
+    per_pair_ms: float
+    per_candidate_key_ms: float
+    reload_ms_per_mb: float
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        for name in _COSTS:
+            if getattr(self, name) < 0:
+                raise InvalidInput(f"{name} must be non-negative, got {getattr(self, name)!r}")
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= _MAX_PORT:
+            raise InvalidInput(f"ranker address must be host:port, got {self.address!r}")
+
+    def to_json(self) -> bytes:
+        return _to_json(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Self:
+        """Parse a stored record; raises InvalidInput naming what is wrong.
+
+        Unknown keys are ignored, so an older reader accepts a newer ranker's record.
+        """
+        return _from_json(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRecord:
+    """A user's prefix cache lives on `instance_id` until `expires_at` (wall-clock seconds).
+
+    Invariants: ids are non-empty strings; `expires_at` is a finite float.
+    """
+
+    user_id: str
+    instance_id: str
+    expires_at: float
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    def to_json(self) -> bytes:
+        return _to_json(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Self:
+        """Parse a stored record; raises InvalidInput naming what is wrong."""
+        return _from_json(cls, data)
+
+
+class Membership(Protocol):
+    """The live rankers. `view` reads the local watched copy and never does I/O."""
+
+    async def register(self, record: RankerRecord, ttl_s: float) -> None:
+        """Publish `record` under a lease of `ttl_s` that the implementation keeps alive."""
+
+    async def deregister(self, instance_id: str) -> None:
+        """Withdraw the instance; its directory entries go with it."""
+
+    def view(self) -> Mapping[str, RankerRecord]:
+        """instance id -> record, as last seen; a snapshot that later changes do not alter."""
+
+
+class Directory(Protocol):
+    """Where users' caches live when not on their hash owner. `lookup` never does I/O."""
+
+    async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
+        """Record `placement`, bound to the holder's lease so it dies with that instance.
+
+        Returns False (and records nothing) when the holder is not a live member.
+        """
+
+    def lookup(self, user_id: str) -> str | None:
+        """The recorded instance for the user, or None when absent or expired."""
+
+    async def forget_instance(self, instance_id: str) -> None:
+        """Drop every entry held by or placed on the instance."""
+
+
+class MemoryCluster:
+    """Membership and directory in one process's dicts: for unit tests and single-process mode.
+
+    Leases never lapse here (the process keeps them alive for as long as it runs); an instance
+    leaves only by `deregister`, which also drops every directory entry it holds or is named in.
+    A directory entry is visible while `clock() < expires_at`, with `clock` in wall-clock
+    seconds. `view()` returns a snapshot: membership changes replace the dict instead of
+    mutating it, so a caller iterating a view across an `await` is never disturbed.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._rankers: dict[str, RankerRecord] = {}
+        # user id -> (placement, holder instance id)
+        self._placements: dict[str, tuple[PlacementRecord, str]] = {}
+
+    async def register(self, record: RankerRecord, ttl_s: float) -> None:
+        if not ttl_s > 0:
+            raise InvalidInput(f"lease ttl_s must be positive, got {ttl_s}")
+        self._rankers = {**self._rankers, record.instance_id: record}
+
+    async def deregister(self, instance_id: str) -> None:
+        self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
+        await self.forget_instance(instance_id)
+
+    def view(self) -> Mapping[str, RankerRecord]:
+        return types.MappingProxyType(self._rankers)
+
+    async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
+        if holder_instance_id not in self._rankers:
+            return False
+        self._placements[placement.user_id] = (placement, holder_instance_id)
+        return True
+
+    def lookup(self, user_id: str) -> str | None:
+        entry = self._placements.get(user_id)
+        if entry is None:
+            return None
+        placement, _ = entry
+        if self._clock() >= placement.expires_at:
+            del self._placements[user_id]
+            return None
+        return placement.instance_id
+
+    async def forget_instance(self, instance_id: str) -> None:
+        self._placements = {
+            user: (placement, holder)
+            for user, (placement, holder) in self._placements.items()
+            if instance_id not in (holder, placement.instance_id)
+        }
+
+
+def _check_fields(value: Any) -> None:
+    """Check each field against its annotation: str non-empty, int non-negative, float finite.
+
+    JSON writes 1.0 as 1, so an int where a float is declared is accepted and stored as float.
+    """
+    for field in dataclasses.fields(value):
+        name, v = field.name, getattr(value, field.name)
+        if field.type is str:
+            if not isinstance(v, str) or not v:
+                raise InvalidInput(f"{name} must be a non-empty string, got {v!r}")
+        elif field.type is int:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidInput(f"{name} must be a non-negative integer, got {v!r}")
+        elif field.type is float:
+            number = None
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                with contextlib.suppress(OverflowError):  # an int beyond float range
+                    number = float(v)
+            if number is None or not math.isfinite(number):
+                raise InvalidInput(f"{name} must be a finite number, got {v!r}")
+            object.__setattr__(value, name, number)
+
+
+def _to_json(value: Any) -> bytes:
+    return json.dumps(dataclasses.asdict(value), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _from_json(cls: type[T], data: bytes) -> T:
+    kind = cls.__name__
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidInput(f"{kind}: not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{kind}: expected a JSON object, got {type(raw).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise InvalidInput(f"{kind}: missing fields {', '.join(missing)}")
+    return cls(**{n: raw[n] for n in names})

@@ -1,0 +1,259 @@
+"""Ranker membership and the placement directory in etcd, served from locally watched views."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import types
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from relaygr.cluster import PlacementRecord, RankerRecord
+from relaygr.errors import InvalidInput
+from relaygr.etcd import EtcdClient, EtcdRejected, EventKind, KeptLease, Lease, Watch, WatchEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A directory entry as last seen, with the store revision it was written at."""
+
+    placement: PlacementRecord
+    holder: str
+    revision: int
+
+
+class EtcdCluster:
+    """Membership and directory (see `relaygr.cluster`) kept in etcd under `prefix`.
+
+    Keys: `{prefix}/rankers/{instance_id}` holds the RankerRecord JSON plus `"lease"`, the id of
+    the lease it is put under (kept alive by the registering process); `{prefix}/directory/{user}`
+    holds the PlacementRecord JSON plus `"holder"`, put under the holder ranker's lease, so an
+    entry dies with its holder.
+
+    Invariants: `view()` and `lookup()` read only the local views, which two watches (rankers,
+    directory) maintain from `start()` to `stop()`; they never do I/O. The rankers view is replaced,
+    never mutated, so a `view()` snapshot is stable. A ranker leaving the view drops, at once, the
+    local directory entries it holds or is named in; `lookup` also answers None unless both the
+    named instance and the holder are in the view and `clock() < expires_at`. A directory entry is
+    never replaced by an event older than the revision it was last written at (`record` updates
+    the local view as soon as etcd acknowledges). Malformed values are logged and treated as
+    absent. While etcd is down the views stay as last seen and every method that writes raises
+    `Unavailable` (except `deregister`, whose lease then lapses within its TTL); watches and kept
+    leases resume by themselves. `writes` counts etcd write requests that succeeded: "put",
+    "delete", "lease_grant", "lease_revoke".
+    """
+
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        *,
+        prefix: str = "/relaygr",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._etcd = etcd
+        self._clock = clock
+        self._rankers_prefix = f"{prefix.rstrip('/')}/rankers/"
+        self._directory_prefix = f"{prefix.rstrip('/')}/directory/"
+        self._rankers: dict[str, RankerRecord] = {}
+        self._leases: dict[str, int] = {}  # instance id -> lease id of its record, as last seen
+        self._entries: dict[str, _Entry] = {}  # user id -> entry
+        self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
+        self._watches: list[Watch] = []
+        self.writes: Counter[str] = Counter()
+
+    async def start(self) -> None:
+        """Load both views afresh and follow changes; raises `Unavailable` if etcd is down."""
+        self._rankers, self._leases, self._entries = {}, {}, {}
+        # Rankers first, so the initial directory entries find their holders in the view.
+        for prefix, on_event in (
+            (self._rankers_prefix, self._on_ranker_event),
+            (self._directory_prefix, self._on_directory_event),
+        ):
+            try:
+                self._watches.append(await self._etcd.watch_prefix(prefix, on_event))
+            except BaseException:
+                await self.stop()
+                raise
+
+    async def stop(self) -> None:
+        """Stop following etcd; registered leases are kept (the EtcdClient's `close` ends them)."""
+        watches, self._watches = self._watches, []
+        for watch in watches:
+            await watch.cancel()
+
+    # Membership
+
+    async def register(self, record: RankerRecord, ttl_s: float) -> None:
+        """Put `record` under a kept lease of `ttl_s` (rounded up to whole seconds).
+
+        Registering an instance again replaces its record under the lease it already has.
+        """
+        if not ttl_s > 0:
+            raise InvalidInput(f"lease ttl_s must be positive, got {ttl_s}")
+        instance_id = record.instance_id
+        if instance_id in self._owned:
+            kept = self._owned[instance_id][1]
+            self._owned[instance_id] = (record, kept)
+            lease = None if kept is None else kept.lease
+            if lease is not None:  # else the coming replacement lease re-puts the new record
+                await self._put_ranker(record, lease)
+            return
+
+        async def on_new_lease(lease: Lease) -> None:
+            self.writes["lease_grant"] += 1
+            await self._put_ranker(self._owned[instance_id][0], lease)
+
+        self._owned[instance_id] = (record, None)
+        try:
+            kept = await self._etcd.keep_lease(math.ceil(ttl_s), on_new_lease)
+        except BaseException:
+            del self._owned[instance_id]
+            raise
+        self._owned[instance_id] = (self._owned[instance_id][0], kept)
+
+    async def deregister(self, instance_id: str) -> None:
+        """Revoke the instance's lease, deleting its record and the entries it holds.
+
+        Only an instance registered here can be deregistered; others are left alone. If etcd is
+        down the lease is no longer kept and lapses within its TTL.
+        """
+        record_and_kept = self._owned.pop(instance_id, None)
+        if record_and_kept is None or record_and_kept[1] is None:
+            return
+        kept = record_and_kept[1]
+        if kept.lease is not None:
+            self.writes["lease_revoke"] += 1
+        await kept.revoke()
+
+    def view(self) -> Mapping[str, RankerRecord]:
+        return types.MappingProxyType(self._rankers)
+
+    # Directory
+
+    async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
+        """Put `placement` under the holder's lease; False if the holder is not a live member."""
+        lease_id = self._leases.get(holder_instance_id)
+        if lease_id is None:
+            return False
+        data = _with_key(placement.to_json(), "holder", holder_instance_id)
+        key = self._directory_prefix + placement.user_id
+        try:
+            # put sends only the lease id; the TTL is the holder's business.
+            revision = await self._etcd.put(key, data, Lease(id=lease_id, ttl_s=0))
+        except EtcdRejected as err:  # the holder's lease lapsed before the view saw it go
+            log.info("placement of %s not recorded: %s", placement.user_id, err)
+            return False
+        self.writes["put"] += 1
+        self._apply(placement.user_id, _Entry(placement, holder_instance_id, revision), revision)
+        return True
+
+    def lookup(self, user_id: str) -> str | None:
+        entry = self._entries.get(user_id)
+        if entry is None or self._clock() >= entry.placement.expires_at:
+            return None
+        instance_id = entry.placement.instance_id
+        if instance_id not in self._rankers or entry.holder not in self._rankers:
+            return None
+        return instance_id
+
+    async def forget_instance(self, instance_id: str) -> None:
+        """Delete every entry held by or placed on the instance, in etcd and locally."""
+        users = [
+            user
+            for user, entry in self._entries.items()
+            if instance_id in (entry.holder, entry.placement.instance_id)
+        ]
+        for user in users:
+            await self._etcd.delete(self._directory_prefix + user)
+            self.writes["delete"] += 1
+            self._entries.pop(user, None)
+
+    async def purge_expired(self) -> int:
+        """Delete the entries expired by `clock()` from etcd (their holder's lease outlives them);
+        return how many. Run it now and then: writes grow with placements, not requests."""
+        now = self._clock()
+        users = [u for u, e in self._entries.items() if now >= e.placement.expires_at]
+        for user in users:
+            await self._etcd.delete(self._directory_prefix + user)
+            self.writes["delete"] += 1
+            self._entries.pop(user, None)
+        return len(users)
+
+    # Watch callbacks and helpers
+
+    async def _put_ranker(self, record: RankerRecord, lease: Lease) -> None:
+        data = _with_key(record.to_json(), "lease", lease.id)
+        await self._etcd.put(self._rankers_prefix + record.instance_id, data, lease)
+        self.writes["put"] += 1
+
+    def _on_ranker_event(self, event: WatchEvent) -> None:
+        instance_id = event.key.removeprefix(self._rankers_prefix)
+        if event.kind is EventKind.DELETE or event.value is None:
+            self._drop_ranker(instance_id)
+            return
+        try:
+            record = RankerRecord.from_json(event.value)
+            lease_id = json.loads(event.value).get("lease")
+            if isinstance(lease_id, bool) or not isinstance(lease_id, int) or lease_id <= 0:
+                raise InvalidInput(f"lease must be a positive integer, got {lease_id!r}")
+            if record.instance_id != instance_id:
+                raise InvalidInput(f"record names instance {record.instance_id!r}")
+        except InvalidInput as err:
+            log.warning("ignoring malformed ranker record at %s: %s", event.key, err)
+            self._drop_ranker(instance_id)
+            return
+        self._rankers = {**self._rankers, instance_id: record}
+        self._leases[instance_id] = lease_id
+
+    def _drop_ranker(self, instance_id: str) -> None:
+        if instance_id not in self._rankers:
+            return
+        self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
+        self._leases.pop(instance_id, None)
+        # etcd deletes the entries it holds with its lease; drop them (and those naming it) now.
+        for user in [
+            u
+            for u, e in self._entries.items()
+            if instance_id in (e.holder, e.placement.instance_id)
+        ]:
+            del self._entries[user]
+
+    def _on_directory_event(self, event: WatchEvent) -> None:
+        user_id = event.key.removeprefix(self._directory_prefix)
+        if event.kind is EventKind.DELETE or event.value is None:
+            self._apply(user_id, None, event.revision)
+            return
+        try:
+            placement = PlacementRecord.from_json(event.value)
+            holder = json.loads(event.value).get("holder")
+            if not isinstance(holder, str) or not holder:
+                raise InvalidInput(f"holder must be a non-empty string, got {holder!r}")
+            if placement.user_id != user_id:
+                raise InvalidInput(f"record names user {placement.user_id!r}")
+        except InvalidInput as err:
+            log.warning("ignoring malformed placement at %s: %s", event.key, err)
+            self._apply(user_id, None, event.revision)
+            return
+        self._apply(user_id, _Entry(placement, holder, event.revision), event.revision)
+
+    def _apply(self, user_id: str, entry: _Entry | None, revision: int) -> None:
+        """Set (or, with None, drop) the user's entry as of `revision`, unless ours is newer."""
+        current = self._entries.get(user_id)
+        if current is not None and revision < current.revision:
+            return
+        if entry is None:
+            self._entries.pop(user_id, None)
+        else:
+            self._entries[user_id] = entry
+
+
+def _with_key(record_json: bytes, key: str, value: object) -> bytes:
+    """`record_json` (a JSON object) with one more key, in the records' compact sorted form."""
+    return json.dumps(
+        {**json.loads(record_json), key: value}, sort_keys=True, separators=(",", ":")
+    ).encode()

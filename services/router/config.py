@@ -1,0 +1,41 @@
+"""The router's one typed configuration (file < env RELAYGR_ROUTER_* < flags)."""
+
+from dataclasses import dataclass, field
+
+from relaygr.config import require_positive
+from relaygr.errors import ConfigError
+
+ENV_PREFIX = "RELAYGR_ROUTER_"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    listen: str = field(default="127.0.0.1:50051", metadata=_help("gRPC listen address"))
+    etcd_endpoints: tuple[str, ...] = field(
+        default=("127.0.0.1:2379",), metadata=_help("etcd endpoints, host:port[,...]")
+    )
+    etcd_prefix: str = field(default="/relaygr", metadata=_help("etcd key prefix of the mesh"))
+    load_epsilon: float = field(
+        default=0.25, metadata=_help("a ranker over (1+eps) x mean load passes users on")
+    )
+    load_floor: float = field(
+        default=16.0, metadata=_help("mean relays per window below which nobody spills")
+    )
+    relay_window_ms: int = field(
+        default=2000, metadata=_help("how long a spilled placement is kept in the directory")
+    )
+    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
+    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self,
+            ("load_epsilon", "load_floor", "relay_window_ms", "max_message_mb", "drain_grace_s"),
+            "router",
+        )
+        if not self.etcd_endpoints:
+            raise ConfigError("router etcd_endpoints must name at least one host:port")

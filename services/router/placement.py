@@ -1,0 +1,111 @@
+"""Affinity placement policy: rendezvous hashing of users over live rankers, with bounded load."""
+
+import enum
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+class Reason(enum.StrEnum):
+    """Why a PreInfer landed where it did (carried on the router's span)."""
+
+    HASH = "hash"  # the user's plain rendezvous owner
+    SPILLED = "spilled"  # the owner was over the load bound; a later instance in the order took it
+    DIRECTORY = "directory"  # the directory records where the user's cache lives
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a PreInfer goes and what to try if that instance fails.
+
+    `order[0] == instance`; the rest is the user's ranking without it, so a failed instance is
+    followed by the next-preferred one. `record` is True exactly when `instance` is not the plain
+    hash owner (`ranking(...)[0]`): the caller must then write the placement to the directory so
+    that the user's Rank follows it.
+    """
+
+    instance: str
+    reason: Reason
+    order: tuple[str, ...]
+    record: bool
+
+
+def weight(user: str, instance: str) -> int:
+    """The user's 64-bit rendezvous weight for an instance; the same in every process."""
+    digest = hashlib.blake2b(f"{instance}\0{user}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def ranking(user: str, instances: Iterable[str]) -> list[str]:
+    """The user's preference order over distinct instances: highest weight first.
+
+    Ties (vanishingly rare at 64 bits) break by instance id, so the order never depends on the
+    order of `instances`.
+    """
+    return sorted(set(instances), key=lambda inst: (-weight(user, inst), inst))
+
+
+def load_bound(
+    loads: Mapping[str, float], instances: Iterable[str], epsilon: float, floor: float = 1.0
+) -> int:
+    """The most load any live instance may carry once one more user is placed.
+
+    ceil((1 + epsilon) * max(mean, floor)), the mean taken over the live instances after adding
+    the user (absent loads count as 0). Below `floor` nobody is overloaded: balancing a handful
+    of relays would only turn hashing noise into spills (and directory writes). The ceiling (as
+    in Mirrokni et al.'s consistent hashing with bounded loads) guarantees that, with integer
+    loads, some instance always fits: the loads sum to less than n * bound before the user is
+    added.
+    """
+    live = set(instances)
+    if not live:
+        return 0
+    mean = (sum(loads.get(inst, 0.0) for inst in live) + 1) / len(live)
+    return math.ceil((1 + epsilon) * max(mean, floor))
+
+
+def place(
+    user: str,
+    instances: Iterable[str],
+    loads: Mapping[str, float],
+    epsilon: float,
+    directory: Mapping[str, str],
+    floor: float = 1.0,
+) -> Placement | None:
+    """Where the user's PreInfer goes; None when no instance is live (the caller's UNAVAILABLE).
+
+    A directory entry naming a live instance wins, whatever its load: the user's cache is there.
+    Otherwise the first instance in the user's ranking whose load + 1 is within `load_bound`
+    takes it; if none is (possible only with fractional loads), the least-loaded does, earliest
+    in the ranking among equals.
+    """
+    order = ranking(user, instances)
+    if not order:
+        return None
+    owner = order[0]
+    recorded = directory.get(user)
+    if recorded is not None and recorded in order:
+        return _placement(recorded, Reason.DIRECTORY, order, owner)
+    bound = load_bound(loads, order, epsilon, floor)
+    fits = [inst for inst in order if loads.get(inst, 0.0) + 1 <= bound]
+    chosen = fits[0] if fits else min(order, key=lambda inst: loads.get(inst, 0.0))
+    return _placement(chosen, Reason.HASH if chosen == owner else Reason.SPILLED, order, owner)
+
+
+def route_rank(user: str, instances: Iterable[str], directory: Mapping[str, str]) -> list[str]:
+    """The order a Rank tries instances: the directory's live instance, then the ranking.
+
+    No load check: a Rank follows its PreInfer's placement. Empty when no instance is live.
+    """
+    order = ranking(user, instances)
+    recorded = directory.get(user)
+    if recorded is not None and recorded in order:
+        order.remove(recorded)
+        order.insert(0, recorded)
+    return order
+
+
+def _placement(chosen: str, reason: Reason, order: list[str], owner: str) -> Placement:
+    rest = tuple(inst for inst in order if inst != chosen)
+    return Placement(chosen, reason, (chosen, *rest), record=chosen != owner)

@@ -1,0 +1,104 @@
+"""Wires a RouterConfig into a running router: etcd views, ranker channels, gRPC server."""
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from relaygr.config import add_config_arguments, load_config
+from relaygr.errors import ConfigError
+from relaygr.etcd import EtcdClient
+from relaygr.etcd_cluster import EtcdCluster
+from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
+from relaygr.router.config import ENV_PREFIX, RouterConfig
+from relaygr.router.pool import RankerPool
+from relaygr.router.service import SERVICE_NAME, RouterServicer
+from relaygr.v1 import router_pb2_grpc
+
+MIB = 1 << 20
+_log = logging.getLogger("relaygr.router")
+
+
+@dataclass(slots=True)
+class RouterServer:
+    server: GrpcServer
+    servicer: RouterServicer
+    cluster: EtcdCluster
+    etcd: EtcdClient
+    pool: RankerPool
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def close(self) -> None:
+        await self.cluster.stop()
+        await self.etcd.close()
+        await self.pool.close()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.server.stop(grace)
+        await self.close()
+
+
+async def start_router(
+    cfg: RouterConfig, credentials: grpc.ServerCredentials | None = None
+) -> RouterServer:
+    """Serve RouterService; health turns SERVING once the etcd views are loaded."""
+    options = ServerOptions(
+        max_receive_message_bytes=cfg.max_message_mb * MIB,
+        max_send_message_bytes=cfg.max_message_mb * MIB,
+    )
+    etcd = EtcdClient(cfg.etcd_endpoints)
+    cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
+    pool = RankerPool(options.channel_args()[:2])
+    servicer = RouterServicer(
+        cluster, cluster, pool, cfg.load_epsilon, cfg.load_floor, cfg.relay_window_ms / 1e3
+    )
+    server = await start_server(
+        cfg.listen,
+        lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        options,
+        credentials,
+    )
+    await cluster.start()
+    await server.set_serving(True)
+    _log.info("router serving on port %d, %d rankers in view", server.port, len(cluster.view()))
+    return RouterServer(server, servicer, cluster, etcd, pool)
+
+
+async def _serve(cfg: RouterConfig) -> None:
+    router = await start_router(cfg)
+    print(f"relaygr router listening on port {router.port}", flush=True)
+    await install_drain_handlers(asyncio.get_running_loop(), router.server, cfg.drain_grace_s)
+    await router.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="relaygr router",
+        description="Router: sends each user's PreInfer and Rank to the same ranker.",
+    )
+    add_config_arguments(parser, RouterConfig, env_prefix=ENV_PREFIX)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(RouterConfig, args, os.environ, ENV_PREFIX)
+    except ConfigError as err:
+        parser.error(str(err))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(_serve(cfg))
+    except ConfigError as err:
+        print(f"relaygr router: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

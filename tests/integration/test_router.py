@@ -1,0 +1,251 @@
+"""Router + etcd + rankers on loopback: affinity, bounded load, failures, etcd outage."""
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
+from relaygr.ranker.model import RankingModel
+from relaygr.router.placement import ranking
+from relaygr.v1 import common_pb2
+from tests.integration.etcd_server import EtcdServer
+from tests.integration.mesh_harness import running_mesh
+from tests.integration.ranker_harness import poll, tiny_model
+from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
+
+HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
+
+
+def _scores(reply: common_pb2.RankReply) -> np.ndarray:
+    return np.array([list(t.scores) for t in reply.scores])
+
+
+def test_pre_infer_and_rank_meet_across_two_routers(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1", "r2"):
+                await mesh.add_ranker(name)
+            a, b = await mesh.add_router(), await mesh.add_router()
+            requests = [
+                rank_input(rng, prefix(rng, 12, n_user=1, user_id=f"user{i}"), 2, 2)
+                for i in range(1000)
+            ]
+            gate = asyncio.Semaphore(16)
+
+            async def relay(request) -> tuple[str, str, int]:  # type: ignore[no-untyped-def]
+                async with gate:
+                    pre = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+                    ranked = await b.Rank(rank_request_to_proto(request))
+                    return pre.instance_id, ranked.instance_id, ranked.cache_outcome
+
+            results = await asyncio.gather(*(relay(q) for q in requests))
+            same = sum(pre == ranked for pre, ranked, _ in results)
+            hits = sum(outcome == HIT for _, _, outcome in results)
+            assert same >= 999 and hits >= 999, f"same instance {same}/1000, hits {hits}/1000"
+            assert {pre for pre, _, _ in results} == {"r0", "r1", "r2"}
+            writes = sum(r.cluster.writes["put"] for r in mesh.routers)
+            # Only spills are written (hashing noise past the load bound): a few, not per request.
+            assert writes <= 20, writes
+
+    asyncio.run(scenario())
+
+
+def test_spilled_users_still_meet_their_cache(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1", "r2"):
+                await mesh.add_ranker(name)
+            a, b = await mesh.add_router(load_epsilon=0.1), await mesh.add_router()
+            router_a = mesh.routers[0]
+            # r0 looks overloaded to router a: its users must spill, be recorded, and be found.
+            for _ in range(200):
+                router_a.servicer.load.add("r0")
+            requests = [rank_input(rng, prefix(rng, 12, user_id=f"u{i}"), 2, 2) for i in range(60)]
+            owned = [
+                q for q in requests if ranking(q.prefix.user_id, ["r0", "r1", "r2"])[0] == "r0"
+            ]
+            assert owned
+            for request in owned:
+                reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+                assert reply.instance_id != "r0"
+            router_b = mesh.routers[1]
+            await poll(lambda: all(router_b.cluster.lookup(q.prefix.user_id) for q in owned))
+            for request in owned:
+                ranked = await b.Rank(rank_request_to_proto(request))
+                assert ranked.cache_outcome == HIT and ranked.instance_id != "r0"
+                assert rel_err(_scores(ranked), model.full_forward(request).numpy()) <= 1e-5
+            assert router_a.servicer.counters["placed_spilled"] == len(owned)
+
+    asyncio.run(scenario())
+
+
+def _spawn_ranker(
+    tmp_path: Path, endpoint: str, instance_id: str
+) -> tuple[subprocess.Popen[str], int]:
+    model_config = tmp_path / "model.json"
+    model_config.write_text(json.dumps(tiny_config().to_dict()))
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+            "--model-config", str(model_config), "--model-seed", "0", "--device", "cpu",
+            "--instance-id", instance_id, "--etcd-endpoints", endpoint, "--lease-ttl-s", "2",
+            "--calibration-lengths", "32,64",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    for line in process.stdout:
+        if match := re.search(r"listening on port (\d+)", line):
+            return process, int(match.group(1))
+    raise AssertionError(f"ranker exited with {process.wait()}")
+
+
+def test_kill_9_between_pre_infer_and_rank_costs_a_miss_not_a_failure(
+    etcd_server: EtcdServer, rng: np.random.Generator, tmp_path: Path
+) -> None:
+    model = RankingModel(tiny_config(), seed=0)  # the same weights as the ranker processes
+    processes = dict(_spawn_ranker(tmp_path, etcd_server.endpoint, n) for n in ("p0", "p1"))
+    names = dict(zip(("p0", "p1"), processes, strict=True))
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            router = await mesh.add_router(converge=False)
+            cluster = mesh.routers[0].cluster
+            await poll(lambda: set(cluster.view()) == {"p0", "p1"}, timeout=60)
+            requests = [rank_input(rng, prefix(rng, 20, user_id=f"k{i}"), 2, 3) for i in range(16)]
+            placed = {}
+            for request in requests:
+                reply = await router.PreInfer(pre_infer_request_to_proto(request.prefix))
+                placed[request.prefix.user_id] = reply.instance_id
+            assert set(placed.values()) == {"p0", "p1"}
+            names["p0"].send_signal(signal.SIGKILL)
+            names["p0"].wait()
+            killed_at = time.monotonic()
+            for request in requests:
+                reply = await router.Rank(rank_request_to_proto(request), timeout=10)
+                assert reply.instance_id == "p1"
+                expected = (
+                    HIT if placed[request.prefix.user_id] == "p1" else common_pb2.CACHE_OUTCOME_MISS
+                )
+                assert reply.cache_outcome == expected
+                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+            await poll(lambda: "p0" not in cluster.view(), timeout=10)
+            assert time.monotonic() - killed_at <= 2.0 + 3.0  # lease TTL, plus etcd's tick
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def test_a_new_ranker_keeps_unmoved_users_hits(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1"):
+                await mesh.add_ranker(name)
+            router = await mesh.add_router()
+            requests = [rank_input(rng, prefix(rng, 10, user_id=f"n{i}"), 2, 2) for i in range(90)]
+            for request in requests:
+                await router.PreInfer(pre_infer_request_to_proto(request.prefix))
+            await mesh.add_ranker("r2")
+            moved = 0
+            for request in requests:
+                user = request.prefix.user_id
+                reply = await router.Rank(rank_request_to_proto(request))
+                if ranking(user, ["r0", "r1", "r2"])[0] == "r2":
+                    moved += 1
+                else:
+                    assert reply.cache_outcome == HIT
+                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+            assert 0 < moved < len(requests)
+
+    asyncio.run(scenario())
+
+
+def test_serving_survives_an_etcd_outage(etcd_server: EtcdServer, rng: np.random.Generator) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1"):
+                await mesh.add_ranker(name)
+            a, b = await mesh.add_router(), await mesh.add_router()
+            etcd_server.stop()
+            for i in range(30):  # several seconds of traffic with etcd down: nothing fails
+                request = rank_input(rng, prefix(rng, 10, user_id=f"o{i}"), 2, 2)
+                await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+                reply = await b.Rank(rank_request_to_proto(request))
+                assert reply.cache_outcome == HIT  # no spill below the load floor: affine
+                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+            etcd_server.start()
+            await mesh.add_ranker("r2")  # membership is current again, nothing restarted
+            # The directory is too: a placement recorded now reaches the other router.
+            router_a, router_b = mesh.routers
+            for _ in range(200):
+                router_a.servicer.load.add("r0")
+                router_a.servicer.load.add("r1")
+            request = rank_input(rng, prefix(rng, 10, user_id="after"), 2, 2)
+            while ranking("after", ["r0", "r1", "r2"])[0] == "r2":
+                request = rank_input(rng, prefix(rng, 10, user_id=f"after{rng.integers(1e9)}"))
+            user = request.prefix.user_id
+
+            async def spilled_and_seen() -> bool:
+                reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+                return reply.instance_id == "r2" and router_b.cluster.lookup(user) == "r2"
+
+            deadline = time.monotonic() + 15
+            while not await spilled_and_seen():  # the holder's lease may be renewed once more
+                assert time.monotonic() < deadline, "placement never reached the other router"
+                await asyncio.sleep(0.2)
+            assert (await b.Rank(rank_request_to_proto(request))).cache_outcome == HIT
+
+    asyncio.run(scenario())
+
+
+def test_bad_input_and_no_ranker_statuses(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            router = await mesh.add_router()
+            request = rank_request_to_proto(rank_input(rng, prefix(rng, 10)))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await router.Rank(request)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no live ranker" in (err.value.details() or "")
+            await mesh.add_ranker("r0")
+            bad = rank_request_to_proto(rank_input(rng, prefix(rng, 10)))
+            bad.user_id = ""
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await router.Rank(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "user_id must not be empty" in (err.value.details() or "")
+            assert len((await router.Rank(request)).scores) == 2
+
+    asyncio.run(scenario())

@@ -1,0 +1,182 @@
+"""Placement policy: rendezvous determinism and consistency, bounded load, directory, Rank order."""
+
+import collections
+import math
+import random
+
+import numpy as np
+import pytest
+
+from relaygr.router.placement import (
+    Placement,
+    Reason,
+    load_bound,
+    place,
+    ranking,
+    route_rank,
+    weight,
+)
+
+INSTANCES = [f"ranker-{i}" for i in range(10)]
+USERS = [f"user-{i}" for i in range(2000)]
+
+
+def owners(instances: list[str]) -> dict[str, str]:
+    return {u: ranking(u, instances)[0] for u in USERS}
+
+
+def owned_by(instance: str, others: list[str]) -> str:
+    """A user whose hash owner among `others + [instance]` is `instance`."""
+    return next(u for u in USERS if ranking(u, [*others, instance])[0] == instance)
+
+
+# -- rendezvous hashing --------------------------------------------------------------------
+
+
+def test_weight_is_pinned_blake2b_of_instance_nul_user() -> None:
+    # Routers of different versions and processes must agree: the scheme is fixed, not `hash`.
+    assert weight("alice", "ranker-0") == 0x494058B62A1F8BFC
+    assert ranking("alice", ["ranker-0", "ranker-1", "ranker-2"]) == [
+        "ranker-2",
+        "ranker-1",
+        "ranker-0",
+    ]
+
+
+def test_ranking_is_deterministic_and_ignores_instance_order() -> None:
+    shuffled = INSTANCES[:]
+    random.Random(7).shuffle(shuffled)
+    for user in USERS[:200]:
+        first = ranking(user, INSTANCES)
+        assert sorted(first) == sorted(INSTANCES)
+        assert ranking(user, INSTANCES) == first
+        assert ranking(user, reversed(INSTANCES)) == first
+        assert ranking(user, shuffled) == first
+        assert ranking(user, [*INSTANCES, INSTANCES[0]]) == first  # duplicates collapse
+
+
+def test_adding_an_instance_moves_only_users_it_wins() -> None:
+    before = owners(INSTANCES)
+    after = owners([*INSTANCES, "ranker-new"])
+    moved = [u for u in USERS if after[u] != before[u]]
+    assert all(after[u] == "ranker-new" for u in moved)
+    expected = len(USERS) / (len(INSTANCES) + 1)  # ~182; binomial sd ~13
+    assert abs(len(moved) - expected) < 0.3 * expected
+
+
+def test_removing_an_instance_moves_only_its_users() -> None:
+    before = owners(INSTANCES)
+    gone = INSTANCES[3]
+    after = owners([i for i in INSTANCES if i != gone])
+    for user in USERS:
+        if before[user] == gone:
+            assert after[user] == ranking(user, INSTANCES)[1]  # its next choice
+        else:
+            assert after[user] == before[user]
+
+
+# -- bounded load --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_flight", [None, 400], ids=["resident", "in-flight"])
+def test_zipf_stream_never_exceeds_the_bound(
+    rng: np.random.Generator, in_flight: int | None
+) -> None:
+    """5,000 placements of Zipf-skewed users; `in_flight` caps live load by random completions."""
+    instances, epsilon = INSTANCES[:8], 0.25
+    loads: collections.Counter[str] = collections.Counter()
+    live: list[str] = []
+    reasons: collections.Counter[Reason] = collections.Counter()
+    for k in rng.zipf(1.2, size=5000):
+        user = f"user-{k}"
+        bound = math.ceil((1 + epsilon) * max((sum(loads.values()) + 1) / len(instances), 1))
+        p = place(user, instances, loads, epsilon, {})
+        assert p is not None
+        order = ranking(user, instances)
+        # the first instance in the user's order that fits, each one before it over the bound
+        assert loads[p.instance] + 1 <= bound
+        skipped = order[: order.index(p.instance)]
+        assert all(loads[i] + 1 > bound for i in skipped)
+        assert p.order == (p.instance, *skipped, *order[len(skipped) + 1 :])
+        assert p.record == (p.reason is Reason.SPILLED) == (p.instance != order[0])
+        reasons[p.reason] += 1
+        loads[p.instance] += 1
+        live.append(p.instance)
+        if in_flight is None:
+            assert max(loads.values()) <= bound  # the bound only grows: a global invariant
+        elif len(live) > in_flight:
+            loads[live.pop(int(rng.integers(len(live))))] -= 1
+    assert reasons[Reason.SPILLED] > 0 and reasons[Reason.HASH] > 0
+    assert reasons[Reason.DIRECTORY] == 0
+
+
+def test_bound_is_ceiling_of_one_plus_epsilon_times_mean_after_adding() -> None:
+    assert load_bound({"a": 1, "b": 1}, ["a", "b"], 0.25) == 2  # ceil(1.25 * 1.5)
+    assert load_bound({"a": 9, "b": 9, "gone": 100}, ["a", "b"], 0.5) == 15  # ceil(1.5 * 9.5)
+    assert load_bound({}, ["a", "b", "c"], 0.25) == 2  # the mean is floored at 1
+    assert load_bound({}, [], 0.25) == 0
+
+
+def test_owner_at_the_bound_spills_to_the_next_in_order() -> None:
+    user = "alice"
+    owner, second = ranking(user, ["a", "b"])
+    assert place(user, ["a", "b"], {owner: 1, second: 1}, 0.25, {}) == Placement(
+        owner, Reason.HASH, (owner, second), record=False
+    )
+    assert place(user, ["a", "b"], {owner: 2, second: 0}, 0.25, {}) == Placement(
+        second, Reason.SPILLED, (second, owner), record=True
+    )
+
+
+def test_fractional_loads_with_no_fit_take_the_least_loaded() -> None:
+    user = "alice"
+    owner, second = ranking(user, ["a", "b"])
+    # bound = ceil(1.0 * 5.7 / 2) = 3; 2.5 + 1 and 2.2 + 1 are both over it
+    p = place(user, ["a", "b"], {owner: 2.5, second: 2.2}, 0.0, {})
+    assert load_bound({owner: 2.5, second: 2.2}, ["a", "b"], 0.0) == 3
+    assert p == Placement(second, Reason.SPILLED, (second, owner), record=True)
+
+
+# -- directory -----------------------------------------------------------------------------
+
+
+def test_live_directory_entry_wins_even_when_overloaded() -> None:
+    user = "alice"
+    order = ranking(user, INSTANCES)
+    recorded = order[4]
+    loads = {recorded: 1_000}
+    p = place(user, INSTANCES, loads, 0.25, {user: recorded, "bob": order[0]})
+    expected_order = (recorded, *order[:4], *order[5:])
+    assert p == Placement(recorded, Reason.DIRECTORY, expected_order, record=True)
+    # an entry naming the hash owner needs no new record
+    p = place(user, INSTANCES, {}, 0.25, {user: order[0]})
+    assert p == Placement(order[0], Reason.DIRECTORY, tuple(order), record=False)
+
+
+def test_directory_entry_for_a_dead_instance_is_ignored() -> None:
+    user = "alice"
+    p = place(user, INSTANCES, {}, 0.25, {user: "ranker-dead"})
+    order = ranking(user, INSTANCES)
+    assert p == Placement(order[0], Reason.HASH, tuple(order), record=False)
+
+
+def test_route_rank_follows_the_directory_then_the_ranking() -> None:
+    user = "alice"
+    order = ranking(user, INSTANCES)
+    assert route_rank(user, INSTANCES, {}) == order
+    assert route_rank(user, INSTANCES, {user: order[2]}) == [order[2], *order[:2], *order[3:]]
+    assert route_rank(user, INSTANCES, {user: "ranker-dead"}) == order
+    assert route_rank(user, INSTANCES, {"bob": order[2]}) == order
+
+
+def test_rank_follows_a_spilled_preinfer() -> None:
+    user = owned_by("b", ["a"])
+    p = place(user, ["a", "b"], {"b": 5}, 0.25, {})
+    assert p is not None and p.record and p.instance == "a"
+    assert route_rank(user, ["a", "b"], {user: p.instance}) == ["a", "b"]
+
+
+def test_no_live_instances() -> None:
+    assert ranking("alice", []) == []
+    assert place("alice", [], {"a": 1}, 0.25, {"alice": "a"}) is None
+    assert route_rank("alice", [], {"alice": "a"}) == []
