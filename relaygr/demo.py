@@ -5,15 +5,17 @@ exist; the comparison it prints is the same question: what does the ranking stag
 """
 
 import argparse
+import secrets
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import torch
 
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.model_config import ModelConfig
 
@@ -32,7 +34,9 @@ def _request(rng: np.random.Generator, n_long: int) -> RankInput:
         )
 
     prefix = Prefix(
-        f"user-{n_long}", rng.integers(0, 1 << 40, USER_FEATURES), behaviours(n_long, T0, 10**8)
+        UserId(f"user-{n_long}"),
+        rng.integers(0, 1 << 40, USER_FEATURES),
+        behaviours(n_long, T0, 10**8),
     )
     short = behaviours(SHORT_TERM, T0 + 10**8, 3600)
     return RankInput(prefix, short, rng.integers(0, 1 << 50, CANDIDATES), T0 + 10**8 + 3600)
@@ -55,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: random)")
     args = parser.parse_args(argv)
 
-    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**32)
     rng = np.random.default_rng(seed)
     lengths = [512, 2048] if args.quick else [1024, 2048, 4096, 8192]
     model = RankingModel(ModelConfig(), seed=0, device=args.device)
@@ -74,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n_long in lengths:
         request = _request(rng, n_long)
         kv = model.prefill(request.prefix)  # warm-up, and the cache the ranking stage consumes
-        prefill_ms = _median_ms(lambda r=request: model.prefill(r.prefix), 1)
+        prefill_ms = _median_ms(partial(model.prefill, request.prefix), 1)
 
         def cached(kv=kv, r=request) -> torch.Tensor:
             return model.rank(kv, r.short_term, r.candidates, r.request_ts)

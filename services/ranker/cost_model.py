@@ -3,11 +3,12 @@
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
+from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
 from relaygr.ranker.model import RankingModel
 
 
@@ -70,8 +71,8 @@ def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostMo
         if (coef >= 0).all():
             break
         active &= coef > 0
-    coef = np.clip(coef, 0.0, None)
-    return CostModel(*map(float, coef), reload_ms_per_mb=reload_ms_per_mb)
+    fixed, per_token, per_pair, per_candidate_key = (float(c) for c in np.clip(coef, 0.0, None))
+    return CostModel(fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb)
 
 
 def calibrate(
@@ -101,12 +102,12 @@ def calibrate(
             rng.integers(1, model.cfg.num_actions, length),
             np.arange(length, dtype=np.int64) * 60 + 1_700_000_000,
         )
-        prefix = Prefix("calibration", np.zeros(0, np.int64), behaviours)
+        prefix = Prefix(UserId("calibration"), np.zeros(0, np.int64), behaviours)
         items = rng.integers(0, 1 << 40, candidates)
         request = RankInput(prefix, Behaviours.empty(), items, 1_800_000_000)
         model.prefill(prefix)  # warm-up at this size
-        samples.append(Sample(length, 0, timed(lambda p=prefix: model.prefill(p))))
-        samples.append(Sample(length, candidates, timed(lambda r=request: model.full_forward(r))))
+        samples.append(Sample(length, 0, timed(partial(model.prefill, prefix))))
+        samples.append(Sample(length, candidates, timed(partial(model.full_forward, request))))
     return fit_cost_model(samples, reload_ms_per_mb=_reload_ms_per_mb(model.device, timer))
 
 
