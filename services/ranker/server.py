@@ -1,11 +1,9 @@
 """Wires a RankerConfig into a running ranker: model, calibration, KV store, scheduler, gRPC."""
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -16,7 +14,6 @@ import grpc
 import torch
 
 from relaygr.cluster import RankerRecord
-from relaygr.config import add_config_arguments, load_config
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.etcd import EtcdClient
@@ -32,6 +29,7 @@ from relaygr.ranker.model_config import ModelConfig
 from relaygr.ranker.prefix_kv import PrefixKV
 from relaygr.ranker.scheduler import ComputeScheduler, Priority
 from relaygr.ranker.service import SERVICE_NAME, RankerServicer
+from relaygr.service_main import service_main
 from relaygr.v1 import ranker_pb2_grpc
 
 _log = logging.getLogger("relaygr.ranker")
@@ -180,6 +178,7 @@ async def start_ranker(
 
 
 async def _serve(cfg: RankerConfig) -> None:
+    torch.set_grad_enabled(False)
     ranker = await start_ranker(cfg)
     print(f"relaygr ranker listening on port {ranker.port}", flush=True)
     done = install_drain_handlers(
@@ -189,24 +188,14 @@ async def _serve(cfg: RankerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return service_main(
+        argv,
         prog="relaygr ranker",
         description="Ranker: holds prefix KV caches, scores candidates (relaygr.v1.RankerService).",
+        config_cls=RankerConfig,
+        env_prefix=ENV_PREFIX,
+        serve=_serve,
     )
-    add_config_arguments(parser, RankerConfig, env_prefix=ENV_PREFIX)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(RankerConfig, args, os.environ, ENV_PREFIX)
-    except ConfigError as err:
-        parser.error(str(err))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    torch.set_grad_enabled(False)
-    try:
-        asyncio.run(_serve(cfg))
-    except ConfigError as err:
-        print(f"relaygr ranker: {err}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,23 +1,20 @@
 """Wires a RouterConfig into a running router: etcd views, ranker channels, gRPC server."""
 
-import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from relaygr.config import add_config_arguments, load_config
-from relaygr.errors import ConfigError
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
 from relaygr.router.config import ENV_PREFIX, RouterConfig
 from relaygr.router.pool import RankerPool
 from relaygr.router.service import SERVICE_NAME, RouterServicer
+from relaygr.service_main import service_main
 from relaygr.v1 import router_pb2_grpc
 
 MIB = 1 << 20
@@ -81,23 +78,14 @@ async def _serve(cfg: RouterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return service_main(
+        argv,
         prog="relaygr router",
         description="Router: sends each user's PreInfer and Rank to the same ranker.",
+        config_cls=RouterConfig,
+        env_prefix=ENV_PREFIX,
+        serve=_serve,
     )
-    add_config_arguments(parser, RouterConfig, env_prefix=ENV_PREFIX)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(RouterConfig, args, os.environ, ENV_PREFIX)
-    except ConfigError as err:
-        parser.error(str(err))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        asyncio.run(_serve(cfg))
-    except ConfigError as err:
-        print(f"relaygr router: {err}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":
