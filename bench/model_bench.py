@@ -384,7 +384,7 @@ def render_section(result: dict[str, Any]) -> str:
     lines = [
         "## Model: full inference vs cached rank",
         "",
-        f"Reproduce: `make bench` (runs `{result['command']}`); this run used seed "
+        f"Reproduce: `make bench-model` (runs `{result['command']}`); this run used seed "
         f"{result['seed']}, i.e. `{COMMAND} --seed {result['seed']}"
         f" --threads {machine['threads']}`.",
         "",
