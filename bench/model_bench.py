@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from report import machine_info, write_section
 
+from relaygr.ranker import synthetic
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.model_config import ModelConfig
@@ -143,11 +144,7 @@ def random_behaviours(
     cfg: ModelConfig, rng: np.random.Generator, count: int, start_ts: int, end_ts: int
 ) -> Behaviours:
     """`count` behaviours with random items and actions, timestamps sorted in [start, end)."""
-    return Behaviours.of(
-        rng.integers(0, 1 << 40, size=count),
-        rng.integers(1, cfg.num_actions, size=count),
-        np.sort(rng.integers(start_ts, end_ts, size=count)),
-    )
+    return synthetic.random_behaviours(rng, count, start_ts, end_ts - start_ts, cfg.num_actions)
 
 
 def random_request(cfg: ModelConfig, rng: np.random.Generator, long_term: int) -> RankInput:

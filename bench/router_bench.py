@@ -27,6 +27,7 @@ from relaygr.etcd_server import EtcdServer, find_etcd_binary
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
 from relaygr.ranker.model_config import ModelConfig
+from relaygr.ranker.synthetic import random_behaviours
 from relaygr.v1 import ranker_pb2_grpc, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +60,7 @@ def etcd_writes(server: EtcdServer) -> float:
 
 def request(rng: np.random.Generator, user: int) -> RankInput:
     def behaviours(n: int) -> Behaviours:
-        return Behaviours.of(
-            rng.integers(0, 1 << 40, n), rng.integers(1, 16, n),
-            np.sort(rng.integers(1_700_000_000, 1_700_100_000, n)),
-        )  # fmt: skip
+        return random_behaviours(rng, n, 1_700_000_000, 100_000)
 
     prefix = Prefix(UserId(f"user-{user}"), rng.integers(0, 1 << 30, 4), behaviours(256))
     return RankInput(prefix, behaviours(16), rng.integers(0, 1 << 40, 16), 1_700_200_000)

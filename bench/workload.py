@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
+from relaygr.ranker.synthetic import random_behaviours
 
 T0 = 1_700_000_000
 
@@ -51,11 +52,7 @@ class Population:
         self.weights = ranks**-self.spec.zipf_s / np.sum(ranks**-self.spec.zipf_s)
 
     def _behaviours(self, n: int, start: int) -> Behaviours:
-        return Behaviours.of(
-            self.rng.integers(0, 1 << 50, n),
-            self.rng.integers(1, 16, n),
-            start + np.sort(self.rng.integers(0, 3600, n)),
-        )
+        return random_behaviours(self.rng, n, start, 3600)
 
     def _history(self, user: int, now: int) -> Prefix:
         spec = self.spec

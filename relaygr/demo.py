@@ -15,9 +15,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
+from relaygr.ranker.inputs import Prefix, RankInput, UserId
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.model_config import ModelConfig
+from relaygr.ranker.synthetic import random_behaviours
 
 SHORT_TERM = 128
 CANDIDATES = 256
@@ -26,19 +27,12 @@ T0 = 1_700_000_000
 
 
 def _request(rng: np.random.Generator, n_long: int) -> RankInput:
-    def behaviours(n: int, start: int, span: int) -> Behaviours:
-        return Behaviours.of(
-            rng.integers(0, 1 << 50, n),
-            rng.integers(1, 16, n),
-            np.sort(rng.integers(start, start + span, n)),
-        )
-
     prefix = Prefix(
         UserId(f"user-{n_long}"),
         rng.integers(0, 1 << 40, USER_FEATURES),
-        behaviours(n_long, T0, 10**8),
+        random_behaviours(rng, n_long, T0, 10**8),
     )
-    short = behaviours(SHORT_TERM, T0 + 10**8, 3600)
+    short = random_behaviours(rng, SHORT_TERM, T0 + 10**8, 3600)
     return RankInput(prefix, short, rng.integers(0, 1 << 50, CANDIDATES), T0 + 10**8 + 3600)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
 from relaygr.ranker.model import RankingModel
+from relaygr.ranker.synthetic import random_behaviours
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +98,8 @@ def calibrate(
         return best
 
     for length in lengths:
-        behaviours = Behaviours.of(
-            rng.integers(0, 1 << 40, length),
-            rng.integers(1, model.cfg.num_actions, length),
-            np.arange(length, dtype=np.int64) * 60 + 1_700_000_000,
+        behaviours = random_behaviours(
+            rng, length, 1_700_000_000, 60 * length, model.cfg.num_actions
         )
         prefix = Prefix(UserId("calibration"), np.zeros(0, np.int64), behaviours)
         items = rng.integers(0, 1 << 40, candidates)

@@ -11,7 +11,7 @@ import grpc
 from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
 from relaygr.errors import Unavailable
 from relaygr.router.load import WindowedLoad
-from relaygr.router.placement import place, ranking, route_rank
+from relaygr.router.placement import place, route_rank
 from relaygr.router.pool import RankerPool
 from relaygr.v1 import common_pb2, router_pb2_grpc
 
@@ -64,7 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         reply, instance = await self._forward(placement.order, view, "PreInfer", request, context)
         self.load.add(instance)
         self.counters[f"placed_{placement.reason}"] += 1
-        if instance != ranking(user, view)[0]:
+        if placement.record or instance != placement.instance:  # not where hashing sends it
             await self._record(user, instance)
         return reply
 

@@ -4,6 +4,7 @@ import numpy as np
 
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
 from relaygr.ranker.model_config import ModelConfig
+from relaygr.ranker.synthetic import random_behaviours
 
 T0 = 1_700_000_000
 
@@ -29,11 +30,7 @@ def tiny_config(**overrides: object) -> ModelConfig:
 
 
 def behaviours(rng: np.random.Generator, n: int, start: int = T0, span: int = 10**7) -> Behaviours:
-    return Behaviours.of(
-        rng.integers(0, 1 << 50, n),
-        rng.integers(1, 16, n),
-        np.sort(rng.integers(start, start + span, n)),
-    )
+    return random_behaviours(rng, n, start, span)
 
 
 def prefix(rng: np.random.Generator, n_long: int, n_user: int = 4, user_id: str = "u") -> Prefix:
