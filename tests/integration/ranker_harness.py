@@ -1,8 +1,6 @@
 """A real ranker gRPC server on loopback around a tiny model, and helpers to drive it."""
 
-import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -16,6 +14,7 @@ from relaygr.ranker.model import RankingModel
 from relaygr.ranker.scheduler import Priority
 from relaygr.ranker.server import RankerServer, start_ranker
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
+from tests.polling import eventually
 from tests.unit.ranker.factories import tiny_config
 
 # Reloading a host copy is cheap, recomputing is not: the shape every real device has.
@@ -66,12 +65,7 @@ async def running_ranker(
 
 
 async def poll(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until `condition()` holds, checking often; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.002)
+    await eventually(condition, timeout_s=timeout)
 
 
 class Gate:

@@ -6,7 +6,6 @@ import asyncio
 import re
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,9 @@ import pytest
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.etcd import EtcdClient, EventKind, Lease, WatchEvent
 from tests.integration.etcd_server import EtcdServer
+from tests.polling import eventually
 
 TTL_S = 2  # etcd's smallest lease TTL with default election settings
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float) -> None:
-    """Poll `check` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.05)
 
 
 def test_put_get_prefix_delete_round_trip(etcd_server: EtcdServer) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -14,6 +13,7 @@ from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
 from tests.integration.etcd_server import EtcdServer
+from tests.polling import eventually
 
 TTL_S = 2  # etcd's smallest lease TTL with default election settings
 DIRECTORY = "/relaygr/directory/"
@@ -33,23 +33,6 @@ def ranker(instance_id: str) -> RankerRecord:
         per_candidate_key_ms=0.002,
         reload_ms_per_mb=0.1,
     )
-
-
-async def until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    """Poll `check` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.02)
-
-
-async def until_async(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.1)
 
 
 class Clock:
@@ -77,14 +60,14 @@ def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) ->
             await router_client.put(DIRECTORY + "bad", b"[]")
             await ranker_side.register(ranker("r0"), TTL_S)
             await ranker_side.register(ranker("r1"), TTL_S)
-            await until(lambda: set(router_side.view()) == {"r0", "r1"}, "both rankers seen")
+            await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "both rankers seen")
             assert router_side.view()["r1"] == ranker("r1")
             snapshot = router_side.view()
 
             # r0 holds (its lease carries) a placement on r1: a spill-over.
             assert await router_side.record(PlacementRecord("u1", "r1", 1010.0), "r0")
             assert router_side.lookup("u1") == "r1"  # the writer sees its own record at once
-            await until(lambda: ranker_side.lookup("u1") == "r1", "seen on the other side")
+            await eventually(lambda: ranker_side.lookup("u1") == "r1", "seen on the other side")
             assert not await router_side.record(PlacementRecord("u2", "r1", 1010.0), "ghost")
             assert router_side.lookup("u2") is None
             assert router_side.lookup("bad") is None
@@ -95,7 +78,7 @@ def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) ->
             assert router_side.lookup("u1") == "r1"
 
             await ranker_side.deregister("r0")
-            await until(lambda: set(router_side.view()) == {"r1"}, "r0 leaves the other view")
+            await eventually(lambda: set(router_side.view()) == {"r1"}, "r0 leaves the other view")
             assert set(snapshot) == {"r0", "r1"}, "a view is a snapshot"
             assert router_side.lookup("u1") is None, "the entry went with its holder"
             assert (await router_client.get_prefix(DIRECTORY))[0].keys() == {DIRECTORY + "bad"}
@@ -117,7 +100,7 @@ def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(etcd_server: Et
             await router_side.start()
             await ranker_side.register(ranker("r0"), TTL_S)
             await ranker_side.register(ranker("r1"), TTL_S)
-            await until(lambda: set(router_side.view()) == {"r0", "r1"}, "rankers seen")
+            await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "rankers seen")
             expires_at = time.time() + 60
             assert await router_side.record(PlacementRecord("u0", "r0", expires_at), "r0")
             assert await router_side.record(PlacementRecord("u1", "r1", expires_at), "r1")
@@ -125,7 +108,9 @@ def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(etcd_server: Et
             await ranker_client.close()  # the rankers' process dies: no keepalive, no revoke
             await router_side.deregister("r0")  # not registered by the router: left alone
             died = time.monotonic()
-            await until(lambda: set(router_side.view()) == set(), "dead rankers leave", TTL_S + 2)
+            await eventually(
+                lambda: set(router_side.view()) == set(), "dead rankers leave", TTL_S + 2
+            )
             # etcd checks expiry every 0.5 s; the last keepalive may have been TTL/3 before.
             assert time.monotonic() - died < TTL_S + 1.0
             assert router_side.lookup("u0") is None and router_side.lookup("u1") is None
@@ -146,7 +131,7 @@ def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) ->
             await ranker_side.start()
             await router_side.start()
             await ranker_side.register(ranker("r0"), TTL_S)
-            await until(lambda: "r0" in router_side.view(), "r0 seen")
+            await eventually(lambda: "r0" in router_side.view(), "r0 seen")
             assert await router_side.record(PlacementRecord("u1", "r0", time.time() + 60), "r0")
 
             await asyncio.to_thread(etcd_server.stop)
@@ -170,8 +155,8 @@ def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) ->
                     return False
                 return "/relaygr/rankers/r0" in values
 
-            await until_async(r0_in_etcd, "r0 still or again registered", timeout_s=10)
-            await until(lambda: "r0" in router_side.view(), "r0 in the view")
+            await eventually(r0_in_etcd, "r0 still or again registered", timeout_s=10)
+            await eventually(lambda: "r0" in router_side.view(), "r0 in the view")
 
             # A record may still go under r0's pre-outage lease (which etcd restored and then lets
             # lapse, as r0 moved to a new one): repeat it until the other side sees it.
@@ -184,9 +169,9 @@ def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) ->
                     await router_side.record(placement, "r0")
                 return False
 
-            await until_async(recorded_and_seen, "a post-outage record seen", timeout_s=10)
+            await eventually(recorded_and_seen, "a post-outage record seen", timeout_s=10)
             await ranker_side.register(ranker("r1"), TTL_S)
-            await until(lambda: "r1" in router_side.view(), "a post-outage ranker seen")
+            await eventually(lambda: "r1" in router_side.view(), "a post-outage ranker seen")
         finally:
             await ranker_side.stop()
             await router_side.stop()
@@ -205,7 +190,7 @@ def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServe
             await cluster.start()
             await cluster.register(ranker("r0"), TTL_S)
             assert cluster.writes == {"lease_grant": 1, "put": 1}
-            await until(lambda: "r0" in cluster.view(), "r0 seen")
+            await eventually(lambda: "r0" in cluster.view(), "r0 seen")
             for i in range(5):
                 placement = PlacementRecord(f"u{i}", "r0", 1010.0 if i < 2 else 1100.0)
                 assert await cluster.record(placement, "r0")
