@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "ranker": ("relaygr.ranker.server", "serve RankerService: prefix KV caches and ranking"),
     "router": ("relaygr.router.server", "serve RouterService: affine placement of relays"),
+    "trigger": ("relaygr.trigger.server", "serve TriggerService: which requests to relay"),
     "demo": ("relaygr.demo", "in-process relay demo: pre-infer, rank, compare"),
 }
 

@@ -106,6 +106,9 @@ class Directory(Protocol):
         Returns False (and records nothing) when the holder is not a live member.
         """
 
+    def entry(self, user_id: str) -> PlacementRecord | None:
+        """The user's live placement, or None when absent or expired."""
+
     def lookup(self, user_id: str) -> str | None:
         """The recorded instance for the user, or None when absent or expired."""
 
@@ -147,7 +150,7 @@ class MemoryCluster:
         self._placements[placement.user_id] = (placement, holder_instance_id)
         return True
 
-    def lookup(self, user_id: str) -> str | None:
+    def entry(self, user_id: str) -> PlacementRecord | None:
         entry = self._placements.get(user_id)
         if entry is None:
             return None
@@ -155,7 +158,11 @@ class MemoryCluster:
         if self._clock() >= placement.expires_at:
             del self._placements[user_id]
             return None
-        return placement.instance_id
+        return placement
+
+    def lookup(self, user_id: str) -> str | None:
+        placement = self.entry(user_id)
+        return None if placement is None else placement.instance_id
 
     async def forget_instance(self, instance_id: str) -> None:
         self._placements = {

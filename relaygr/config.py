@@ -251,3 +251,27 @@ def require_positive(config: object, names: Sequence[str], what: str) -> None:
         value = getattr(config, name)
         if value <= 0:
             raise ConfigError(f"{what} {name} must be > 0, got {value}")
+
+
+def override_config(base: T, data: Mapping[str, Any], allowed: Sequence[str], source: str) -> T:
+    """`base` with the fields in `data` (JSON/TOML values) replaced, validated like the rest.
+
+    Only fields named in `allowed` may change; an unknown or disallowed key, a value of the
+    wrong type, or one that `__post_init__` refuses raises ConfigError naming it and `source`.
+    """
+    fields = dict((f.name, tp) for f, tp in _fields(type(base)))
+    bad = sorted(k for k in data if k not in allowed or k not in fields)
+    if bad:
+        raise ConfigError(f"{source}: keys {bad} cannot be set here; allowed: {list(allowed)}")
+    values: dict[str, Any] = {}
+    for name, raw in data.items():
+        try:
+            values[name] = _convert(fields[name], raw, False)
+        except _BadValue as err:
+            raise ConfigError(
+                f"{source}: {name}: invalid value {raw!r}; expected {_describe(fields[name])}"
+            ) from err
+    try:
+        return dataclasses.replace(base, **values)  # type: ignore[type-var]
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from err

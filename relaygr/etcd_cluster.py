@@ -62,6 +62,7 @@ class EtcdCluster:
         self._rankers: dict[str, RankerRecord] = {}
         self._leases: dict[str, int] = {}  # instance id -> lease id of its record, as last seen
         self._entries: dict[str, _Entry] = {}  # user id -> entry
+        self._recorded: set[str] = set()  # users whose entry this process last wrote
         self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
         self._watches: list[Watch] = []
         self.writes: Counter[str] = Counter()
@@ -149,17 +150,21 @@ class EtcdCluster:
             log.info("placement of %s not recorded: %s", placement.user_id, err)
             return False
         self.writes["put"] += 1
+        self._recorded.add(placement.user_id)
         self._apply(placement.user_id, _Entry(placement, holder_instance_id, revision), revision)
         return True
 
-    def lookup(self, user_id: str) -> str | None:
+    def entry(self, user_id: str) -> PlacementRecord | None:
         entry = self._entries.get(user_id)
         if entry is None or self._clock() >= entry.placement.expires_at:
             return None
-        instance_id = entry.placement.instance_id
-        if instance_id not in self._rankers or entry.holder not in self._rankers:
+        if entry.placement.instance_id not in self._rankers or entry.holder not in self._rankers:
             return None
-        return instance_id
+        return entry.placement
+
+    def lookup(self, user_id: str) -> str | None:
+        placement = self.entry(user_id)
+        return None if placement is None else placement.instance_id
 
     async def forget_instance(self, instance_id: str) -> None:
         """Delete every entry held by or placed on the instance, in etcd and locally."""
@@ -173,15 +178,27 @@ class EtcdCluster:
             self.writes["delete"] += 1
             self._entries.pop(user, None)
 
-    async def purge_expired(self) -> int:
-        """Delete the entries expired by `clock()` from etcd (their holder's lease outlives them);
-        return how many. Run it now and then: writes grow with placements, not requests."""
+    async def purge_expired(self, others_after_s: float = math.inf) -> int:
+        """Delete expired entries from etcd (their holder's lease outlives them); return how many.
+
+        Deletes the expired entries this process recorded, and those recorded elsewhere that
+        expired more than `others_after_s` ago (left by a writer that is gone). Each router
+        purging its own keeps etcd's directory as large as the live placements, and deletes do
+        not repeat across routers. Writes follow placements, not requests.
+        """
         now = self._clock()
-        users = [u for u, e in self._entries.items() if now >= e.placement.expires_at]
+        self._recorded.intersection_update(self._entries)  # forget entries gone otherwise
+        users = [
+            user
+            for user, entry in self._entries.items()
+            if now >= entry.placement.expires_at
+            and (user in self._recorded or now >= entry.placement.expires_at + others_after_s)
+        ]
         for user in users:
             await self._etcd.delete(self._directory_prefix + user)
             self.writes["delete"] += 1
             self._entries.pop(user, None)
+            self._recorded.discard(user)
         return len(users)
 
     # Watch callbacks and helpers

@@ -66,6 +66,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     Streaming and synchronous handlers pass through unchanged.
     """
 
+    def __init__(self) -> None:
+        # method -> (the handler it wrapped, the guarded handler): built once, not per call
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -74,11 +78,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not inspect.iscoroutinefunction(handler.unary_unary):
             return handler
-        return grpc.unary_unary_rpc_method_handler(
-            _guarded(handler.unary_unary, handler_call_details.method),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        method = handler_call_details.method
+        cached = self._guarded.get(method)
+        if cached is None or cached[0] is not handler:
+            guarded = grpc.unary_unary_rpc_method_handler(
+                _guarded(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+            cached = self._guarded[method] = (handler, guarded)
+        return cached[1]
 
 
 def _guarded(behaviour: UnaryBehaviour, method: str) -> UnaryBehaviour:

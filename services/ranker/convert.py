@@ -4,7 +4,7 @@ import numpy as np
 
 from relaygr.errors import InvalidInput
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
-from relaygr.v1 import common_pb2
+from relaygr.v1 import common_pb2, trigger_pb2
 
 MAX_ID_BYTES = 256
 
@@ -26,7 +26,7 @@ def _check_ids(request_id: str, user_id: str) -> None:
 
 
 def prefix_from_proto(
-    request: common_pb2.PreInferRequest | common_pb2.RankRequest,
+    request: common_pb2.PreInferRequest | common_pb2.RankRequest | trigger_pb2.RetrievalEvent,
 ) -> Prefix:
     _check_ids(request.request_id, request.user_id)
     return Prefix(

@@ -1,4 +1,4 @@
-"""Calibrated latency model of one ranker: fitted at start-up, used by trigger and reload policy."""
+"""Calibration of a ranker's latency model (`relaygr.cost.CostModel`) at start-up."""
 
 import time
 from collections.abc import Callable, Sequence
@@ -8,42 +8,10 @@ from functools import partial
 import numpy as np
 import torch
 
+from relaygr.cost import CostModel
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.synthetic import random_behaviours
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Milliseconds for `t` history tokens and `c` candidates (see ranker.proto CostModel).
-
-    full = fixed + per_token * (t + c) + per_pair * t^2 / 2 + per_candidate_key * c * t
-    prefill = fixed + per_token * t + per_pair * t^2 / 2
-    """
-
-    fixed_ms: float
-    per_token_ms: float
-    per_pair_ms: float
-    per_candidate_key_ms: float
-    reload_ms_per_mb: float
-
-    def full_ms(self, tokens: int, candidates: int) -> float:
-        return (
-            self.fixed_ms
-            + self.per_token_ms * (tokens + candidates)
-            + self.per_pair_ms * tokens * tokens / 2
-            + self.per_candidate_key_ms * candidates * tokens
-        )
-
-    def prefill_ms(self, tokens: int) -> float:
-        return self.fixed_ms + self.per_token_ms * tokens + self.per_pair_ms * tokens * tokens / 2
-
-    def reload_ms(self, nbytes: int) -> float:
-        return self.reload_ms_per_mb * nbytes / 2**20
-
-    def reload_is_cheaper(self, nbytes: int, tokens: int) -> bool:
-        """Bring a host copy back rather than recompute the prefix?"""
-        return self.reload_ms(nbytes) < self.prefill_ms(tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, ResourceExhausted, Unavailable
-from relaygr.ranker.cost_model import CostModel
 from relaygr.ranker.digest import PrefixHasher
 from relaygr.ranker.inputs import Prefix, RankInput, validate_prefix, validate_rank_input
 from relaygr.ranker.kv_store import CacheKey, KVStore, Tier
@@ -200,7 +200,7 @@ class RankerEngine:
         return CacheKey(prefix.user_id, self.model.model_version, digest)
 
     def _expected_bytes(self, tokens: int) -> int:
-        return tokens * (self.model.cfg.kv_bytes_per_token + 8)  # K/V + int64 timestamp
+        return tokens * self.model.cfg.cache_bytes_per_token
 
     def _free_for_pins(self) -> int:
         usage = self.store.usage(Tier.HBM)

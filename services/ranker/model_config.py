@@ -2,23 +2,34 @@
 
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from relaygr.config import require_positive
 from relaygr.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 
 class KVDtype(StrEnum):
-    """Storage dtype of cached K/V; compute stays float32 whatever is stored."""
+    """Storage dtype of cached K/V; compute stays float32 whatever is stored.
+
+    This module does not import torch at run time, so services that only read model shapes
+    (trigger, router) stay light.
+    """
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def element_bytes(self) -> int:
+        return 4 if self is KVDtype.FLOAT32 else 2
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
         return {
             KVDtype.FLOAT32: torch.float32,
             KVDtype.BFLOAT16: torch.bfloat16,
@@ -73,8 +84,13 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached prefix token holds: every layer's K and V in the storage dtype."""
-        element = torch.empty((), dtype=self.kv_dtype.torch_dtype).element_size()
+        element = self.kv_dtype.element_bytes
         return self.num_layers * self.num_heads * (self.d_qk + self.d_v) * element
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Bytes one cached prefix token charges a KV tier: its K/V plus its int64 timestamp."""
+        return self.kv_bytes_per_token + 8
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from relaygr.cluster import RankerRecord
+from relaygr.cost import CostModel
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.etcd import EtcdClient
@@ -21,7 +22,7 @@ from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
 from relaygr.ranker.checkpoint import load_checkpoint
 from relaygr.ranker.config import ENV_PREFIX, MIB, RankerConfig
-from relaygr.ranker.cost_model import CostModel, calibrate
+from relaygr.ranker.cost_model import calibrate
 from relaygr.ranker.engine import EngineSettings, RankerEngine
 from relaygr.ranker.kv_store import KVStore
 from relaygr.ranker.model import RankingModel
@@ -83,7 +84,7 @@ def ranker_record(
         model_version=model.model_version,
         hbm_budget_bytes=cfg.hbm_budget_bytes,
         dram_budget_bytes=cfg.dram_budget_bytes,
-        kv_bytes_per_token=model.cfg.kv_bytes_per_token,
+        kv_bytes_per_token=model.cfg.cache_bytes_per_token,
         fixed_ms=cost.fixed_ms,
         per_token_ms=cost.per_token_ms,
         per_pair_ms=cost.per_pair_ms,

@@ -114,7 +114,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 max_user_features=cfg.max_user_features,
                 max_history_tokens=cfg.max_history_tokens,
                 max_candidates=cfg.max_candidates,
-                kv_bytes_per_token=cfg.kv_bytes_per_token,
+                kv_bytes_per_token=cfg.cache_bytes_per_token,
             ),
             hbm=usage(Tier.HBM),
             dram=usage(Tier.DRAM),

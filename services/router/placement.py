@@ -20,15 +20,14 @@ class Placement:
     """Where a PreInfer goes and what to try if that instance fails.
 
     `order[0] == instance`; the rest is the user's ranking without it, so a failed instance is
-    followed by the next-preferred one. `record` is True exactly when `instance` is not the plain
-    hash owner (`ranking(...)[0]`): the caller must then write the placement to the directory so
-    that the user's Rank follows it.
+    followed by the next-preferred one. `owner` is the plain hash owner (`ranking(...)[0]`);
+    whether the directory must learn where the user went is `directory_write`'s call.
     """
 
     instance: str
     reason: Reason
     order: tuple[str, ...]
-    record: bool
+    owner: str
 
 
 def weight(user: str, instance: str) -> int:
@@ -75,19 +74,20 @@ def place(
 ) -> Placement | None:
     """Where the user's PreInfer goes; None when no instance is live (the caller's UNAVAILABLE).
 
-    A directory entry naming a live instance wins, whatever its load: the user's cache is there.
-    Otherwise the first instance in the user's ranking whose load + 1 is within `load_bound`
-    takes it; if none is (possible only with fractional loads), the least-loaded does, earliest
-    in the ranking among equals.
+    A directory entry naming a live instance wins while that instance's load + 1 is within
+    `load_bound`: the user's cache is there. Otherwise (no entry, or its instance is full) the
+    first instance in the user's ranking whose load + 1 is within the bound takes it, so with
+    integer loads no instance ever passes the bound, hot users included; if none fits (possible
+    only with fractional loads), the least-loaded does, earliest in the ranking among equals.
     """
     order = ranking(user, instances)
     if not order:
         return None
     owner = order[0]
-    recorded = directory.get(user)
-    if recorded is not None and recorded in order:
-        return _placement(recorded, Reason.DIRECTORY, order, owner)
     bound = load_bound(loads, order, epsilon, floor)
+    recorded = directory.get(user)
+    if recorded is not None and recorded in order and loads.get(recorded, 0.0) + 1 <= bound:
+        return _placement(recorded, Reason.DIRECTORY, order, owner)
     fits = [inst for inst in order if loads.get(inst, 0.0) + 1 <= bound]
     chosen = fits[0] if fits else min(order, key=lambda inst: loads.get(inst, 0.0))
     return _placement(chosen, Reason.HASH if chosen == owner else Reason.SPILLED, order, owner)
@@ -106,6 +106,21 @@ def route_rank(user: str, instances: Iterable[str], directory: Mapping[str, str]
     return order
 
 
+def directory_write(
+    served: str, owner: str, entry: tuple[str, float] | None, now: float, window_s: float
+) -> bool:
+    """Must the directory be told that the user's cache now lives on `served`?
+
+    `entry` is the user's live entry as (instance, expires_at), or None. A user on its hash
+    owner needs an entry only to overwrite one naming another instance; a user elsewhere needs
+    one unless the entry already names `served` for at least half a window more. A hot user's
+    repeated PreInfers thus rewrite its entry at most twice per window, not once per request.
+    """
+    if served == owner:
+        return entry is not None and entry[0] != served
+    return entry is None or entry[0] != served or entry[1] - now < window_s / 2
+
+
 def _placement(chosen: str, reason: Reason, order: list[str], owner: str) -> Placement:
     rest = tuple(inst for inst in order if inst != chosen)
-    return Placement(chosen, reason, (chosen, *rest), record=chosen != owner)
+    return Placement(chosen, reason, (chosen, *rest), owner)

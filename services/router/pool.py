@@ -1,33 +1,46 @@
-"""Pooled gRPC channels from the router to rankers, one per ranker address."""
+"""Pooled gRPC channels from the router to rankers, one per ranker address, carrying raw bytes."""
+
+import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 
-from relaygr.v1 import ranker_pb2_grpc
+# A ranker method taking and returning serialized messages: (request bytes, timeout) -> reply.
+RawCall = Callable[..., Awaitable[bytes]]
+_METHODS = ("PreInfer", "Rank", "Describe")
+_SERVICE = "/relaygr.v1.RankerService/"
 
 
 class RankerPool:
-    """One channel (and stub) per ranker address, created on first use and reused.
+    """One channel per ranker address, created on first use and reused.
 
-    Invariant: `retain` closes the channels of addresses no longer live, so a departed ranker's
-    connection does not linger.
+    Calls carry serialized messages both ways: the router forwards a request's bytes and the
+    reply's bytes without parsing them again. Invariant: `retain` closes the channels of
+    addresses no longer live, so a departed ranker's connection does not linger.
     """
 
     def __init__(self, options: list[tuple[str, int]]) -> None:
         self._options = options
-        self._channels: dict[str, tuple[grpc.aio.Channel, ranker_pb2_grpc.RankerServiceStub]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, dict[str, RawCall]]] = {}
 
-    def stub(self, address: str) -> ranker_pb2_grpc.RankerServiceStub:
+    def call(self, address: str, method: str) -> RawCall:
+        """The raw callable of a RankerService `method` on the ranker at `address`."""
         entry = self._channels.get(address)
         if entry is None:
             channel = grpc.aio.insecure_channel(address, options=self._options)
-            entry = (channel, ranker_pb2_grpc.RankerServiceStub(channel))
+            calls = {m: channel.unary_unary(_SERVICE + m) for m in _METHODS}
+            entry = (channel, calls)  # type: ignore[assignment]
             self._channels[address] = entry
-        return entry[1]
+        return entry[1][method]
 
-    async def retain(self, addresses: set[str]) -> None:
-        for address in [a for a in self._channels if a not in addresses]:
-            channel, _ = self._channels.pop(address)
-            await channel.close()
+    def addresses(self) -> set[str]:
+        """The addresses a channel is open to."""
+        return set(self._channels)
+
+    async def retain(self, addresses: set[str], grace_s: float | None = None) -> None:
+        """Close the channels to other addresses, letting their calls run up to `grace_s`."""
+        closing = [self._channels.pop(a)[0] for a in list(self._channels) if a not in addresses]
+        await asyncio.gather(*(channel.close(grace_s) for channel in closing))
 
     async def close(self) -> None:
         await self.retain(set())

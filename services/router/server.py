@@ -1,6 +1,7 @@
 """Wires a RouterConfig into a running router: etcd views, ranker channels, gRPC server."""
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
@@ -15,9 +17,9 @@ from relaygr.router.config import ENV_PREFIX, RouterConfig
 from relaygr.router.pool import RankerPool
 from relaygr.router.service import SERVICE_NAME, RouterServicer
 from relaygr.service_main import service_main
-from relaygr.v1 import router_pb2_grpc
 
 MIB = 1 << 20
+_CLOSE_GRACE_S = 5.0  # calls in flight to a departed ranker may finish (they have deadlines)
 _log = logging.getLogger("relaygr.router")
 
 
@@ -28,12 +30,16 @@ class RouterServer:
     cluster: EtcdCluster
     etcd: EtcdClient
     pool: RankerPool
+    maintenance: asyncio.Task[None]
 
     @property
     def port(self) -> int:
         return self.server.port
 
     async def close(self) -> None:
+        self.maintenance.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.maintenance
         await self.cluster.stop()
         await self.etcd.close()
         await self.pool.close()
@@ -59,7 +65,7 @@ async def start_router(
     )
     server = await start_server(
         cfg.listen,
-        lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s),
+        lambda s: s.add_generic_rpc_handlers((servicer.handler(),)),
         [SERVICE_NAME],
         options,
         credentials,
@@ -67,7 +73,25 @@ async def start_router(
     await cluster.start()
     await server.set_serving(True)
     _log.info("router serving on port %d, %d rankers in view", server.port, len(cluster.view()))
-    return RouterServer(server, servicer, cluster, etcd, pool)
+    window_s = cfg.relay_window_ms / 1e3
+    maintenance = asyncio.create_task(_maintain(cluster, pool, window_s), name="router-maintenance")
+    return RouterServer(server, servicer, cluster, etcd, pool, maintenance)
+
+
+async def _maintain(cluster: EtcdCluster, pool: RankerPool, window_s: float) -> None:
+    """Every relay window: delete expired directory entries, close departed rankers' channels.
+
+    Entries this router wrote are purged once expired; others' once expired for ten windows
+    (their writer is presumably gone). While etcd is down purging waits for the next round.
+    """
+    while True:
+        await asyncio.sleep(max(window_s, 1.0))
+        live = {record.address for record in cluster.view().values()}
+        await pool.retain(live, grace_s=_CLOSE_GRACE_S)
+        try:
+            await cluster.purge_expired(others_after_s=10 * window_s)
+        except Unavailable as err:
+            _log.warning("directory purge deferred: %s", err)
 
 
 async def _serve(cfg: RouterConfig) -> None:

@@ -1,19 +1,24 @@
-"""RouterService: sends a user's PreInfer and Rank to the same ranker, over pooled channels."""
+"""RouterService: sends a user's PreInfer and Rank to the same ranker, over pooled channels.
+
+The router reads only the user id of a request (parsed as a `RoutingKey`) and forwards the
+request's bytes, and the ranker's reply bytes, unparsed: the hop costs one small parse, not a
+decode and re-encode of every behaviour array.
+"""
 
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
-from relaygr.errors import Unavailable
+from relaygr.errors import InvalidInput, ResourceExhausted, Unavailable
 from relaygr.router.load import WindowedLoad
-from relaygr.router.placement import place, route_rank
+from relaygr.router.placement import directory_write, place, route_rank
 from relaygr.router.pool import RankerPool
-from relaygr.v1 import common_pb2, router_pb2_grpc
+from relaygr.v1 import router_pb2
 
 SERVICE_NAME = "relaygr.v1.RouterService"
 _log = logging.getLogger("relaygr.router")
@@ -23,12 +28,14 @@ _log = logging.getLogger("relaygr.router")
 _TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+class RouterServicer:
     """Places PreInfers by rendezvous hashing with bounded load and sends Ranks after them.
 
     The Rank path reads only local views (membership and directory are watched), never etcd.
     A placement is written to the directory only when the serving ranker is not the user's hash
-    owner, so etcd writes follow spill-overs and membership changes, not the request rate. The
+    owner and the directory does not already say so for at least half a relay window (see
+    `directory_write`), so etcd writes follow spill-overs and membership changes, not the
+    request rate. The
     load of a ranker is the PreInfers this router placed on it within the relay window.
     """
 
@@ -52,50 +59,63 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.load = WindowedLoad(relay_window_s, clock)
         self.counters: Counter[str] = Counter()
 
-    async def PreInfer(
-        self, request: common_pb2.PreInferRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.PreInferReply:
+    def handler(self) -> grpc.GenericRpcHandler:
+        """RouterService's methods on serialized messages (no deserializer, no serializer)."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "PreInfer": grpc.unary_unary_rpc_method_handler(self.PreInfer),
+                "Rank": grpc.unary_unary_rpc_method_handler(self.Rank),
+            },
+        )
+
+    async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         view = self._membership.view()
-        user = request.user_id
+        user = _user_id(request, "PreInferRequest")
+        entry = self._directory.entry(user)
+        hint = {} if entry is None else {user: entry.instance_id}
         loads = self.load.loads()
-        placement = place(user, view, loads, self._epsilon, self._hint(user), self._load_floor)
+        placement = place(user, view, loads, self._epsilon, hint, self._load_floor)
         if placement is None:
             raise Unavailable("no live ranker: none is registered in the membership view")
         reply, instance = await self._forward(placement.order, view, "PreInfer", request, context)
         self.load.add(instance)
         self.counters[f"placed_{placement.reason}"] += 1
-        if placement.record or instance != placement.instance:  # not where hashing sends it
+        known = None if entry is None else (entry.instance_id, entry.expires_at)
+        if directory_write(instance, placement.owner, known, self._clock(), self._window_s):
             await self._record(user, instance)
         return reply
 
-    async def Rank(
-        self, request: common_pb2.RankRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.RankReply:
+    async def Rank(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         view = self._membership.view()
-        order = route_rank(request.user_id, view, self._hint(request.user_id))
+        user = _user_id(request, "RankRequest")
+        instance = self._directory.lookup(user)
+        order = route_rank(user, view, {} if instance is None else {user: instance})
         if not order:
             raise Unavailable("no live ranker: none is registered in the membership view")
         reply, _ = await self._forward(order, view, "Rank", request, context)
         return reply
-
-    def _hint(self, user: str) -> dict[str, str]:
-        instance = self._directory.lookup(user)
-        return {user: instance} if instance is not None else {}
 
     async def _forward(
         self,
         order: tuple[str, ...] | list[str],
         view: Mapping[str, RankerRecord],
         method: str,
-        request: Any,
+        request: bytes,
         context: grpc.aio.ServicerContext,
-    ) -> tuple[Any, str]:
-        """Call `method` on the first ranker in `order` that can serve it; honour the deadline."""
+    ) -> tuple[bytes, str]:
+        """Call `method` on the first ranker in `order` that can serve it; honour the deadline.
+
+        When none can: RESOURCE_EXHAUSTED if every ranker tried refused for want of room (the
+        request is too large or too heavy for all of them), else UNAVAILABLE; the message lists
+        each ranker's answer.
+        """
         tried: list[str] = []
+        codes: set[grpc.StatusCode] = set()
         for instance in order:
-            stub = self._pool.stub(view[instance].address)
+            call = self._pool.call(view[instance].address, method)
             try:
-                reply = await getattr(stub, method)(request, timeout=context.time_remaining())
+                reply = await call(request, timeout=context.time_remaining())
                 if tried:
                     self.counters[f"{method}_failed_over"] += 1
                 return reply, instance
@@ -103,7 +123,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if err.code() not in _TRY_NEXT:
                     await context.abort(err.code(), err.details() or err.code().name)
                 tried.append(f"{instance}: {err.code().name} {err.details()}")
-        raise Unavailable(f"no ranker could serve {method}: " + "; ".join(tried))
+                codes.add(err.code())
+        message = f"no ranker could serve {method}: " + "; ".join(tried)
+        if codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}:
+            raise ResourceExhausted(message)
+        raise Unavailable(message)
 
     async def _record(self, user: str, instance: str) -> None:
         placement = PlacementRecord(user, instance, self._clock() + self._window_s)
@@ -113,3 +137,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except Unavailable as err:  # etcd down: affinity may degrade, serving goes on
             self.counters["directory_write_failures"] += 1
             _log.warning("placement of %s on %s not recorded: %s", user, instance, err)
+
+
+def _user_id(request: bytes, kind: str) -> str:
+    """The user id of a serialized PreInferRequest or RankRequest (field 2 of both)."""
+    key = router_pb2.RoutingKey()
+    try:
+        key.ParseFromString(request)
+    except DecodeError as err:
+        raise InvalidInput(f"request is not a valid {kind}: {err}") from err
+    return key.user_id

@@ -11,7 +11,9 @@ from relaygr.ranker.model import RankingModel
 from relaygr.ranker.server import RankerServer, start_ranker
 from relaygr.router.config import RouterConfig
 from relaygr.router.server import RouterServer, start_router
-from relaygr.v1 import router_pb2_grpc
+from relaygr.trigger.config import TriggerConfig
+from relaygr.trigger.server import TriggerServer, start_trigger
+from relaygr.v1 import router_pb2_grpc, trigger_pb2_grpc
 from tests.integration.ranker_harness import BASE, COST, poll
 
 
@@ -21,6 +23,7 @@ class Mesh:
     model: RankingModel
     rankers: dict[str, RankerServer] = field(default_factory=dict)
     routers: list[RouterServer] = field(default_factory=list)
+    triggers: list[TriggerServer] = field(default_factory=list)
     stubs: list[router_pb2_grpc.RouterServiceStub] = field(default_factory=list)
     channels: list[grpc.aio.Channel] = field(default_factory=list)
 
@@ -47,14 +50,32 @@ class Mesh:
             await self.converged()
         return self.stubs[-1]
 
-    async def converged(self) -> None:
-        """Every router sees exactly the live rankers."""
+    async def add_trigger(self, **config: object) -> trigger_pb2_grpc.TriggerServiceStub:
+        """A trigger relaying through the first router (add one first)."""
+        defaults = {"router_address": f"127.0.0.1:{self.routers[0].port}"}
+        cfg = TriggerConfig(
+            listen="127.0.0.1:0", etcd_endpoints=(self.endpoint,), **{**defaults, **config}
+        )  # type: ignore[arg-type]
+        trigger = await start_trigger(cfg)
+        self.triggers.append(trigger)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{trigger.port}")
+        self.channels.append(channel)
         live = set(self.rankers)
-        await poll(lambda: all(set(r.cluster.view()) == live for r in self.routers))
+        await poll(lambda: set(trigger.cluster.view()) == live)
+        return trigger_pb2_grpc.TriggerServiceStub(channel)
+
+    async def converged(self) -> None:
+        """Every router and trigger sees exactly the live rankers."""
+        live = set(self.rankers)
+        await poll(
+            lambda: all(set(s.cluster.view()) == live for s in [*self.routers, *self.triggers])
+        )
 
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close()
+        for trigger in self.triggers:
+            await trigger.stop(grace=0.5)
         for router in self.routers:
             await router.stop(grace=0.5)
         for ranker in self.rankers.values():

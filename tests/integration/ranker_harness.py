@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
+from relaygr.cost import CostModel
 from relaygr.ranker.config import RankerConfig
-from relaygr.ranker.cost_model import CostModel
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.scheduler import Priority
 from relaygr.ranker.server import RankerServer, start_ranker

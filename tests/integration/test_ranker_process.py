@@ -17,16 +17,16 @@ from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
 
 
-def _wait_for_port(process: subprocess.Popen[str], timeout: float = 60.0) -> int:
+def wait_for_port(process: subprocess.Popen[str], timeout: float = 60.0) -> int:
     deadline = time.monotonic() + timeout
     assert process.stdout is not None
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line and process.poll() is not None:
-            raise AssertionError(f"ranker exited with {process.returncode}")
+            raise AssertionError(f"service exited with {process.returncode}")
         if match := re.search(r"listening on port (\d+)", line):
             return int(match.group(1))
-    raise AssertionError("ranker did not report its port in time")
+    raise AssertionError("service did not report its port in time")
 
 
 def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generator) -> None:
@@ -46,7 +46,7 @@ def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generat
         env={"RELAYGR_RANKER_DRAM_BUDGET_MB": "32", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     try:
-        port = _wait_for_port(process)
+        port = wait_for_port(process)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             status = health.Check(health_pb2.HealthCheckRequest(service="relaygr.v1.RankerService"))

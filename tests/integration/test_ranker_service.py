@@ -268,7 +268,7 @@ def test_describe_reports_model_tiers_and_cost_model() -> None:
             model = r.engine.model
             assert info.model_version == model.model_version
             assert info.dims.layers == model.cfg.num_layers
-            assert info.dims.kv_bytes_per_token == model.cfg.kv_bytes_per_token
+            assert info.dims.kv_bytes_per_token == model.cfg.cache_bytes_per_token
             assert info.hbm.budget_bytes == 3 * 2**20 and info.dram.budget_bytes == 5 * 2**20
             assert info.cost_model.per_token_ms == pytest.approx(0.01)
             assert info.instance_id.endswith(f":{r.server.port}")

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
+from relaygr.etcd import EtcdClient
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.model import RankingModel
 from relaygr.router.placement import ranking
@@ -20,6 +21,7 @@ from relaygr.v1 import common_pb2
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.ranker_harness import poll, tiny_model
+from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
@@ -246,6 +248,56 @@ def test_bad_input_and_no_ranker_statuses(
                 await router.Rank(bad)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "user_id must not be empty" in (err.value.details() or "")
+            raw = mesh.channels[0].unary_unary("/relaygr.v1.RouterService/Rank")
+            truncated = request.SerializeToString()[:-3]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw(truncated)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid RankRequest" in (err.value.details() or ""), err.value.details()
             assert len((await router.Rank(request)).scores) == 2
+
+    asyncio.run(scenario())
+
+
+def test_expired_placements_and_departed_rankers_are_cleaned_up(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1"):
+                await mesh.add_ranker(name)
+            a = await mesh.add_router(load_epsilon=0.1, relay_window_ms=1000)
+            router = mesh.routers[0]
+            spilled = [f"u{i}" for i in range(40) if ranking(f"u{i}", ["r0", "r1"])[0] == "r0"]
+            for user in spilled:
+                for _ in range(200):  # r0 looks overloaded: its users spill to r1, recorded
+                    router.servicer.load.add("r0")
+                await a.PreInfer(pre_infer_request_to_proto(prefix(rng, 12, user_id=user)))
+            assert spilled and router.cluster.writes["put"] == len(spilled)
+            client = EtcdClient([etcd_server.endpoint])
+            try:
+
+                async def directory_empty() -> bool:
+                    return not (await client.get_prefix("/relaygr/directory/"))[0]
+
+                assert not await directory_empty()
+                # Entries expire after one relay window; the router deletes them within another.
+                await eventually(directory_empty, "expired placements deleted", timeout_s=10)
+            finally:
+                await client.close()
+            assert router.cluster.writes["delete"] == len(spilled)
+            await a.Rank(rank_request_to_proto(rank_input(rng, prefix(rng, 12, user_id="u0"))))
+            await a.Rank(rank_request_to_proto(rank_input(rng, prefix(rng, 12, user_id="u1"))))
+            assert len(router.pool.addresses()) == 2
+            await mesh.rankers.pop("r0").stop(grace=0.5)  # drains and deregisters
+            await mesh.converged()
+            r1 = mesh.rankers["r1"].server.port
+            await eventually(
+                lambda: router.pool.addresses() == {f"127.0.0.1:{r1}"},
+                "the departed ranker's channel closed",
+                timeout_s=10,
+            )
 
     asyncio.run(scenario())

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from relaygr.ranker.cost_model import CostModel, Sample, calibrate, fit_cost_model
+from relaygr.cost import CostModel
+from relaygr.ranker.cost_model import Sample, calibrate, fit_cost_model
 from relaygr.ranker.model import RankingModel
 
 from .factories import tiny_config

@@ -10,6 +10,7 @@ import pytest
 from relaygr.router.placement import (
     Placement,
     Reason,
+    directory_write,
     load_bound,
     place,
     ranking,
@@ -98,7 +99,8 @@ def test_zipf_stream_never_exceeds_the_bound(
         skipped = order[: order.index(p.instance)]
         assert all(loads[i] + 1 > bound for i in skipped)
         assert p.order == (p.instance, *skipped, *order[len(skipped) + 1 :])
-        assert p.record == (p.reason is Reason.SPILLED) == (p.instance != order[0])
+        assert p.owner == order[0]
+        assert (p.reason is Reason.SPILLED) == (p.instance != order[0])
         reasons[p.reason] += 1
         loads[p.instance] += 1
         live.append(p.instance)
@@ -121,10 +123,10 @@ def test_owner_at_the_bound_spills_to_the_next_in_order() -> None:
     user = "alice"
     owner, second = ranking(user, ["a", "b"])
     assert place(user, ["a", "b"], {owner: 1, second: 1}, 0.25, {}) == Placement(
-        owner, Reason.HASH, (owner, second), record=False
+        owner, Reason.HASH, (owner, second), owner
     )
     assert place(user, ["a", "b"], {owner: 2, second: 0}, 0.25, {}) == Placement(
-        second, Reason.SPILLED, (second, owner), record=True
+        second, Reason.SPILLED, (second, owner), owner
     )
 
 
@@ -134,30 +136,85 @@ def test_fractional_loads_with_no_fit_take_the_least_loaded() -> None:
     # bound = ceil(1.0 * 5.7 / 2) = 3; 2.5 + 1 and 2.2 + 1 are both over it
     p = place(user, ["a", "b"], {owner: 2.5, second: 2.2}, 0.0, {})
     assert load_bound({owner: 2.5, second: 2.2}, ["a", "b"], 0.0) == 3
-    assert p == Placement(second, Reason.SPILLED, (second, owner), record=True)
+    assert p == Placement(second, Reason.SPILLED, (second, owner), owner)
 
 
 # -- directory -----------------------------------------------------------------------------
 
 
-def test_live_directory_entry_wins_even_when_overloaded() -> None:
+def test_live_directory_entry_wins_while_its_instance_is_within_the_bound() -> None:
     user = "alice"
     order = ranking(user, INSTANCES)
     recorded = order[4]
-    loads = {recorded: 1_000}
-    p = place(user, INSTANCES, loads, 0.25, {user: recorded, "bob": order[0]})
+    p = place(user, INSTANCES, {order[0]: 3}, 0.25, {user: recorded, "bob": order[0]})
     expected_order = (recorded, *order[:4], *order[5:])
-    assert p == Placement(recorded, Reason.DIRECTORY, expected_order, record=True)
-    # an entry naming the hash owner needs no new record
+    assert p == Placement(recorded, Reason.DIRECTORY, expected_order, order[0])
     p = place(user, INSTANCES, {}, 0.25, {user: order[0]})
-    assert p == Placement(order[0], Reason.DIRECTORY, tuple(order), record=False)
+    assert p == Placement(order[0], Reason.DIRECTORY, tuple(order), order[0])
+
+
+def test_directory_entry_on_a_full_instance_yields_to_bounded_placement() -> None:
+    user = "alice"
+    order = ranking(user, INSTANCES)
+    recorded = order[4]
+    loads = {recorded: 1_000}  # bound = ceil(1.25 * 1001 / 8) = 157
+    p = place(user, INSTANCES, loads, 0.25, {user: recorded})
+    assert p == Placement(order[0], Reason.HASH, tuple(order), order[0])
+
+
+def test_directory_write_follows_placement_changes_not_requests() -> None:
+    window, now = 2.0, 100.0
+    # on its hash owner: only a stale entry elsewhere needs overwriting
+    assert not directory_write("a", "a", None, now, window)
+    assert not directory_write("a", "a", ("a", now + 0.1), now, window)
+    assert directory_write("a", "a", ("b", now + 1.9), now, window)
+    # elsewhere: written when missing, different or within half a window of expiring
+    assert directory_write("b", "a", None, now, window)
+    assert directory_write("b", "a", ("c", now + 1.9), now, window)
+    assert directory_write("b", "a", ("b", now + 0.99), now, window)
+    assert not directory_write("b", "a", ("b", now + 1.0), now, window)
+
+
+def test_zipf_stream_with_a_directory_keeps_every_instance_within_the_bound(
+    rng: np.random.Generator,
+) -> None:
+    """Hot users come back while pinned by the directory: the bound still holds everywhere, and
+    a user's entry is rewritten when its location changes or twice a window, not per request."""
+    instances, epsilon, window, steps = INSTANCES[:4], 0.25, 50, 3000
+    loads: collections.Counter[str] = collections.Counter()  # placements in the last window
+    recent: collections.deque[str] = collections.deque()
+    directory: dict[str, tuple[str, float]] = {}
+    reasons: collections.Counter[Reason] = collections.Counter()
+    writes: collections.Counter[str] = collections.Counter()
+    moves: collections.Counter[str] = collections.Counter()
+    for now, k in enumerate(rng.zipf(1.1, size=steps)):
+        user = f"user-{k}"
+        live = {u: e for u, e in directory.items() if e[1] > now}
+        p = place(user, instances, loads, epsilon, {u: e[0] for u, e in live.items()}, 2.0)
+        assert p is not None
+        bound = load_bound(loads, instances, epsilon, 2.0)
+        loads[p.instance] += 1
+        recent.append(p.instance)
+        assert max(loads.values()) <= bound
+        if len(recent) > window:
+            loads[recent.popleft()] -= 1
+        reasons[p.reason] += 1
+        moves[user] += p.instance != (live[user][0] if user in live else p.owner)
+        if directory_write(p.instance, p.owner, live.get(user), now, window):
+            directory[user] = (p.instance, now + window)
+            writes[user] += 1
+    assert reasons[Reason.DIRECTORY] > 0 and reasons[Reason.SPILLED] > 0, reasons
+    for user, count in writes.items():
+        assert count <= moves[user] + steps / (window / 2) + 1, (user, count, moves[user])
+    hottest = max(writes, key=writes.__getitem__)
+    print(f"hottest user: {writes[hottest]} writes, {moves[hottest]} moves, {steps} steps")
 
 
 def test_directory_entry_for_a_dead_instance_is_ignored() -> None:
     user = "alice"
     p = place(user, INSTANCES, {}, 0.25, {user: "ranker-dead"})
     order = ranking(user, INSTANCES)
-    assert p == Placement(order[0], Reason.HASH, tuple(order), record=False)
+    assert p == Placement(order[0], Reason.HASH, tuple(order), order[0])
 
 
 def test_route_rank_follows_the_directory_then_the_ranking() -> None:
@@ -172,7 +229,7 @@ def test_route_rank_follows_the_directory_then_the_ranking() -> None:
 def test_rank_follows_a_spilled_preinfer() -> None:
     user = owned_by("b", ["a"])
     p = place(user, ["a", "b"], {"b": 5}, 0.25, {})
-    assert p is not None and p.record and p.instance == "a"
+    assert p is not None and p.instance == "a" and p.owner == "b"
     assert route_rank(user, ["a", "b"], {user: p.instance}) == ["a", "b"]
 
 

@@ -1,0 +1,39 @@
+"""A ranker's calibrated latency model: the ranker's reload policy and the trigger both use it.
+
+Free of torch, so the trigger and router import it without loading the model stack.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Milliseconds for `t` history tokens and `c` candidates (see ranker.proto CostModel).
+
+    full = fixed + per_token * (t + c) + per_pair * t^2 / 2 + per_candidate_key * c * t
+    prefill = fixed + per_token * t + per_pair * t^2 / 2
+    """
+
+    fixed_ms: float
+    per_token_ms: float
+    per_pair_ms: float
+    per_candidate_key_ms: float
+    reload_ms_per_mb: float
+
+    def full_ms(self, tokens: int, candidates: int) -> float:
+        return (
+            self.fixed_ms
+            + self.per_token_ms * (tokens + candidates)
+            + self.per_pair_ms * tokens * tokens / 2
+            + self.per_candidate_key_ms * candidates * tokens
+        )
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.fixed_ms + self.per_token_ms * tokens + self.per_pair_ms * tokens * tokens / 2
+
+    def reload_ms(self, nbytes: int) -> float:
+        return self.reload_ms_per_mb * nbytes / 2**20
+
+    def reload_is_cheaper(self, nbytes: int, tokens: int) -> bool:
+        """Bring a host copy back rather than recompute the prefix?"""
+        return self.reload_ms(nbytes) < self.prefill_ms(tokens)

@@ -1,0 +1,96 @@
+"""The trigger's one typed configuration (file < env RELAYGR_TRIGGER_* < flags; live overrides)."""
+
+import enum
+from dataclasses import dataclass, field
+
+from relaygr.config import require_positive
+from relaygr.errors import ConfigError
+
+ENV_PREFIX = "RELAYGR_TRIGGER_"
+
+
+class Mode(enum.StrEnum):
+    """Admission modes, for ablation: no relays, every relay, or the sequence-aware policy."""
+
+    OFF = "off"
+    ALL = "all"
+    SEQUENCE_AWARE = "sequence-aware"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerConfig:
+    listen: str = field(default="127.0.0.1:50041", metadata=_help("gRPC listen address"))
+    etcd_endpoints: tuple[str, ...] = field(
+        default=("127.0.0.1:2379",), metadata=_help("etcd endpoints, host:port[,...]")
+    )
+    etcd_prefix: str = field(default="/relaygr", metadata=_help("etcd key prefix of the mesh"))
+    router_address: str = field(
+        default="127.0.0.1:50051", metadata=_help("router that admitted PreInfers are sent to")
+    )
+    # Admission policy: these may also be changed at run time (LIVE_FIELDS).
+    mode: Mode = field(default=Mode.SEQUENCE_AWARE, metadata=_help("admission mode"))
+    slo_ms: float = field(default=50.0, metadata=_help("ranking latency SLO, ms"))
+    margin_ms: float = field(
+        default=5.0, metadata=_help("at risk when predicted full inference > slo_ms - margin_ms")
+    )
+    prefill_share: float = field(
+        default=0.5, metadata=_help("share of each ranker's compute time relays may take, 0..1")
+    )
+    burst_s: float = field(
+        default=2.0, metadata=_help("prefill budget a ranker may receive at once, in seconds")
+    )
+    relay_budget_share: float = field(
+        default=0.9, metadata=_help("share of each ranker's HBM budget relays may pin, 0..1")
+    )
+    relay_window_ms: int = field(
+        default=2000, metadata=_help("how long a relay stays pinned awaiting its Rank")
+    )
+    refusal_cooldown_ms: int = field(
+        default=1000, metadata=_help("no relays to a ranker this long after it refused one")
+    )
+    # Dispatch and observation.
+    dispatch_queue: int = field(default=256, metadata=_help("admitted PreInfers waiting to send"))
+    dispatch_concurrency: int = field(default=8, metadata=_help("PreInfers in flight at once"))
+    observe_interval_ms: int = field(
+        default=1000, metadata=_help("how often rankers' pinned bytes are read (Describe)")
+    )
+    # Input limits, enforced before anything else.
+    max_long_term: int = field(default=65536, metadata=_help("most long-term behaviours"))
+    max_short_term: int = field(default=65536, metadata=_help("most expected short-term"))
+    max_candidates: int = field(default=65536, metadata=_help("most expected candidates"))
+    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
+    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self,
+            (
+                "slo_ms", "prefill_share", "burst_s", "relay_budget_share", "relay_window_ms",
+                "refusal_cooldown_ms", "dispatch_queue", "dispatch_concurrency",
+                "observe_interval_ms", "max_long_term", "max_short_term", "max_candidates",
+                "max_message_mb", "drain_grace_s",
+            ),
+            "trigger",
+        )  # fmt: skip
+        if not 0 <= self.margin_ms < self.slo_ms:
+            raise ConfigError(f"trigger margin_ms must be in [0, slo_ms), got {self.margin_ms}")
+        for name in ("prefill_share", "relay_budget_share"):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"trigger {name} must be in (0, 1], got {getattr(self, name)}")
+        if not self.etcd_endpoints:
+            raise ConfigError("trigger etcd_endpoints must name at least one host:port")
+
+    @property
+    def relay_window_s(self) -> float:
+        return self.relay_window_ms / 1e3
+
+
+# What the live config key (`{etcd_prefix}/config/trigger`, a JSON object) may change.
+LIVE_FIELDS = (
+    "mode", "slo_ms", "margin_ms", "prefill_share", "burst_s", "relay_budget_share",
+    "relay_window_ms", "refusal_cooldown_ms",
+)  # fmt: skip

@@ -1,0 +1,126 @@
+"""Sends admitted PreInfers through the router in the background: bounded, deadlined, counted."""
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from relaygr.trigger.policy import Decision
+from relaygr.v1 import common_pb2
+
+_log = logging.getLogger("relaygr.trigger")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    user_id: str
+    decision: Decision
+    request: common_pb2.PreInferRequest
+    timeout_s: float
+
+
+Send = Callable[[common_pb2.PreInferRequest, float], Awaitable[common_pb2.PreInferReply]]
+# (job, reply, None) on success, (job, None, failure status) otherwise; once per job.
+Outcome = Callable[[Job, common_pb2.PreInferReply | None, "Failure | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    code: grpc.StatusCode
+    details: str
+
+
+class Dispatcher:
+    """A bounded queue of admitted PreInfers and `concurrency` workers sending them.
+
+    Invariants: at most `capacity` jobs wait and `concurrency` are in flight, so memory and
+    tasks stay bounded whatever the event rate; `submit` never blocks and answers False when the
+    queue is full (the caller counts the drop). Every job submitted reaches `on_outcome` exactly
+    once, with the reply or the failure (deadline included), unless `stop` cancels it;
+    `counters` tallies "sent", "failed_<STATUS>" and "cancelled".
+    """
+
+    def __init__(self, send: Send, capacity: int, concurrency: int) -> None:
+        self._send = send
+        self._on_outcome: Outcome = lambda *_: None
+        self._queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=capacity)
+        self._concurrency = concurrency
+        self._workers: list[asyncio.Task[None]] = []
+        self._in_flight = 0
+        self.counters: Counter[str] = Counter()
+
+    def start(self, on_outcome: Outcome) -> None:
+        self._on_outcome = on_outcome
+        self._workers = [
+            asyncio.create_task(self._work(), name=f"trigger-dispatch-{i}")
+            for i in range(self._concurrency)
+        ]
+
+    def submit(self, job: Job) -> bool:
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    def pending(self) -> int:
+        """Jobs waiting or in flight."""
+        return self._queue.qsize() + self._in_flight
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every submitted job to finish; True if they did."""
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Cancel the workers; jobs still queued or in flight are counted as cancelled."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.cancel()
+        for worker in workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+        self.counters["cancelled"] += self._queue.qsize()
+
+    async def _work(self) -> None:
+        while True:
+            job = await self._queue.get()
+            self._in_flight += 1
+            try:
+                reply = await self._send(job.request, job.timeout_s)
+            except asyncio.CancelledError:
+                self.counters["cancelled"] += 1
+                raise
+            except grpc.aio.AioRpcError as err:
+                self._fail(job, Failure(err.code(), err.details() or ""))
+            except Exception as err:  # e.g. the channel closed under the call
+                _log.warning("dispatch to the router failed for %s: %r", job.user_id, err)
+                self._fail(job, Failure(grpc.StatusCode.UNKNOWN, repr(err)))
+            else:
+                self.counters["sent"] += 1
+                self._report(job, reply, None)
+            finally:
+                self._in_flight -= 1
+                self._queue.task_done()
+
+    def _fail(self, job: Job, failure: Failure) -> None:
+        self.counters[f"failed_{failure.code.name}"] += 1
+        self._report(job, None, failure)
+
+    def _report(
+        self,
+        job: Job,
+        reply: common_pb2.PreInferReply | None,
+        failure: Failure | None,
+    ) -> None:
+        try:
+            self._on_outcome(job, reply, failure)
+        except Exception:  # a bookkeeping bug must not kill the worker
+            _log.exception("dispatch outcome handler failed for user %s", job.user_id)

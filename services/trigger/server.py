@@ -1,0 +1,175 @@
+"""Wires a TriggerConfig into a running trigger: etcd views, live config, dispatch, observation."""
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from relaygr.etcd import EtcdClient, Watch
+from relaygr.etcd_cluster import EtcdCluster
+from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
+from relaygr.router.pool import RankerPool
+from relaygr.service_main import service_main
+from relaygr.trigger.config import ENV_PREFIX, TriggerConfig
+from relaygr.trigger.dispatch import Dispatcher
+from relaygr.trigger.live_config import LiveConfig
+from relaygr.trigger.policy import AdmissionPolicy
+from relaygr.trigger.service import SERVICE_NAME, TriggerServicer
+from relaygr.v1 import common_pb2, ranker_pb2, router_pb2_grpc, trigger_pb2_grpc
+
+MIB = 1 << 20
+_log = logging.getLogger("relaygr.trigger")
+
+
+@dataclass(slots=True)
+class TriggerServer:
+    server: GrpcServer
+    servicer: TriggerServicer
+    dispatcher: Dispatcher
+    live_config: LiveConfig
+    cluster: EtcdCluster
+    etcd: EtcdClient
+    pool: RankerPool
+    router_channel: grpc.aio.Channel
+    tasks: list[asyncio.Task[None]]
+    watch: Watch
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop answering (health NOT_SERVING) and let queued relays go out within `grace_s`."""
+        await self.server.enter_graceful_shutdown()
+        if not await self.dispatcher.drain(grace_s):
+            _log.warning(
+                "drain: %d relays still pending after %.1fs", self.dispatcher.pending(), grace_s
+            )
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.dispatcher.stop()
+        await self.watch.cancel()
+        await self.cluster.stop()
+        await self.etcd.close()
+        await self.pool.close()
+        await self.router_channel.close()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.drain(grace)
+        await self.server.stop(grace)
+        await self.close()
+
+
+async def start_trigger(
+    cfg: TriggerConfig, credentials: grpc.ServerCredentials | None = None
+) -> TriggerServer:
+    """Serve TriggerService; health turns SERVING once the etcd views and live config are read."""
+    options = ServerOptions(
+        max_receive_message_bytes=cfg.max_message_mb * MIB,
+        max_send_message_bytes=cfg.max_message_mb * MIB,
+    )
+    etcd = EtcdClient(cfg.etcd_endpoints)
+    cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
+    pool = RankerPool(options.channel_args()[:2])
+    router_channel = grpc.aio.insecure_channel(
+        cfg.router_address, options=options.channel_args()[:2]
+    )
+    router = router_pb2_grpc.RouterServiceStub(router_channel)
+
+    async def send(
+        request: common_pb2.PreInferRequest, timeout_s: float
+    ) -> common_pb2.PreInferReply:
+        reply: common_pb2.PreInferReply = await router.PreInfer(request, timeout=timeout_s)
+        return reply
+
+    policy = AdmissionPolicy(cfg)
+    dispatcher = Dispatcher(send, cfg.dispatch_queue, cfg.dispatch_concurrency)
+    servicer = TriggerServicer(cfg, policy, cluster, cluster, dispatcher)
+    live = LiveConfig(cfg, f"{cfg.etcd_prefix.rstrip('/')}/config/trigger", policy.reconfigure)
+    server = await start_server(
+        cfg.listen,
+        lambda s: trigger_pb2_grpc.add_TriggerServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        options,
+        credentials,
+    )
+    await cluster.start()
+    watch = await etcd.watch_prefix(live.key, live.on_event)
+    dispatcher.start(servicer.on_outcome)
+    observe = asyncio.create_task(_observe(cfg, policy, cluster, pool), name="trigger-observe")
+    await server.set_serving(True)
+    _log.info(
+        "trigger serving on port %d, mode %s, %d rankers in view",
+        server.port,
+        live.current.mode,
+        len(cluster.view()),
+    )
+    return TriggerServer(
+        server, servicer, dispatcher, live, cluster, etcd, pool, router_channel, [observe], watch
+    )
+
+
+async def _observe(
+    cfg: TriggerConfig, policy: AdmissionPolicy, cluster: EtcdCluster, pool: RankerPool
+) -> None:
+    """Read every ranker's pinned bytes (Describe) each interval; forget what expired or left."""
+    interval_s = cfg.observe_interval_ms / 1e3
+
+    async def describe(instance: str, address: str) -> None:
+        sent_at = time.monotonic()
+        try:
+            raw = await pool.call(address, "Describe")(b"", timeout=max(interval_s, 1.0))
+            info = ranker_pb2.RankerInfo.FromString(raw)
+        except grpc.aio.AioRpcError as err:
+            _log.debug("describe %s failed: %s", instance, err.code().name)
+            return
+        except DecodeError as err:
+            _log.warning("describe %s: malformed reply: %s", instance, err)
+            return
+        policy.ledger.observe(instance, info.hbm.pinned_bytes, sent_at)
+
+    while True:
+        view = cluster.view()
+        await asyncio.gather(*(describe(i, r.address) for i, r in view.items()))
+        policy.sweep(time.monotonic(), view)
+        await pool.retain({r.address for r in view.values()}, grace_s=1.0)
+        await asyncio.sleep(interval_s)
+
+
+async def _serve(cfg: TriggerConfig) -> None:
+    trigger = await start_trigger(cfg)
+    print(f"relaygr trigger listening on port {trigger.port}", flush=True)
+
+    async def on_drain() -> None:
+        await trigger.drain(cfg.drain_grace_s)
+
+    await install_drain_handlers(
+        asyncio.get_running_loop(), trigger.server, cfg.drain_grace_s, on_drain
+    )
+    await trigger.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return service_main(
+        argv,
+        prog="relaygr trigger",
+        description="Trigger: decides at retrieval time which prefixes to pre-infer (relay).",
+        config_cls=TriggerConfig,
+        env_prefix=ENV_PREFIX,
+        serve=_serve,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

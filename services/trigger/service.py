@@ -1,0 +1,133 @@
+"""TriggerService.OnRetrieval: decide at once, relay admitted prefixes in the background."""
+
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import grpc
+
+from relaygr.cluster import Directory, Membership, RankerRecord
+from relaygr.errors import InvalidInput
+from relaygr.ranker.convert import prefix_from_proto
+from relaygr.ranker.digest import prefix_digest
+from relaygr.router.placement import route_rank
+from relaygr.trigger.config import TriggerConfig
+from relaygr.trigger.dispatch import Dispatcher, Failure, Job
+from relaygr.trigger.policy import AdmissionPolicy, Decision, Event, Reason
+from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
+
+SERVICE_NAME = "relaygr.v1.TriggerService"
+
+_REASON = {
+    reason: trigger_pb2.AdmissionReason.Value(f"ADMISSION_REASON_{reason.name}")
+    for reason in Reason
+}
+
+
+class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
+    """Validates a retrieval event, asks the policy, queues an admitted relay, answers.
+
+    OnRetrieval does no I/O: the membership and directory are local watched views and the
+    PreInfer goes through `dispatcher`. An admitted relay the dispatch queue cannot take is
+    answered LOAD_LIMIT and counted in `counters["dispatch_dropped"]`. `counters` also tallies
+    decisions by reason and dispatch outcomes ("relayed", "refused", "dispatch_failed").
+    """
+
+    def __init__(
+        self,
+        cfg: TriggerConfig,
+        policy: AdmissionPolicy,
+        membership: Membership,
+        directory: Directory,
+        dispatcher: Dispatcher,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self.policy = policy
+        self._membership = membership
+        self._directory = directory
+        self._dispatcher = dispatcher
+        self._clock = clock
+        self.counters: Counter[str] = Counter()
+
+    async def OnRetrieval(
+        self, request: trigger_pb2.RetrievalEvent, context: grpc.aio.ServicerContext
+    ) -> trigger_pb2.TriggerDecision:
+        event = self._event(request)
+        decision = self.policy.decide(event, self._target(request.user_id), self._clock())
+        if decision.admitted and not self._dispatch(request, decision):
+            self.policy.ledger.fail(request.user_id, decision.digest)
+            self.counters["dispatch_dropped"] += 1
+            decision = Decision(Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target)
+        self.counters[decision.reason] += 1
+        return trigger_pb2.TriggerDecision(
+            request_id=request.request_id,
+            admitted=decision.admitted,
+            reason=_REASON[decision.reason],
+            predicted_full_ms=decision.predicted_full_ms,
+            target_instance=decision.target if decision.admitted else "",
+            prefix_digest=decision.digest,
+        )
+
+    def _event(self, request: trigger_pb2.RetrievalEvent) -> Event:
+        """The policy's view of a valid event; InvalidInput names what is wrong."""
+        cfg = self._cfg
+        if not request.user_id:
+            raise InvalidInput("user_id must not be empty")
+        limits = (
+            ("long-term behaviours", len(request.long_term.item_ids), cfg.max_long_term),
+            ("expected_short_term", request.expected_short_term, cfg.max_short_term),
+            ("expected_candidates", request.expected_candidates, cfg.max_candidates),
+        )
+        for what, count, limit in limits:
+            if count > limit:
+                raise InvalidInput(f"{count} {what} exceed the limit of {limit}")
+        prefix = prefix_from_proto(request)  # ids' lengths, ragged behaviour arrays
+        return Event(
+            request.user_id,
+            prefix.num_tokens,
+            request.expected_short_term,
+            request.expected_candidates,
+            functools.cache(lambda: prefix_digest(prefix.user_features, prefix.long_term)),
+        )
+
+    def _target(self, user_id: str) -> RankerRecord | None:
+        """The ranker the router will most likely send the user's PreInfer to."""
+        view = self._membership.view()
+        recorded = self._directory.lookup(user_id)
+        order = route_rank(user_id, view, {} if recorded is None else {user_id: recorded})
+        return view[order[0]] if order else None
+
+    def _dispatch(self, request: trigger_pb2.RetrievalEvent, decision: Decision) -> bool:
+        pre_infer = common_pb2.PreInferRequest(
+            request_id=request.request_id,
+            user_id=request.user_id,
+            user_features=request.user_features,
+            long_term=request.long_term,
+            relay_window_ms=self.policy.cfg.relay_window_ms,
+            request_ts=request.request_ts,
+        )
+        job = Job(request.user_id, decision, pre_infer, self.policy.cfg.relay_window_s)
+        return self._dispatcher.submit(job)
+
+    def on_outcome(
+        self, job: Job, reply: common_pb2.PreInferReply | None, failure: Failure | None
+    ) -> None:
+        """Book a finished dispatch: a relay now resident, refused for room, or failed."""
+        now = self._clock()
+        ledger = self.policy.ledger
+        if reply is not None:
+            self.counters["relayed"] += 1
+            ledger.settle(job.user_id, job.decision.digest, reply.instance_id, reply.kv_bytes, now)
+        elif failure is not None and _refused_for_room(failure):
+            self.counters["refused"] += 1
+            self.policy.refused(job.decision, job.user_id, now)
+        else:
+            self.counters["dispatch_failed"] += 1
+            ledger.fail(job.user_id, job.decision.digest)
+
+
+def _refused_for_room(failure: Failure) -> bool:
+    """A ranker (or every ranker, through the router) had no room for the relay."""
+    return failure.code is grpc.StatusCode.RESOURCE_EXHAUSTED
