@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/relaygr/v1/*.proto)
 PROTO_OUT := relaygr/v1/.generated
 
-.PHONY: setup proto test lint bench bench-model bench-ranker demo clean
+.PHONY: setup proto test lint bench bench-model bench-ranker bench-router bench-trigger bench-relay demo clean
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -37,13 +37,22 @@ lint: setup
 	@for s in ranker router trigger; do ln -s $(CURDIR)/services/$$s build/typecheck/relaygr/$$s; done
 	MYPYPATH=build/typecheck $(PY) -m mypy -p relaygr
 
-bench: bench-model bench-ranker
+bench: bench-model bench-ranker bench-router bench-trigger bench-relay
 
 bench-model: setup
 	$(PY) bench/model_bench.py
 
 bench-ranker: setup
 	$(PY) bench/ranker_bench.py
+
+bench-router: setup
+	$(PY) bench/router_bench.py
+
+bench-trigger: setup
+	$(PY) bench/trigger_bench.py
+
+bench-relay: setup
+	$(PY) bench/relay_bench.py
 
 demo: setup
 	$(PY) -m relaygr.demo $(DEMO_ARGS)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from report import machine_info, write_section
-from workload import Population, WorkloadSpec, poisson_arrivals
+from report import machine_info, max_compliant, write_section
 
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import RankInput
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
+from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
 # A lighter model than the default keeps a sweep to minutes on 2 cores; ratios are what count.
@@ -135,14 +135,8 @@ async def drive(
     )  # fmt: skip
 
 
-def max_compliant(points: list[Point], mode: str, slo_ms: float) -> float:
-    """The highest rate below which every measured point of `mode` met the SLO."""
-    best = 0.0
-    for point in sorted((p for p in points if p.mode == mode), key=lambda p: p.rate):
-        if point.p99_ms > slo_ms:
-            break
-        best = point.rate
-    return best
+def _of(points: list[Point], mode: str) -> list[Point]:
+    return [p for p in points if p.mode == mode]
 
 
 def _ratio(relay: float, bypass: float) -> str:
@@ -156,13 +150,13 @@ def render(
     info: dict[str, object],
     command: str,
 ) -> str:
-    relay_rate = max_compliant(points, "relay", args.slo_ms)
-    bypass_rate = max_compliant(points, "bypass", args.slo_ms)
+    relay_rate = max_compliant(_of(points, "relay"), args.slo_ms)
+    bypass_rate = max_compliant(_of(points, "bypass"), args.slo_ms)
     ratio = _ratio(relay_rate, bypass_rate)
     by_slo = ["| SLO (P99) | relay req/s | bypass req/s | ratio |", "|---:|---:|---:|---:|"]
     for factor in (1.0, 1.5, 2.0):  # the sweep stops a mode once its P99 passes 2x the SLO
         slo = args.slo_ms * factor
-        r, b = max_compliant(points, "relay", slo), max_compliant(points, "bypass", slo)
+        r, b = max_compliant(_of(points, "relay"), slo), max_compliant(_of(points, "bypass"), slo)
         by_slo.append(f"| {slo:.0f} ms | {r:g} | {b:g} | {_ratio(r, b)} |")
     rows = [
         "| rate req/s | mode | requests | P50 ms | P99 ms | errors "
@@ -249,7 +243,7 @@ def sweep(
             break
     for mode in rankers:
         for _ in range(args.refine):
-            low = max_compliant(points, mode, args.slo_ms)
+            low = max_compliant(_of(points, mode), args.slo_ms)
             above = [p.rate for p in points if p.mode == mode and p.rate > low]
             if not above:
                 break

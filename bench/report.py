@@ -2,9 +2,10 @@
 
 import os
 import platform
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -50,3 +51,24 @@ def write_section(path: Path, name: str, section: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else None
     path.write_text(splice_section(text, name, section))
+
+
+class RatePoint(Protocol):
+    rate: float
+    p99_ms: float
+    errors: dict[str, int]
+
+
+def max_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
+    """The highest rate below which every measured point met the SLO (P99, no failures)."""
+    best = 0.0
+    for point in sorted(points, key=lambda p: p.rate):
+        if point.errors or point.p99_ms > slo_ms:
+            break
+        best = point.rate
+    return best
+
+
+def highest_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
+    """The highest rate of any point that met the SLO (ignoring failures at lower rates)."""
+    return max((p.rate for p in points if not p.errors and p.p99_ms <= slo_ms), default=0.0)

@@ -10,6 +10,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ranker": ("relaygr.ranker.server", "serve RankerService: prefix KV caches and ranking"),
     "router": ("relaygr.router.server", "serve RouterService: affine placement of relays"),
     "trigger": ("relaygr.trigger.server", "serve TriggerService: which requests to relay"),
+    "up": ("relaygr.mesh", "run the local mesh (etcd, rankers, router, trigger) until Ctrl-C"),
     "demo": ("relaygr.demo", "in-process relay demo: pre-infer, rank, compare"),
 }
 

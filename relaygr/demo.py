@@ -1,102 +1,196 @@
-"""In-process relay demo: pre-infer a user's prefix, then rank against it, versus full inference.
+"""`make demo`: the whole mesh on this machine, relay vs no relay on the same traffic.
 
-The mesh demo (separate trigger, router and ranker processes) replaces this once those services
-exist; the comparison it prints is the same question: what does the ranking stage pay?
+Brings up etcd, two rankers, a router and a trigger as separate processes, drives the full
+pipeline open loop (retrieval event to the trigger, the ranking request to the router one gap
+later) first with the trigger off, then with the sequence-aware trigger, on two copies of the
+same seeded user population, prints the comparison, writes a PNG chart and shuts everything down.
 """
 
+from __future__ import annotations
+
 import argparse
+import asyncio
+import json
 import secrets
-import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
-import torch
 
-from relaygr.ranker.inputs import Prefix, RankInput, UserId
-from relaygr.ranker.model import RankingModel
+from relaygr.drive import Point, drive
+from relaygr.etcd import EtcdClient
+from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.model_config import ModelConfig
-from relaygr.ranker.synthetic import random_behaviours
+from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
 
-SHORT_TERM = 128
-CANDIDATES = 256
-USER_FEATURES = 8
-T0 = 1_700_000_000
+LIVE_KEY = "/relaygr/config/trigger"
+TIERS = ("hbm_hit", "dram_hit", "waited_inflight", "extended", "miss")
 
 
-def _request(rng: np.random.Generator, n_long: int) -> RankInput:
-    prefix = Prefix(
-        UserId(f"user-{n_long}"),
-        rng.integers(0, 1 << 40, USER_FEATURES),
-        random_behaviours(rng, n_long, T0, 10**8),
+def _profile(quick: bool) -> tuple[ModelConfig, WorkloadSpec, dict[str, float]]:
+    """Model, workload and knobs sized so that 2 CPU cores show the effect within a minute or
+    two (`quick`: a small model and short histories, for CI)."""
+    if quick:
+        model = ModelConfig(d_model=64, num_heads=2, d_qk=16, d_v=32, num_layers=2)
+        spec = WorkloadSpec(users=100, median_long_term=512, max_long_term=2048, gap_s=0.5)
+        return model, spec, {"rate": 6.0, "duration": 12.0, "slo_ms": 250.0, "margin_ms": 225.0}
+    model = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
+    return (
+        model,
+        WorkloadSpec(),
+        {"rate": 6.0, "duration": 40.0, "slo_ms": 1500.0, "margin_ms": 1400.0},
     )
-    short = random_behaviours(rng, SHORT_TERM, T0 + 10**8, 3600)
-    return RankInput(prefix, short, rng.integers(0, 1 << 50, CANDIDATES), T0 + 10**8 + 3600)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.done, self.label = total, 0, label
+        self._last = 0.0
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self._last > 0.2 or self.done == self.total:
+            self._last = now
+            filled = int(30 * self.done / max(self.total, 1))
+            bar = "#" * filled + "." * (30 - filled)
+            end = "\n" if self.done == self.total else ""
+            print(
+                f"\r  {self.label:<10} [{bar}] {self.done}/{self.total}",
+                end=end,
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+async def _set_mode(endpoint: str, mode: str) -> None:
+    client = EtcdClient([endpoint])
+    try:
+        await client.put(LIVE_KEY, json.dumps({"mode": mode}).encode())
+    finally:
+        await client.close()
+
+
+def run_phase(
+    mesh: LocalMesh, label: str, mode: str, spec: WorkloadSpec, knobs: dict[str, float], seed: int
+) -> Point:
+    asyncio.run(_set_mode(mesh.etcd_endpoint, mode))
+    population = Population(replace(spec, user_prefix=label), np.random.default_rng(seed))
+    arrivals = poisson_arrivals(population, knobs["rate"], knobs["duration"])
+    progress = Progress(len(arrivals), label)
+    assert mesh.trigger is not None and mesh.router is not None
+    return asyncio.run(
+        drive(
+            mesh.trigger.address,
+            mesh.router.address,
+            arrivals,
+            label=label,
+            rate=knobs["rate"],
+            gap_s=spec.gap_s,
+            warmup_s=knobs["duration"] * 0.2,
+            timeout_s=30.0,
+            on_done=progress.step,
+        )
+    )
+
+
+def table(points: Sequence[Point], slo_ms: float) -> str:
+    header = f"{'':<10} {'P50 ms':>8} {'P99 ms':>8} {'in-SLO req/s':>13} " + " ".join(
+        f"{t.replace('_', ' '):>9}" for t in ("hbm", "dram", "waited", "extended", "miss")
+    )
+    lines = [header, "-" * len(header)]
+    for p in points:
+        tiers = " ".join(f"{p.outcomes.get(t, 0) / max(p.ok, 1):>9.0%}" for t in TIERS)
+        in_slo = p.within_slo_per_s(slo_ms)
+        lines.append(f"{p.label:<10} {p.p50_ms:>8.0f} {p.p99_ms:>8.0f} {in_slo:>13.1f} {tiers}")
+    for p in points:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(p.reasons.items()))
+        errors = ", ".join(f"{k} {v}" for k, v in p.errors.items()) or "none"
+        lines.append(f"{p.label} admissions: {reasons}; failed Ranks: {errors}")
+    return "\n".join(lines)
+
+
+def chart(points: Sequence[Point], slo_ms: float, path: Path) -> None:
+    """Latency CDF per phase with the SLO marked (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for p in points:
+        lat = np.sort(np.asarray(p.latencies_ms))
+        if len(lat):
+            ax.plot(
+                lat,
+                np.arange(1, len(lat) + 1) / len(lat),
+                label=f"{p.label} (P99 {p.p99_ms:.0f} ms)",
+            )
+    ax.axvline(slo_ms, color="grey", linestyle="--", label=f"SLO {slo_ms:.0f} ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("ranking latency from intended send time (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("RelayGR local mesh: relay vs no relay, same traffic")
+    ax.legend(loc="lower right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relaygr demo", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="two short prefixes (for CI)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
-    parser.add_argument("--seed", type=int, default=None, help="input seed (default: random)")
+    parser.add_argument("--quick", action="store_true", help="small model, short run (for CI)")
+    parser.add_argument("--rate", type=float, help="arrivals per second (default per profile)")
+    parser.add_argument("--duration", type=float, help="seconds per phase (default per profile)")
+    parser.add_argument("--seed", type=int, default=None, help="workload seed (default: random)")
+    parser.add_argument("--out", type=Path, default=Path("demo-results"), help="chart and JSON")
     args = parser.parse_args(argv)
-
+    model, spec, knobs = _profile(args.quick)
+    if args.rate is not None:
+        knobs["rate"] = args.rate
+    if args.duration is not None:
+        knobs["duration"] = args.duration
     seed = args.seed if args.seed is not None else secrets.randbelow(2**32)
-    rng = np.random.default_rng(seed)
-    lengths = [512, 2048] if args.quick else [1024, 2048, 4096, 8192]
-    model = RankingModel(ModelConfig(), seed=0, device=args.device)
-    print(f"RelayGR in-process relay demo: model {model.model_version} on {model.device}")
     print(
-        f"{SHORT_TERM} short-term behaviours, {CANDIDATES} candidates, "
-        f"{torch.get_num_threads()} threads, input seed {seed}\n"
+        f"RelayGR demo: etcd + 2 rankers + router + trigger on loopback; {knobs['rate']:g} req/s "
+        f"for {knobs['duration']:g} s per phase, SLO {knobs['slo_ms']:.0f} ms, seed {seed}",
+        flush=True,
     )
-    header = (
-        f"{'prefix':>7} {'pre-infer ms':>13} {'rank ms':>9} {'full ms':>9} "
-        f"{'speed-up':>9} {'KV MB':>7} {'max rel err':>12}"
-    )
-    print(header)
-    print("-" * len(header))
-    worst = 0.0
-    for n_long in lengths:
-        request = _request(rng, n_long)
-        kv = model.prefill(request.prefix)  # warm-up, and the cache the ranking stage consumes
-        prefill_ms = _median_ms(partial(model.prefill, request.prefix), 1)
-
-        def cached(kv=kv, r=request) -> torch.Tensor:
-            return model.rank(kv, r.short_term, r.candidates, r.request_ts)
-
-        def full(r=request) -> torch.Tensor:
-            return model.full_forward(r)
-
-        error = float((cached() - full()).abs().max() / full().abs().max())
-        worst = max(worst, error)
-        rank_ms = _median_ms(cached, args.repeats)
-        full_ms = _median_ms(full, args.repeats)
-        print(
-            f"{n_long + USER_FEATURES:>7} {prefill_ms:>13.1f} {rank_ms:>9.1f} {full_ms:>9.1f} "
-            f"{full_ms / rank_ms:>8.1f}x {kv.nbytes / 2**20:>7.1f} {error:>12.1e}",
-            flush=True,
+    with tempfile.TemporaryDirectory(prefix="relaygr-demo-") as tmp:
+        model_path = Path(tmp) / "model.json"
+        model_path.write_text(json.dumps(model.to_dict()))
+        mesh_spec = MeshSpec(
+            rankers=2,
+            ranker_args=("--model-config", str(model_path), "--device", "cpu"),
+            trigger_args=("--slo-ms", str(knobs["slo_ms"]), "--margin-ms", str(knobs["margin_ms"])),
         )
-    print(
-        "\npre-infer runs at retrieval time, off the ranking path; the ranking stage pays "
-        "'rank ms' with the relay and 'full ms' without it."
+        print("starting the mesh (rankers calibrate their cost model first) ...", flush=True)
+        with LocalMesh(mesh_spec) as mesh:
+            print(mesh.describe(), flush=True)
+            points = [
+                run_phase(mesh, "no relay", "off", spec, knobs, seed),
+                run_phase(mesh, "relay", "sequence-aware", spec, knobs, seed),
+            ]
+    print()
+    print(table(points, knobs["slo_ms"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    chart(points, knobs["slo_ms"], args.out / "relay_demo.png")
+    (args.out / "relay_demo.json").write_text(
+        json.dumps(
+            {"seed": seed, "knobs": knobs, "points": [p.summary() for p in points]}, indent=2
+        )
     )
-    if worst > 1e-5:
-        print(f"exactness violated: relative error {worst:.2e} > 1e-5", file=sys.stderr)
-        return 1
-    return 0
+    print(f"\nchart: {args.out / 'relay_demo.png'}; numbers: {args.out / 'relay_demo.json'}")
+    print("mesh stopped; every process it started has exited.")
+    return 0 if all(p.ok for p in points) else 1
 
 
 if __name__ == "__main__":

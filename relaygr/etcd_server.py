@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -13,6 +12,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from relaygr.processes import die_with_parent, terminate
 
 _READY_TIMEOUT_S = 20.0
 _STOP_TIMEOUT_S = 5.0
@@ -85,7 +86,9 @@ class EtcdServer:
             "--log-level=warn",
         ]
         with self._log_path.open("ab") as log:
-            self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
         self._wait_healthy(client_url)
 
     def _wait_healthy(self, client_url: str) -> None:
@@ -108,14 +111,8 @@ class EtcdServer:
     def stop(self) -> None:
         """SIGTERM etcd, SIGKILL it if it has not exited within a deadline; keep the data dir."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=_STOP_TIMEOUT_S)
+        if process is not None:
+            terminate(process, _STOP_TIMEOUT_S)
 
     def close(self) -> None:
         """Stop etcd and remove its temporary directory."""

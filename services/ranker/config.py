@@ -29,7 +29,9 @@ class RankerConfig:
     )
     model_seed: int = field(default=0, metadata=_help("seed of the random model"))
     hbm_budget_mb: float = field(default=2048.0, metadata=_help("device KV tier budget, MiB"))
-    dram_budget_mb: float = field(default=8192.0, metadata=_help("host KV tier budget, MiB"))
+    dram_budget_mb: float = field(
+        default=8192.0, metadata=_help("host KV tier budget, MiB (0: no host tier)")
+    )
     dram_ttl_s: float = field(default=300.0, metadata=_help("host tier time to live, seconds"))
     relay_window_ms: int = field(
         default=2000, metadata=_help("default pin of a pre-inferred prefix awaiting its Rank")
@@ -45,7 +47,10 @@ class RankerConfig:
         default=256, metadata=_help("background jobs queued before refusing pre-inference")
     )
     calibration_lengths: tuple[int, ...] = field(
-        default=(256, 1024, 2048), metadata=_help("history lengths timed at start-up")
+        # The quadratic (attention) term only shows at long lengths: a fit that stops at 2k
+        # predicts an 8k history at half its real cost, and the trigger then misjudges risk.
+        default=(512, 2048, 6144),
+        metadata=_help("history lengths timed at start-up; span the lengths you serve"),
     )
     calibration_candidates: int = field(default=64, metadata=_help("candidates when calibrating"))
     max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
@@ -66,11 +71,15 @@ class RankerConfig:
         if self.checkpoint is not None and self.model_config is not None:
             raise ConfigError("set either checkpoint or model_config, not both")
         positive = (
-            "hbm_budget_mb", "dram_budget_mb", "dram_ttl_s", "relay_window_ms",
+            "hbm_budget_mb", "dram_ttl_s", "relay_window_ms",
             "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
             "calibration_candidates", "max_message_mb", "drain_grace_s", "lease_ttl_s",
         )  # fmt: skip
         require_positive(self, positive, "ranker")
+        if self.dram_budget_mb < 0:
+            raise ConfigError(
+                f"ranker dram_budget_mb must be >= 0 (0: no host tier), got {self.dram_budget_mb}"
+            )
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:
             raise ConfigError("ranker calibration_lengths must be positive token counts")
 

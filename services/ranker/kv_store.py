@@ -232,7 +232,8 @@ class KVStore:
     def _demote(self, entry: Entry) -> None:
         """Evict an unpinned HBM entry, keeping a host copy in DRAM when one fits."""
         key = entry.key
-        if key not in self._tiers[Tier.DRAM].entries:
+        dram = self._tiers[Tier.DRAM]
+        if key not in dram.entries and entry.kv.nbytes <= dram.budget:  # else no copy is made
             self.put_host(key, self._to_host(entry.kv))
         kept = key in self._tiers[Tier.DRAM].entries
         self._drop(Tier.HBM, key, Drop.DEMOTED if kept else Drop.EVICTED)

@@ -1,1 +1,1 @@
-"""RelayGR router: affinity-aware placement of PreInfer and Rank (arrives with the router issue)."""
+"""RelayGR router: sends a user's PreInfer and Rank to the same ranker."""

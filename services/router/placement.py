@@ -3,7 +3,7 @@
 import enum
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -103,6 +103,16 @@ def route_rank(user: str, instances: Iterable[str], directory: Mapping[str, str]
     if recorded is not None and recorded in order:
         order.remove(recorded)
         order.insert(0, recorded)
+    return order
+
+
+def shuffled(instances: Iterable[str], draw: Callable[[int], int]) -> list[str]:
+    """The instances in a random order (`draw(n)` returns an int in [0, n)): the ablation that
+    places PreInfer and Rank without affinity."""
+    pool = sorted(set(instances))
+    order = []
+    while pool:
+        order.append(pool.pop(draw(len(pool))))
     return order
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import logging
+import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
-from relaygr.router.config import ENV_PREFIX, RouterConfig
+from relaygr.router.config import ENV_PREFIX, PlacementMode, RouterConfig
 from relaygr.router.pool import RankerPool
 from relaygr.router.service import SERVICE_NAME, RouterServicer
 from relaygr.service_main import service_main
@@ -60,9 +61,13 @@ async def start_router(
     etcd = EtcdClient(cfg.etcd_endpoints)
     cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
     pool = RankerPool(options.channel_args()[:2])
+    randomly = random.Random().randrange if cfg.placement is PlacementMode.RANDOM else None
     servicer = RouterServicer(
-        cluster, cluster, pool, cfg.load_epsilon, cfg.load_floor, cfg.relay_window_ms / 1e3
-    )
+        cluster, cluster, pool, cfg.load_epsilon, cfg.load_floor, cfg.relay_window_ms / 1e3,
+        randomly=randomly,
+    )  # fmt: skip
+    if randomly is not None:
+        _log.warning("placement is RANDOM: PreInfer and Rank ignore affinity (ablation only)")
     server = await start_server(
         cfg.listen,
         lambda s: s.add_generic_rpc_handlers((servicer.handler(),)),

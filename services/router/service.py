@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
 from relaygr.errors import InvalidInput, ResourceExhausted, Unavailable
 from relaygr.router.load import WindowedLoad
-from relaygr.router.placement import directory_write, place, route_rank
+from relaygr.router.placement import directory_write, place, route_rank, shuffled
 from relaygr.router.pool import RankerPool
 from relaygr.v1 import router_pb2
 
@@ -48,7 +48,10 @@ class RouterServicer:
         load_floor: float,
         relay_window_s: float,
         clock: Callable[[], float] = time.time,
+        randomly: Callable[[int], int] | None = None,
     ) -> None:
+        """`randomly` (an int in [0, n) per call) turns affinity off: the placement ablation."""
+        self._randomly = randomly
         self._membership = membership
         self._directory = directory
         self._pool = pool
@@ -72,6 +75,8 @@ class RouterServicer:
     async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         view = self._membership.view()
         user = _user_id(request, "PreInferRequest")
+        if self._randomly is not None:
+            return await self._forward_randomly(view, "PreInfer", request, context)
         entry = self._directory.entry(user)
         hint = {} if entry is None else {user: entry.instance_id}
         loads = self.load.loads()
@@ -89,6 +94,8 @@ class RouterServicer:
     async def Rank(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         view = self._membership.view()
         user = _user_id(request, "RankRequest")
+        if self._randomly is not None:
+            return await self._forward_randomly(view, "Rank", request, context)
         instance = self._directory.lookup(user)
         order = route_rank(user, view, {} if instance is None else {user: instance})
         if not order:
@@ -128,6 +135,21 @@ class RouterServicer:
         if codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}:
             raise ResourceExhausted(message)
         raise Unavailable(message)
+
+    async def _forward_randomly(
+        self,
+        view: Mapping[str, RankerRecord],
+        method: str,
+        request: bytes,
+        context: grpc.aio.ServicerContext,
+    ) -> bytes:
+        assert self._randomly is not None
+        order = shuffled(view, self._randomly)
+        if not order:
+            raise Unavailable("no live ranker: none is registered in the membership view")
+        self.counters[f"placed_random_{method}"] += 1
+        reply, _ = await self._forward(order, view, method, request, context)
+        return reply
 
     async def _record(self, user: str, instance: str) -> None:
         placement = PlacementRecord(user, instance, self._clock() + self._window_s)

@@ -1,1 +1,1 @@
-"""RelayGR trigger: sequence-aware admission of relays (arrives with the trigger issue)."""
+"""RelayGR trigger: decides at retrieval time which requests to relay, and sends them."""

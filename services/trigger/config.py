@@ -66,6 +66,10 @@ class TriggerConfig:
     drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", Mode(self.mode))  # a plain string from Python code
+        except ValueError as err:
+            raise ConfigError(f"trigger mode must be one of {[m.value for m in Mode]}") from err
         require_positive(
             self,
             (

@@ -6,6 +6,8 @@ it retrieval events, dispatch outcomes and rankers' observed pinned bytes.
 
 import dataclasses
 import enum
+import heapq
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,8 +31,8 @@ class Reason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A retrieval event as the policy sees it. `digest` computes the prefix digest (on demand:
-    only events that may be relayed pay for hashing their prefix)."""
+    """A retrieval event as the policy sees it. `digest` returns the prefix's identity (the
+    service's cheap fingerprint); it is called only for events that may be relayed."""
 
     user_id: str
     prefix_tokens: int  # user features + long-term behaviours
@@ -46,7 +48,7 @@ class Decision:
     target: str = ""  # the ranker the relay is expected to land on
     kv_bytes: int = 0  # what the relay would pin there
     prefill_ms: float = 0.0  # what prefilling the prefix costs there
-    digest: str = ""  # the prefix digest, when it was computed
+    digest: str = ""  # the prefix's identity, when it was computed
 
     @property
     def admitted(self) -> bool:
@@ -130,33 +132,58 @@ class RelayLedger:
     relays: dict[tuple[str, str], Relay] = field(default_factory=dict)
     observed: dict[str, _Observation] = field(default_factory=dict)
     refusals: dict[str, _Refusal] = field(default_factory=dict)
+    # Kept in step with `relays` so that a decision costs O(log n), not a scan: the uncovered
+    # bytes per instance, and a heap of (expires_at, key) whose stale entries are skipped.
+    _uncovered: Counter[str] = field(default_factory=Counter)
+    _expiries: list[tuple[float, tuple[str, str]]] = field(default_factory=list)
 
     def held(self, instance: str, now: float) -> int:
+        self._expire(now)
         seen = self.observed.get(instance)
         base = seen.pinned_bytes if seen is not None and now < seen.at + self.window_s else 0
-        return base + sum(
-            r.nbytes
-            for r in self.relays.values()
-            if r.instance == instance and not r.observed and now < r.expires_at
-        )
+        return base + self._uncovered[instance]
 
     def live(self, user_id: str, digest: str, now: float) -> Relay | None:
-        relay = self.relays.get((user_id, digest))
-        return relay if relay is not None and now < relay.expires_at else None
+        self._expire(now)
+        return self.relays.get((user_id, digest))
 
     def start(self, user_id: str, digest: str, relay: Relay) -> None:
-        self.relays[user_id, digest] = relay
+        self._remove((user_id, digest))
+        self._add((user_id, digest), relay)
 
     def settle(self, user_id: str, digest: str, instance: str, nbytes: int, now: float) -> None:
         """The relay's PreInfer came back: it is pinned on `instance` for a window from now."""
-        relay = self.relays.get((user_id, digest))
-        if relay is None:
+        key = (user_id, digest)
+        if self._remove(key) is None:
             return  # failed or swept meanwhile
-        relay.instance, relay.nbytes = instance, nbytes
-        relay.settled_at, relay.expires_at = now, now + self.window_s
+        self._add(key, Relay(instance, nbytes, now + self.window_s, settled_at=now))
 
     def fail(self, user_id: str, digest: str) -> None:
-        self.relays.pop((user_id, digest), None)
+        self._remove((user_id, digest))
+
+    def _add(self, key: tuple[str, str], relay: Relay) -> None:
+        self.relays[key] = relay
+        if not relay.observed:
+            self._uncovered[relay.instance] += relay.nbytes
+        heapq.heappush(self._expiries, (relay.expires_at, key))
+
+    def _remove(self, key: tuple[str, str]) -> Relay | None:
+        relay = self.relays.pop(key, None)
+        if relay is not None and not relay.observed:
+            self._uncover(relay)
+        return relay
+
+    def _uncover(self, relay: Relay) -> None:
+        self._uncovered[relay.instance] -= relay.nbytes
+        if not self._uncovered[relay.instance]:
+            del self._uncovered[relay.instance]
+
+    def _expire(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            expires_at, key = heapq.heappop(self._expiries)
+            relay = self.relays.get(key)
+            if relay is not None and relay.expires_at == expires_at:  # else a stale entry
+                self._remove(key)
 
     def refuse(self, instance: str, now: float, until: float) -> None:
         self.refusals[instance] = _Refusal(now, until)
@@ -175,15 +202,16 @@ class RelayLedger:
         if refusal is not None and refusal.at < sent_at:
             del self.refusals[instance]
         for relay in self.relays.values():
-            if relay.instance == instance and relay.settled_at is not None:
-                relay.observed |= relay.settled_at <= sent_at
+            covered = relay.settled_at is not None and relay.settled_at <= sent_at
+            if relay.instance == instance and covered and not relay.observed:
+                relay.observed = True
+                self._uncover(relay)
 
     def sweep(self, now: float, instances: Mapping[str, object]) -> None:
         """Forget expired relays, and relays, observations and refusals of rankers that left."""
-        for key in [
-            k for k, r in self.relays.items() if now >= r.expires_at or r.instance not in instances
-        ]:
-            del self.relays[key]
+        self._expire(now)
+        for key in [k for k, r in self.relays.items() if r.instance not in instances]:
+            self._remove(key)
         for table in (self.observed, self.refusals):
             for instance in [i for i in table if i not in instances]:
                 del table[instance]

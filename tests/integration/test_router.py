@@ -301,3 +301,27 @@ def test_expired_placements_and_departed_rankers_are_cleaned_up(
             )
 
     asyncio.run(scenario())
+
+
+def test_random_placement_ablation_loses_affinity_not_correctness(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1"):
+                await mesh.add_ranker(name)
+            router = await mesh.add_router(placement="random")
+            outcomes = []
+            for i in range(30):
+                request = rank_input(rng, prefix(rng, 12, user_id=f"u{i}"), 2, 2)
+                await router.PreInfer(pre_infer_request_to_proto(request.prefix))
+                reply = await router.Rank(rank_request_to_proto(request))
+                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+                outcomes.append(reply.cache_outcome)
+            # each Rank meets its PreInfer's ranker only by chance (1 in 2)
+            assert 0 < outcomes.count(HIT) < len(outcomes), outcomes
+            assert mesh.routers[0].cluster.writes["put"] == 0  # no directory in this mode
+
+    asyncio.run(scenario())

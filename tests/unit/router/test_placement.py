@@ -15,6 +15,7 @@ from relaygr.router.placement import (
     place,
     ranking,
     route_rank,
+    shuffled,
     weight,
 )
 
@@ -237,3 +238,14 @@ def test_no_live_instances() -> None:
     assert ranking("alice", []) == []
     assert place("alice", [], {"a": 1}, 0.25, {"alice": "a"}) is None
     assert route_rank("alice", [], {"alice": "a"}) == []
+
+
+def test_shuffled_is_a_permutation_and_reaches_every_order(rng: np.random.Generator) -> None:
+    instances = ["a", "b", "c"]
+    seen = set()
+    for _ in range(300):
+        order = shuffled([*instances, "a"], lambda n: int(rng.integers(n)))
+        assert sorted(order) == instances  # each live instance once, duplicates ignored
+        seen.add(tuple(order))
+    assert len(seen) == 6
+    assert shuffled([], lambda n: 0) == []

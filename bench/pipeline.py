@@ -1,0 +1,175 @@
+"""Open-loop rate sweeps of the full pipeline on a local mesh, shared by the mesh benchmarks."""
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+from report import machine_info
+
+from relaygr.drive import Point, drive
+from relaygr.etcd import EtcdClient
+from relaygr.mesh import LocalMesh
+from relaygr.ranker.model_config import ModelConfig
+from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
+from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
+
+LIVE_KEY = "/relaygr/config/trigger"
+# What a one-behaviour probe (never at risk, never cached) gets back in each mode.
+_PROBE_EXPECTED = {
+    "off": trigger_pb2.ADMISSION_REASON_RELAY_DISABLED,
+    "all": trigger_pb2.ADMISSION_REASON_ADMITTED,
+    "sequence-aware": trigger_pb2.ADMISSION_REASON_NOT_AT_RISK,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One line of a comparison: a label, the mesh it runs on, the trigger mode it uses."""
+
+    label: str
+    mesh: LocalMesh
+    mode: str
+
+
+async def set_mode(mesh: LocalMesh, mode: str) -> None:
+    """Switch the trigger's mode through its live config and wait until it answers in it."""
+    client = EtcdClient([mesh.etcd_endpoint])
+    try:
+        await client.put(LIVE_KEY, json.dumps({"mode": mode}).encode())
+    finally:
+        await client.close()
+    assert mesh.trigger is not None
+    deadline = time.monotonic() + 30
+    async with grpc.aio.insecure_channel(mesh.trigger.address) as channel:
+        stub = trigger_pb2_grpc.TriggerServiceStub(channel)
+        probe = 0
+        while time.monotonic() < deadline:
+            probe += 1
+            event = trigger_pb2.RetrievalEvent(
+                user_id=f"probe-{mode}-{probe}",
+                long_term=common_pb2.Behaviours(item_ids=[1], actions=[0], timestamps=[1]),
+                expected_candidates=1,
+            )
+            if (await stub.OnRetrieval(event, timeout=5)).reason == _PROBE_EXPECTED[mode]:
+                return
+            await asyncio.sleep(0.05)  # poll interval under a deadline
+    raise TimeoutError(f"trigger did not switch to mode {mode}")
+
+
+def run_point(
+    variant: Variant, population: Population, rate: float, args: argparse.Namespace
+) -> Point:
+    """One open-loop point: max(args.duration, args.min_requests / rate) seconds at `rate`."""
+    asyncio.run(set_mode(variant.mesh, variant.mode))
+    duration = max(args.duration, args.min_requests / rate)
+    arrivals = poisson_arrivals(population, rate, duration)
+    mesh = variant.mesh
+    assert mesh.trigger is not None and mesh.router is not None
+    point = asyncio.run(
+        drive(
+            mesh.trigger.address,
+            mesh.router.address,
+            arrivals,
+            label=variant.label,
+            rate=rate,
+            gap_s=population.spec.gap_s,
+            warmup_s=duration * args.warmup,
+            timeout_s=args.timeout,
+        )
+    )
+    print(
+        f"{variant.label:>18} {rate:5g}/s  p50 {point.p50_ms:7.0f}  p99 {point.p99_ms:7.0f} ms  "
+        f"hits {point.hit_ratio:.0%}  {point.reasons} {point.errors}",
+        flush=True,
+    )
+    return point
+
+
+def populations(
+    variants: Sequence[Variant], spec: WorkloadSpec, seed: int
+) -> dict[str, Population]:
+    """Per variant its own copy of the same seeded population (own user ids, own caches)."""
+    return {
+        v.label: Population(
+            replace(spec, user_prefix=v.label.replace(" ", "-")), np.random.default_rng(seed)
+        )
+        for v in variants
+    }
+
+
+def sweep(variants: Sequence[Variant], spec: WorkloadSpec, args: argparse.Namespace) -> list[Point]:
+    """Rates in order, the variants in rotating order at each rate (drift hits all alike); a
+    variant stops once its P99 passes twice the SLO or a request fails."""
+    pops = populations(variants, spec, args.seed)
+    points: list[Point] = []
+    saturated: set[str] = set()
+    for i, rate in enumerate(args.rates):
+        k = i % len(variants)
+        for variant in [*variants[k:], *variants[:k]]:
+            if variant.label in saturated:
+                continue
+            point = run_point(variant, pops[variant.label], rate, args)
+            points.append(point)
+            if point.p99_ms > 2 * args.slo_ms or point.errors:
+                saturated.add(variant.label)
+        if len(saturated) == len(variants):
+            break
+    return points
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# The ranker benchmark's model: a sweep of the mesh takes minutes on 2 cores.
+BENCH_MODEL = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> None:
+    """The options every mesh benchmark shares."""
+    parser.add_argument("--rates", type=float, nargs="+", default=rates)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds per point")
+    parser.add_argument(
+        "--min-requests", type=int, default=90, help="low rates run longer to send this many"
+    )
+    parser.add_argument("--warmup", type=float, default=0.2, help="fraction of a point excluded")
+    parser.add_argument("--slo-ms", type=float, default=1500.0, help="ranking P99 budget")
+    parser.add_argument(
+        "--margin-ms", type=float, default=1400.0, help="at risk: full inference over SLO - margin"
+    )
+    parser.add_argument("--timeout", type=float, default=20.0, help="per-RPC deadline, seconds")
+    parser.add_argument("--gap-ms", type=float, default=WorkloadSpec().gap_s * 1e3)
+    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument("--quick", action="store_true", help="two rates, short points")
+    parser.add_argument("--no-docs", action="store_true", help="do not update docs/")
+    parser.add_argument("--from-json", type=Path, help="re-render saved results, run nothing")
+
+
+def ranker_args(model_path: Path, hbm_mb: int) -> tuple[str, ...]:
+    return (
+        "--model-config", str(model_path), "--device", "cpu",
+        "--hbm-budget-mb", str(hbm_mb), "--dram-budget-mb", str(4 * hbm_mb),
+        "--max-queued-ranks", "512",
+    )  # fmt: skip
+
+
+def save_results(name: str, args: argparse.Namespace, results: dict[str, object]) -> dict:
+    """Write bench/results/<name>[.quick].json with the reproducing command and machine."""
+    command = " ".join([f".venv/bin/python bench/{name}.py", *sys.argv[1:]])
+    if "--seed" not in sys.argv:
+        command += f" --seed {args.seed}"
+    saved = {
+        "command": command,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+        **results,
+    }
+    out = ROOT / "bench" / "results" / f"{name}{'.quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(saved, indent=2))
+    return saved

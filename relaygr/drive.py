@@ -1,0 +1,159 @@
+"""Open-loop driver of the whole pipeline: retrieval event to the trigger, Rank via the router.
+
+Each arrival sends its RetrievalEvent to the trigger at its scheduled time and its RankRequest to
+the router `gap_s` later. The schedule is fixed before anything is sent and latency counts from
+each Rank's intended send time, so a slow server cannot slow the clock and hide its latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from relaygr.ranker.convert import behaviours_to_proto, rank_request_to_proto
+from relaygr.ranker.inputs import RankInput
+from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
+from relaygr.workload import Arrival
+
+OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
+REASONS = {
+    v: k.removeprefix("ADMISSION_REASON_").lower() for k, v in trigger_pb2.AdmissionReason.items()
+}
+
+
+@dataclass(slots=True)
+class Point:
+    """What one open-loop run measured (requests before `warmup_s` are not counted)."""
+
+    label: str
+    rate: float
+    sent: int = 0
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    p50_ms: float = float("inf")
+    p99_ms: float = float("inf")
+    outcomes: dict[str, int] = field(default_factory=dict)  # Rank cache outcomes
+    reasons: dict[str, int] = field(default_factory=dict)  # trigger decisions
+    relayed_tokens: int = 0  # prefix tokens of admitted relays
+    duration_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, object]:
+        """Everything but the raw latencies (for result files)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "latencies_ms"}
+
+    def within_slo_per_s(self, slo_ms: float) -> float:
+        """Throughput of Ranks that met the SLO, counted over the measured span."""
+        met = sum(latency <= slo_ms for latency in self.latencies_ms)
+        return met / self.duration_s if self.duration_s > 0 else 0.0
+
+    def compliant(self, slo_ms: float) -> bool:
+        """P99 within the SLO and no failed request."""
+        return not self.errors and self.p99_ms <= slo_ms
+
+    @property
+    def hit_ratio(self) -> float:
+        hits = sum(v for k, v in self.outcomes.items() if k not in ("miss", "bypass"))
+        return hits / self.ok if self.ok else 0.0
+
+
+def retrieval_event(request: RankInput, request_id: str) -> trigger_pb2.RetrievalEvent:
+    p = request.prefix
+    return trigger_pb2.RetrievalEvent(
+        request_id=request_id,
+        user_id=p.user_id,
+        user_features=p.user_features.tolist(),
+        long_term=behaviours_to_proto(p.long_term),
+        expected_candidates=len(request.candidates),
+        expected_short_term=len(request.short_term),
+        request_ts=request.request_ts,
+    )
+
+
+async def drive(
+    trigger_address: str | None,
+    router_address: str,
+    arrivals: Sequence[Arrival],
+    *,
+    label: str,
+    rate: float,
+    gap_s: float,
+    warmup_s: float,
+    timeout_s: float,
+    on_done: Callable[[], None] | None = None,
+) -> Point:
+    """Run `arrivals` through the pipeline (no trigger call when `trigger_address` is None).
+
+    A failed or late OnRetrieval never holds back the Rank: the ranking path goes on without it.
+    `on_done` is called after each Rank (for a progress bar).
+    """
+    latencies: list[float] = []
+    outcomes: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    relayed_tokens = 0
+    # Protos are built before the clock starts: building them must not delay a send.
+    events = [retrieval_event(a.request, f"{label}-{i}") for i, a in enumerate(arrivals)]
+    ranks = [rank_request_to_proto(a.request) for a in arrivals]
+    async with (
+        grpc.aio.insecure_channel(router_address) as router_channel,
+        grpc.aio.insecure_channel(trigger_address or router_address) as trigger_channel,
+    ):
+        router = router_pb2_grpc.RouterServiceStub(router_channel)
+        trigger = trigger_pb2_grpc.TriggerServiceStub(trigger_channel)
+        loop = asyncio.get_running_loop()
+        start = loop.time() + 0.5
+
+        async def decide(i: int, counted: bool) -> None:
+            nonlocal relayed_tokens
+            try:
+                decision = await trigger.OnRetrieval(events[i], timeout=timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if counted:
+                    reasons[f"error_{err.code().name}"] += 1
+                return
+            if counted:
+                reasons[REASONS[decision.reason]] += 1
+                if decision.admitted:
+                    relayed_tokens += arrivals[i].request.prefix.num_tokens
+
+        async def one(i: int) -> None:
+            at = arrivals[i].at
+            counted = at >= warmup_s
+            pending: asyncio.Task[None] | None = None
+            if trigger_address is not None:
+                await asyncio.sleep(max(0.0, start + at - loop.time()))
+                pending = asyncio.create_task(decide(i, counted))
+            intended = start + at + gap_s
+            await asyncio.sleep(max(0.0, intended - loop.time()))
+            try:
+                reply = await router.Rank(ranks[i], timeout=timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if counted:
+                    errors[err.code().name] += 1
+            else:
+                if counted:
+                    latencies.append((loop.time() - intended) * 1e3)
+                    outcomes[OUTCOMES[reply.cache_outcome]] += 1
+            if on_done is not None:
+                on_done()
+            if pending is not None:
+                await pending
+
+        await asyncio.gather(*(one(i) for i in range(len(arrivals))))
+    counted = [a for a in arrivals if a.at >= warmup_s]
+    point = Point(label, rate, len(counted), len(latencies), dict(errors))
+    if latencies:
+        point.p50_ms = float(np.percentile(latencies, 50))
+        point.p99_ms = float(np.percentile(latencies, 99))
+    point.outcomes, point.reasons = dict(outcomes), dict(reasons)
+    point.relayed_tokens = relayed_tokens
+    point.latencies_ms = latencies
+    point.duration_s = (arrivals[-1].at - warmup_s) if counted else 0.0
+    return point

@@ -1,0 +1,82 @@
+"""`relaygr up`'s LocalMesh: real processes, a relay end to end, nothing left behind."""
+
+import asyncio
+import glob
+import json
+import tempfile
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from relaygr.drive import retrieval_event
+from relaygr.mesh import LocalMesh, MeshSpec
+from relaygr.ranker.convert import rank_request_to_proto
+from relaygr.ranker.model import RankingModel
+from relaygr.v1 import ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
+from tests.polling import eventually
+from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
+
+
+def _workdirs() -> set[str]:
+    return set(glob.glob(f"{tempfile.gettempdir()}/relaygr-mesh-*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    config = tiny_config()
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(config.to_dict()))
+    before = _workdirs()
+    spec = MeshSpec(
+        rankers=2,
+        ranker_args=("--model-config", str(model_path), "--device", "cpu",
+                     "--calibration-lengths", "32,64"),
+        trigger_args=("--slo-ms", "2", "--margin-ms", "1"),  # everything is at risk
+    )  # fmt: skip
+    with LocalMesh(spec) as mesh:
+        assert mesh.trigger is not None and mesh.router is not None
+        pids = [s.process.pid for s in (*mesh.rankers, mesh.router, mesh.trigger)]
+        request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
+        with grpc.insecure_channel(mesh.trigger.address) as channel:
+            decision = trigger_pb2_grpc.TriggerServiceStub(channel).OnRetrieval(
+                retrieval_event(request, "r1"), timeout=10
+            )
+        assert decision.admitted, decision
+        target = next(s for s in mesh.rankers if s.name == decision.target_instance)
+        with grpc.insecure_channel(target.address) as channel:
+            ranker = ranker_pb2_grpc.RankerServiceStub(channel)
+            describe = ranker_pb2.DescribeRequest()
+            pinned = lambda: ranker.Describe(describe).hbm.pinned_bytes > 0  # noqa: E731
+            asyncio.run(eventually(pinned, "the relay pinned on its ranker", timeout_s=30))
+        with grpc.insecure_channel(mesh.router.address) as channel:
+            reply = router_pb2_grpc.RouterServiceStub(channel).Rank(
+                rank_request_to_proto(request), timeout=30
+            )
+        assert reply.instance_id == decision.target_instance
+        assert reply.cache_outcome == 1  # CACHE_OUTCOME_HBM_HIT
+        expected = RankingModel(config, seed=0).full_forward(request).numpy()
+        scores = np.array([list(t.scores) for t in reply.scores])
+        assert rel_err(scores, expected) <= 1e-5
+    assert not any(_alive(pid) for pid in pids)
+    assert _workdirs() == before
+
+
+def test_a_child_dying_during_start_up_stops_everything() -> None:
+    before = _workdirs()
+    mesh = LocalMesh(MeshSpec(rankers=2, ranker_args=("--hbm-budget-mb", "-1")))
+    with pytest.raises(RuntimeError, match="ranker-0 exited") as err:
+        mesh.start()
+    assert "hbm_budget_mb must be > 0" in str(err.value)  # the child's own words
+    assert mesh.etcd is None and not any(_alive(s.process.pid) for s in mesh.rankers)
+    assert _workdirs() == before
