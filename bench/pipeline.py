@@ -148,6 +148,13 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> 
     parser.add_argument("--quick", action="store_true", help="two rates, short points")
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/")
     parser.add_argument("--from-json", type=Path, help="re-render saved results, run nothing")
+    parser.add_argument(
+        "--tag", default="", help="a second configuration: results and doc section get _TAG"
+    )
+
+
+def result_name(name: str, args: argparse.Namespace) -> str:
+    return f"{name}_{args.tag}" if args.tag else name
 
 
 def ranker_args(model_path: Path, hbm_mb: int) -> tuple[str, ...]:
@@ -169,7 +176,12 @@ def save_results(name: str, args: argparse.Namespace, results: dict[str, object]
         "machine": machine_info(),
         **results,
     }
-    out = ROOT / "bench" / "results" / f"{name}{'.quick' if args.quick else ''}.json"
+    out = (
+        ROOT
+        / "bench"
+        / "results"
+        / f"{result_name(name, args)}{'.quick' if args.quick else ''}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(saved, indent=2))
     return saved

@@ -34,6 +34,7 @@ from pipeline import (
     add_sweep_arguments,
     populations,
     ranker_args,
+    result_name,
     run_point,
     save_results,
     sweep,
@@ -237,7 +238,7 @@ def main() -> int:
     print(text)
     if not args.no_docs and not saved_args.quick:
         chart(rates, lengths, saved_args.slo_ms, ROOT / "docs" / "relay_bench.png")
-        write_section(ROOT / "docs" / "benchmarks.md", "relay_bench", text)
+        write_section(ROOT / "docs" / "benchmarks.md", result_name("relay_bench", args), text)
     return 0
 
 

@@ -25,6 +25,7 @@ from pipeline import (
     Variant,
     add_sweep_arguments,
     ranker_args,
+    result_name,
     save_results,
     sweep,
 )
@@ -115,7 +116,7 @@ def render(
 
     m = BENCH_MODEL
     return "\n".join([
-        "## Trigger: admission ablation (off / all / sequence-aware)",
+        f"## Trigger: admission ablation (off, all, sequence-aware), {args.hbm_mb} MiB device tier",
         "",
         f"Reproduce: `{command}`.",
         "",
@@ -170,7 +171,7 @@ def main() -> int:
     )
     print(text)
     if not args.no_docs and not saved["args"]["quick"]:
-        write_section(ROOT / "docs" / "benchmarks.md", "trigger_bench", text)
+        write_section(ROOT / "docs" / "benchmarks.md", result_name("trigger_bench", args), text)
     return 0
 
 
