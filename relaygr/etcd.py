@@ -27,6 +27,11 @@ _BACKOFF_MAX_S = 2.0
 _CHANNEL_OPTIONS = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
+    # Subchannels are otherwise shared process-wide: a fresh client would inherit another
+    # channel's reconnect backoff from an outage and fail fast with its stale error.
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 2_000,
 }
 # Status codes meaning "this endpoint did not answer", as opposed to "etcd refused the request".
 # CANCELLED is what calls in flight get when a failed-over channel is closed under them.
