@@ -5,29 +5,17 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import grpc
 import numpy as np
 from report import machine_info
 
-from relaygr.drive import Point, drive
-from relaygr.etcd import EtcdClient
+from relaygr.drive import Point, drive, set_trigger_mode
 from relaygr.mesh import LocalMesh
 from relaygr.ranker.model_config import ModelConfig
-from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
 from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
-
-LIVE_KEY = "/relaygr/config/trigger"
-# What a one-behaviour probe (never at risk, never cached) gets back in each mode.
-_PROBE_EXPECTED = {
-    "off": trigger_pb2.ADMISSION_REASON_RELAY_DISABLED,
-    "all": trigger_pb2.ADMISSION_REASON_ADMITTED,
-    "sequence-aware": trigger_pb2.ADMISSION_REASON_NOT_AT_RISK,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,40 +27,15 @@ class Variant:
     mode: str
 
 
-async def set_mode(mesh: LocalMesh, mode: str) -> None:
-    """Switch the trigger's mode through its live config and wait until it answers in it."""
-    client = EtcdClient([mesh.etcd_endpoint])
-    try:
-        await client.put(LIVE_KEY, json.dumps({"mode": mode}).encode())
-    finally:
-        await client.close()
-    assert mesh.trigger is not None
-    deadline = time.monotonic() + 30
-    async with grpc.aio.insecure_channel(mesh.trigger.address) as channel:
-        stub = trigger_pb2_grpc.TriggerServiceStub(channel)
-        probe = 0
-        while time.monotonic() < deadline:
-            probe += 1
-            event = trigger_pb2.RetrievalEvent(
-                user_id=f"probe-{mode}-{probe}",
-                long_term=common_pb2.Behaviours(item_ids=[1], actions=[0], timestamps=[1]),
-                expected_candidates=1,
-            )
-            if (await stub.OnRetrieval(event, timeout=5)).reason == _PROBE_EXPECTED[mode]:
-                return
-            await asyncio.sleep(0.05)  # poll interval under a deadline
-    raise TimeoutError(f"trigger did not switch to mode {mode}")
-
-
 def run_point(
     variant: Variant, population: Population, rate: float, args: argparse.Namespace
 ) -> Point:
     """One open-loop point: max(args.duration, args.min_requests / rate) seconds at `rate`."""
-    asyncio.run(set_mode(variant.mesh, variant.mode))
-    duration = max(args.duration, args.min_requests / rate)
-    arrivals = poisson_arrivals(population, rate, duration)
     mesh = variant.mesh
     assert mesh.trigger is not None and mesh.router is not None
+    asyncio.run(set_trigger_mode(mesh.etcd_endpoint, mesh.trigger.address, variant.mode))
+    duration = max(args.duration, args.min_requests / rate)
+    arrivals = poisson_arrivals(population, rate, duration)
     point = asyncio.run(
         drive(
             mesh.trigger.address,

@@ -57,7 +57,7 @@ def decision_time(seed: int) -> dict[str, dict[str, float]]:
     )  # fmt: skip  # the bench model's calibrated cost on this machine
     asyncio.run(cluster.register(record, 10))
     servicer = TriggerServicer(
-        cfg, AdmissionPolicy(cfg), cluster, cluster, Dispatcher(_never, 1 << 20, 1)
+        AdmissionPolicy(cfg), cluster, cluster, Dispatcher(_never, 1 << 20, 1)
     )
     rng = np.random.default_rng(seed)
     results: dict[str, dict[str, float]] = {}

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
+from relaygr.cost import CostModel
 from relaygr.errors import InvalidInput
 
 _MAX_PORT = 65535
@@ -48,6 +49,10 @@ class RankerRecord:
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= _MAX_PORT:
             raise InvalidInput(f"ranker address must be host:port, got {self.address!r}")
+
+    def cost_model(self) -> CostModel:
+        """The latency model the ranker published."""
+        return CostModel(**{name: getattr(self, name) for name in _COSTS})
 
     def to_json(self) -> bytes:
         return _to_json(self)

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from relaygr.drive import Point, drive
-from relaygr.etcd import EtcdClient
+from relaygr.drive import Point, drive, set_trigger_mode
 from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
 
-LIVE_KEY = "/relaygr/config/trigger"
 TIERS = ("hbm_hit", "dram_hit", "waited_inflight", "extended", "miss")
 
 
@@ -69,22 +67,14 @@ class Progress:
             )
 
 
-async def _set_mode(endpoint: str, mode: str) -> None:
-    client = EtcdClient([endpoint])
-    try:
-        await client.put(LIVE_KEY, json.dumps({"mode": mode}).encode())
-    finally:
-        await client.close()
-
-
 def run_phase(
     mesh: LocalMesh, label: str, mode: str, spec: WorkloadSpec, knobs: dict[str, float], seed: int
 ) -> Point:
-    asyncio.run(_set_mode(mesh.etcd_endpoint, mode))
+    assert mesh.trigger is not None and mesh.router is not None
+    asyncio.run(set_trigger_mode(mesh.etcd_endpoint, mesh.trigger.address, mode))
     population = Population(replace(spec, user_prefix=label), np.random.default_rng(seed))
     arrivals = poisson_arrivals(population, knobs["rate"], knobs["duration"])
     progress = Progress(len(arrivals), label)
-    assert mesh.trigger is not None and mesh.router is not None
     return asyncio.run(
         drive(
             mesh.trigger.address,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +18,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from relaygr.etcd import EtcdClient
 from relaygr.ranker.convert import behaviours_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import RankInput
+from relaygr.trigger.live_config import live_config_key
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from relaygr.workload import Arrival
 
@@ -25,6 +29,44 @@ OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.C
 REASONS = {
     v: k.removeprefix("ADMISSION_REASON_").lower() for k, v in trigger_pb2.AdmissionReason.items()
 }
+
+
+# What a one-behaviour probe (never at risk, never cached) gets back in each trigger mode.
+_PROBE_EXPECTED = {
+    "off": trigger_pb2.ADMISSION_REASON_RELAY_DISABLED,
+    "all": trigger_pb2.ADMISSION_REASON_ADMITTED,
+    "sequence-aware": trigger_pb2.ADMISSION_REASON_NOT_AT_RISK,
+}
+
+
+async def set_trigger_mode(
+    etcd_endpoint: str,
+    trigger_address: str,
+    mode: str,
+    etcd_prefix: str = "/relaygr",
+    timeout_s: float = 30.0,
+) -> None:
+    """Switch the trigger's mode through its live config; return once it answers in it."""
+    client = EtcdClient([etcd_endpoint])
+    try:
+        await client.put(live_config_key(etcd_prefix), json.dumps({"mode": mode}).encode())
+    finally:
+        await client.close()
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(trigger_address) as channel:
+        stub = trigger_pb2_grpc.TriggerServiceStub(channel)
+        probe = 0
+        while time.monotonic() < deadline:
+            probe += 1
+            event = trigger_pb2.RetrievalEvent(
+                user_id=f"probe-{mode}-{probe}",
+                long_term=common_pb2.Behaviours(item_ids=[1], actions=[0], timestamps=[1]),
+                expected_candidates=1,
+            )
+            if (await stub.OnRetrieval(event, timeout=5)).reason == _PROBE_EXPECTED[mode]:
+                return
+            await asyncio.sleep(0.05)  # poll interval under a deadline
+    raise TimeoutError(f"trigger did not switch to mode {mode}")
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.rpc
 
+from relaygr.aio import cancel_and_wait
 from relaygr.errors import ConfigError, InvalidInput, RelayGRError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,6 @@ def _unreachable(err: BaseException) -> bool:
         return rpc_error.code() in _UNREACHABLE_CODES
     # e.g. grpc's UsageError for a call started on a channel closed by a failover.
     return isinstance(err, aetcd.rpc.BaseError)
-
-
-async def _cancel(task: asyncio.Task[None] | None) -> None:
-    """Cancel a background task and wait until it has finished."""
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 class _Backoff:
@@ -338,7 +331,7 @@ class KeptLease:
 
     async def _stop(self) -> None:
         task, self._task = self._task, None
-        await _cancel(task)
+        await cancel_and_wait(task)
         self.connected = False
 
     async def revoke(self) -> None:
@@ -456,7 +449,7 @@ class Watch:
 
     async def _stop(self) -> None:
         task, self._task = self._task, None
-        await _cancel(task)
+        await cancel_and_wait(task)
         stream, self._stream = self._stream, None
         if stream is not None:
             # Best effort: unregister from aetcd's shared stream, which may already be closed.

@@ -1,7 +1,6 @@
 """Wires a RouterConfig into a running router: etcd views, ranker channels, gRPC server."""
 
 import asyncio
-import contextlib
 import logging
 import random
 import sys
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from relaygr.aio import cancel_and_wait
 from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
@@ -38,9 +38,7 @@ class RouterServer:
         return self.server.port
 
     async def close(self) -> None:
-        self.maintenance.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.maintenance
+        await cancel_and_wait(self.maintenance)
         await self.cluster.stop()
         await self.etcd.close()
         await self.pool.close()

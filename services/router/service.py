@@ -26,6 +26,7 @@ _log = logging.getLogger("relaygr.router")
 # A ranker answering these cannot serve this request now; another one can (by full inference
 # at worst). Every other status is the caller's answer and passes through unchanged.
 _TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_NO_RANKER = "no live ranker: none is registered in the membership view"
 
 
 class RouterServicer:
@@ -35,8 +36,8 @@ class RouterServicer:
     A placement is written to the directory only when the serving ranker is not the user's hash
     owner and the directory does not already say so for at least half a relay window (see
     `directory_write`), so etcd writes follow spill-overs and membership changes, not the
-    request rate. The
-    load of a ranker is the PreInfers this router placed on it within the relay window.
+    request rate. The load of a ranker is the PreInfers this router placed on it within the
+    relay window.
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class RouterServicer:
         loads = self.load.loads()
         placement = place(user, view, loads, self._epsilon, hint, self._load_floor)
         if placement is None:
-            raise Unavailable("no live ranker: none is registered in the membership view")
+            raise Unavailable(_NO_RANKER)
         reply, instance = await self._forward(placement.order, view, "PreInfer", request, context)
         self.load.add(instance)
         self.counters[f"placed_{placement.reason}"] += 1
@@ -98,8 +99,6 @@ class RouterServicer:
             return await self._forward_randomly(view, "Rank", request, context)
         instance = self._directory.lookup(user)
         order = route_rank(user, view, {} if instance is None else {user: instance})
-        if not order:
-            raise Unavailable("no live ranker: none is registered in the membership view")
         reply, _ = await self._forward(order, view, "Rank", request, context)
         return reply
 
@@ -115,8 +114,10 @@ class RouterServicer:
 
         When none can: RESOURCE_EXHAUSTED if every ranker tried refused for want of room (the
         request is too large or too heavy for all of them), else UNAVAILABLE; the message lists
-        each ranker's answer.
+        each ranker's answer. An empty `order` (no live ranker) is UNAVAILABLE.
         """
+        if not order:
+            raise Unavailable(_NO_RANKER)
         tried: list[str] = []
         codes: set[grpc.StatusCode] = set()
         for instance in order:
@@ -144,11 +145,10 @@ class RouterServicer:
         context: grpc.aio.ServicerContext,
     ) -> bytes:
         assert self._randomly is not None
-        order = shuffled(view, self._randomly)
-        if not order:
-            raise Unavailable("no live ranker: none is registered in the membership view")
+        reply, _ = await self._forward(
+            shuffled(view, self._randomly), view, method, request, context
+        )
         self.counters[f"placed_random_{method}"] += 1
-        reply, _ = await self._forward(order, view, method, request, context)
         return reply
 
     async def _record(self, user: str, instance: str) -> None:

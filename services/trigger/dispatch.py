@@ -1,7 +1,6 @@
 """Sends admitted PreInfers through the router in the background: bounded, deadlined, counted."""
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -9,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from relaygr.aio import cancel_and_wait
 from relaygr.trigger.policy import Decision
 from relaygr.v1 import common_pb2, trigger_pb2
 
@@ -20,10 +20,13 @@ class Job:
     """An admitted relay: the event it came from; its PreInfer is built by the worker that sends
     it, off the decision path (copying an 8k history into a new message takes ~0.5 ms)."""
 
-    user_id: str
     decision: Decision
     event: trigger_pb2.RetrievalEvent
     relay_window_ms: int
+
+    @property
+    def user_id(self) -> str:
+        return self.event.user_id
 
     def pre_infer(self) -> common_pb2.PreInferRequest:
         e = self.event
@@ -97,11 +100,7 @@ class Dispatcher:
     async def stop(self) -> None:
         """Cancel the workers; jobs still queued or in flight are counted as cancelled."""
         workers, self._workers = self._workers, []
-        for worker in workers:
-            worker.cancel()
-        for worker in workers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker
+        await cancel_and_wait(*workers)
         self.counters["cancelled"] += self._queue.qsize()
 
     async def _work(self) -> None:

@@ -12,6 +12,11 @@ from relaygr.trigger.config import LIVE_FIELDS, TriggerConfig
 _log = logging.getLogger("relaygr.trigger")
 
 
+def live_config_key(etcd_prefix: str) -> str:
+    """The etcd key whose JSON object overrides the trigger's LIVE_FIELDS."""
+    return f"{etcd_prefix.rstrip('/')}/config/trigger"
+
+
 class LiveConfig:
     """Follows the key `key`: its JSON object overrides the startup config's LIVE_FIELDS.
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from relaygr.cluster import RankerRecord
-from relaygr.cost import CostModel
 from relaygr.trigger.config import Mode, TriggerConfig
 
 
@@ -53,16 +52,6 @@ class Decision:
     @property
     def admitted(self) -> bool:
         return self.reason is Reason.ADMITTED
-
-
-def cost_of(record: RankerRecord) -> CostModel:
-    return CostModel(
-        record.fixed_ms,
-        record.per_token_ms,
-        record.per_pair_ms,
-        record.per_candidate_key_ms,
-        record.reload_ms_per_mb,
-    )
 
 
 class TokenBucket:
@@ -256,7 +245,7 @@ class AdmissionPolicy:
             return Decision(Reason.RELAY_DISABLED)
         if target is None:
             return Decision(Reason.NO_RANKER)
-        cost = cost_of(target)
+        cost = target.cost_model()
         history = event.prefix_tokens + event.short_term
         predicted = cost.full_ms(history, event.candidates)
         aware = cfg.mode is Mode.SEQUENCE_AWARE

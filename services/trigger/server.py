@@ -1,7 +1,6 @@
 """Wires a TriggerConfig into a running trigger: etcd views, live config, dispatch, observation."""
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
+from relaygr.aio import cancel_and_wait
 from relaygr.etcd import EtcdClient, Watch
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
@@ -18,7 +18,7 @@ from relaygr.router.pool import RankerPool
 from relaygr.service_main import service_main
 from relaygr.trigger.config import ENV_PREFIX, TriggerConfig
 from relaygr.trigger.dispatch import Dispatcher
-from relaygr.trigger.live_config import LiveConfig
+from relaygr.trigger.live_config import LiveConfig, live_config_key
 from relaygr.trigger.policy import AdmissionPolicy
 from relaygr.trigger.service import SERVICE_NAME, TriggerServicer
 from relaygr.v1 import common_pb2, ranker_pb2, router_pb2_grpc, trigger_pb2_grpc
@@ -53,11 +53,7 @@ class TriggerServer:
             )
 
     async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self.tasks)
         await self.dispatcher.stop()
         await self.watch.cancel()
         await self.cluster.stop()
@@ -95,8 +91,8 @@ async def start_trigger(
 
     policy = AdmissionPolicy(cfg)
     dispatcher = Dispatcher(send, cfg.dispatch_queue, cfg.dispatch_concurrency)
-    servicer = TriggerServicer(cfg, policy, cluster, cluster, dispatcher)
-    live = LiveConfig(cfg, f"{cfg.etcd_prefix.rstrip('/')}/config/trigger", policy.reconfigure)
+    servicer = TriggerServicer(policy, cluster, cluster, dispatcher)
+    live = LiveConfig(cfg, live_config_key(cfg.etcd_prefix), policy.reconfigure)
     server = await start_server(
         cfg.listen,
         lambda s: trigger_pb2_grpc.add_TriggerServiceServicer_to_server(servicer, s),

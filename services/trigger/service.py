@@ -12,7 +12,6 @@ from relaygr.errors import InvalidInput
 from relaygr.ranker.convert import prefix_from_proto
 from relaygr.ranker.inputs import Prefix
 from relaygr.router.placement import route_rank
-from relaygr.trigger.config import TriggerConfig
 from relaygr.trigger.dispatch import Dispatcher, Failure, Job
 from relaygr.trigger.policy import AdmissionPolicy, Decision, Event, Reason
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
@@ -36,14 +35,12 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
 
     def __init__(
         self,
-        cfg: TriggerConfig,
         policy: AdmissionPolicy,
         membership: Membership,
         directory: Directory,
         dispatcher: Dispatcher,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._cfg = cfg
         self.policy = policy
         self._membership = membership
         self._directory = directory
@@ -72,7 +69,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
 
     def _event(self, request: trigger_pb2.RetrievalEvent) -> Event:
         """The policy's view of a valid event; InvalidInput names what is wrong."""
-        cfg = self._cfg
+        cfg = self.policy.cfg  # input limits are startup settings, never changed live
         if not request.user_id:
             raise InvalidInput("user_id must not be empty")
         limits = (
@@ -100,9 +97,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         return view[order[0]] if order else None
 
     def _dispatch(self, request: trigger_pb2.RetrievalEvent, decision: Decision) -> bool:
-        cfg = self.policy.cfg
-        job = Job(request.user_id, decision, request, cfg.relay_window_ms)
-        return self._dispatcher.submit(job)
+        return self._dispatcher.submit(Job(decision, request, self.policy.cfg.relay_window_ms))
 
     def on_outcome(
         self, job: Job, reply: common_pb2.PreInferReply | None, failure: Failure | None
