@@ -1,9 +1,9 @@
 """Open-loop rate sweeps of the full pipeline on a local mesh, shared by the mesh benchmarks."""
 
 import argparse
-import asyncio
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from report import machine_info
 
-from relaygr.drive import Point, drive, set_trigger_mode
+from relaygr.drive import Point, drive_mesh
 from relaygr.mesh import LocalMesh
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
@@ -31,22 +31,16 @@ def run_point(
     variant: Variant, population: Population, rate: float, args: argparse.Namespace
 ) -> Point:
     """One open-loop point: max(args.duration, args.min_requests / rate) seconds at `rate`."""
-    mesh = variant.mesh
-    assert mesh.trigger is not None and mesh.router is not None
-    asyncio.run(set_trigger_mode(mesh.etcd_endpoint, mesh.trigger.address, variant.mode))
     duration = max(args.duration, args.min_requests / rate)
-    arrivals = poisson_arrivals(population, rate, duration)
-    point = asyncio.run(
-        drive(
-            mesh.trigger.address,
-            mesh.router.address,
-            arrivals,
-            label=variant.label,
-            rate=rate,
-            gap_s=population.spec.gap_s,
-            warmup_s=duration * args.warmup,
-            timeout_s=args.timeout,
-        )
+    point = drive_mesh(
+        variant.mesh,
+        variant.mode,
+        poisson_arrivals(population, rate, duration),
+        label=variant.label,
+        rate=rate,
+        gap_s=population.spec.gap_s,
+        warmup_s=duration * args.warmup,
+        timeout_s=args.timeout,
     )
     print(
         f"{variant.label:>18} {rate:5g}/s  p50 {point.p50_ms:7.0f}  p99 {point.p99_ms:7.0f} ms  "
@@ -130,7 +124,7 @@ def ranker_args(model_path: Path, hbm_mb: int) -> tuple[str, ...]:
 
 def save_results(name: str, args: argparse.Namespace, results: dict[str, object]) -> dict:
     """Write bench/results/<name>[.quick].json with the reproducing command and machine."""
-    command = " ".join([f".venv/bin/python bench/{name}.py", *sys.argv[1:]])
+    command = shlex.join([".venv/bin/python", f"bench/{name}.py", *sys.argv[1:]])
     if "--seed" not in sys.argv:
         command += f" --seed {args.seed}"
     saved = {

@@ -56,7 +56,7 @@ class RankerProcess:
     def __init__(self, name: str, model_config: Path, relay: bool, hbm_mb: int) -> None:
         self.name = name
         args = [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
             "--model-config", str(model_config), "--device", "cpu", "--instance-id", name,
             "--hbm-budget-mb", str(hbm_mb), "--dram-budget-mb", str(4 * hbm_mb),
             "--max-queued-ranks", "256", "--relay-enabled" if relay else "--no-relay-enabled",

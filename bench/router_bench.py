@@ -119,7 +119,7 @@ def main() -> int:
             model_config = Path(tmp) / "model.json"
             model_config.write_text(json.dumps(MODEL.to_dict()))
             ranker, ranker_port = spawn(
-                ["-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+                ["-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
                  "--model-config", str(model_config),
                  "--device", "cpu", "--etcd-endpoints", etcd.endpoint,
                  "--calibration-lengths", "64,256"],
@@ -127,7 +127,7 @@ def main() -> int:
             )  # fmt: skip
             processes.append(ranker)
             router, router_port = spawn(
-                ["-m", "relaygr.cli", "router", "--listen", "127.0.0.1:0",
+                ["-m", "relaygr.cli", "router", "--listen", "127.0.0.1:0", "--plaintext",
                  "--etcd-endpoints", etcd.endpoint],
                 r"listening on port (\d+)",
             )  # fmt: skip

@@ -49,7 +49,7 @@ MODES = ("off", "all", "sequence-aware")
 def decision_time(seed: int) -> dict[str, dict[str, float]]:
     """The trigger's own time per OnRetrieval (parse, policy, reply; no transport), in-process,
     for events that are not at risk (no digest computed) and at risk (digest, admission)."""
-    cfg = TriggerConfig(slo_ms=1500, margin_ms=1400, prefill_share=1.0, burst_s=1e6)
+    cfg = TriggerConfig(slo_ms=1500, margin_ms=1400, prefill_share=1.0, burst_s=1e6, plaintext=True)
     cluster = MemoryCluster()
     record = RankerRecord(
         "ranker-0", "127.0.0.1:1", "v", 1 << 40, 1 << 40, 2312,

@@ -9,7 +9,6 @@ same seeded user population, prints the comparison, writes a PNG chart and shuts
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import secrets
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from relaygr.drive import Point, drive, set_trigger_mode
+from relaygr.drive import Point, drive_mesh
 from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
@@ -70,23 +69,19 @@ class Progress:
 def run_phase(
     mesh: LocalMesh, label: str, mode: str, spec: WorkloadSpec, knobs: dict[str, float], seed: int
 ) -> Point:
-    assert mesh.trigger is not None and mesh.router is not None
-    asyncio.run(set_trigger_mode(mesh.etcd_endpoint, mesh.trigger.address, mode))
     population = Population(replace(spec, user_prefix=label), np.random.default_rng(seed))
     arrivals = poisson_arrivals(population, knobs["rate"], knobs["duration"])
     progress = Progress(len(arrivals), label)
-    return asyncio.run(
-        drive(
-            mesh.trigger.address,
-            mesh.router.address,
-            arrivals,
-            label=label,
-            rate=knobs["rate"],
-            gap_s=spec.gap_s,
-            warmup_s=knobs["duration"] * 0.2,
-            timeout_s=30.0,
-            on_done=progress.step,
-        )
+    return drive_mesh(
+        mesh,
+        mode,
+        arrivals,
+        label=label,
+        rate=knobs["rate"],
+        gap_s=spec.gap_s,
+        warmup_s=knobs["duration"] * 0.2,
+        timeout_s=30.0,
+        on_done=progress.step,
     )
 
 

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from relaygr.etcd import EtcdClient
+from relaygr.etcd import EtcdClient, EtcdSecurity
+from relaygr.mesh import LocalMesh
 from relaygr.ranker.convert import behaviours_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import RankInput
+from relaygr.tls import PLAINTEXT, TlsSettings, open_channel
 from relaygr.trigger.live_config import live_config_key
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from relaygr.workload import Arrival
@@ -45,15 +47,21 @@ async def set_trigger_mode(
     mode: str,
     etcd_prefix: str = "/relaygr",
     timeout_s: float = 30.0,
+    *,
+    tls: TlsSettings = PLAINTEXT,
+    etcd_security: EtcdSecurity | None = None,
 ) -> None:
-    """Switch the trigger's mode through its live config; return once it answers in it."""
-    client = EtcdClient([etcd_endpoint])
+    """Switch the trigger's mode through its live config; return once it answers in it.
+
+    `tls` and `etcd_security` are how to reach the trigger and etcd (LocalMesh.client_tls and
+    LocalMesh.etcd_security for a local mesh)."""
+    client = EtcdClient([etcd_endpoint], security=etcd_security)
     try:
         await client.put(live_config_key(etcd_prefix), json.dumps({"mode": mode}).encode())
     finally:
         await client.close()
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(trigger_address) as channel:
+    async with open_channel(trigger_address, tls) as channel:
         stub = trigger_pb2_grpc.TriggerServiceStub(channel)
         probe = 0
         while time.monotonic() < deadline:
@@ -129,11 +137,12 @@ async def drive(
     warmup_s: float,
     timeout_s: float,
     on_done: Callable[[], None] | None = None,
+    tls: TlsSettings = PLAINTEXT,
 ) -> Point:
     """Run `arrivals` through the pipeline (no trigger call when `trigger_address` is None).
 
     A failed or late OnRetrieval never holds back the Rank: the ranking path goes on without it.
-    `on_done` is called after each Rank (for a progress bar).
+    `on_done` is called after each Rank (for a progress bar). `tls`: how to dial the services.
     """
     latencies: list[float] = []
     outcomes: Counter[str] = Counter()
@@ -144,8 +153,8 @@ async def drive(
     events = [retrieval_event(a.request, f"{label}-{i}") for i, a in enumerate(arrivals)]
     ranks = [rank_request_to_proto(a.request) for a in arrivals]
     async with (
-        grpc.aio.insecure_channel(router_address) as router_channel,
-        grpc.aio.insecure_channel(trigger_address or router_address) as trigger_channel,
+        open_channel(router_address, tls) as router_channel,
+        open_channel(trigger_address or router_address, tls) as trigger_channel,
     ):
         router = router_pb2_grpc.RouterServiceStub(router_channel)
         trigger = trigger_pb2_grpc.TriggerServiceStub(trigger_channel)
@@ -199,3 +208,44 @@ async def drive(
     point.latencies_ms = latencies
     point.duration_s = (arrivals[-1].at - warmup_s) if counted else 0.0
     return point
+
+
+def drive_mesh(
+    mesh: LocalMesh,
+    mode: str,
+    arrivals: Sequence[Arrival],
+    *,
+    label: str,
+    rate: float,
+    gap_s: float,
+    warmup_s: float,
+    timeout_s: float,
+    on_done: Callable[[], None] | None = None,
+) -> Point:
+    """Put `mesh`'s trigger in `mode`, then drive `arrivals` through its trigger and router
+    (blocking; the demo's and the mesh benchmarks' one point)."""
+    if mesh.trigger is None or mesh.router is None:
+        raise ValueError("drive_mesh needs a started mesh with a trigger and a router")
+    asyncio.run(
+        set_trigger_mode(
+            mesh.etcd_endpoint,
+            mesh.trigger.address,
+            mode,
+            tls=mesh.client_tls,
+            etcd_security=mesh.etcd_security,
+        )
+    )
+    return asyncio.run(
+        drive(
+            mesh.trigger.address,
+            mesh.router_target,
+            arrivals,
+            label=label,
+            rate=rate,
+            gap_s=gap_s,
+            warmup_s=warmup_s,
+            timeout_s=timeout_s,
+            on_done=on_done,
+            tls=mesh.client_tls,
+        )
+    )

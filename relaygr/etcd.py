@@ -7,15 +7,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aetcd
 import aetcd.rpc
+import aetcd.watcher
+import grpc
 
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import ConfigError, InvalidInput, RelayGRError, Unavailable
+from relaygr.tls import read_pem
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,123 @@ _UNREACHABLE_CODES = frozenset(
         aetcd.rpc.StatusCode.UNAVAILABLE,
         aetcd.rpc.StatusCode.DEADLINE_EXCEEDED,
         aetcd.rpc.StatusCode.CANCELLED,
+        # An expired auth token (etcd's simple tokens lapse after --auth-token-ttl idle): a fresh
+        # connection authenticates again.
+        aetcd.rpc.StatusCode.UNAUTHENTICATED,
     }
 )
+# What etcd answers (INVALID_ARGUMENT) when a client's credentials are missing or wrong.
+_AUTH_REFUSALS = ("authentication failed", "user name is empty", "user name not found")
 
 
 class EtcdRejected(RelayGRError):
     """etcd answered but refused the request (e.g. its lease expired); a plain retry won't help."""
+
+
+class EtcdAuthFailed(ConfigError):
+    """etcd refused this client's user name or password: the configuration must change."""
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdSecurity:
+    """How a client reaches a secured etcd: TLS (when `ca` or `cert` is set) and/or a user.
+
+    `ca` verifies etcd's certificate (system roots when unset); `cert` and `key` are the client
+    certificate etcd's `--client-cert-auth` asks for; `user` and `password` authenticate to
+    etcd's auth (the password never appears in a repr or a log line).
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str = ""
+    password: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("etcd_cert and etcd_key must be set together")
+        if self.user and not self.password:
+            raise ConfigError(
+                f"etcd_user {self.user!r} is set but etcd_password is empty: set the password"
+                " (in deployments through the environment, RELAYGR_<SERVICE>_ETCD_PASSWORD)"
+            )
+        if self.password and not self.user:
+            raise ConfigError("etcd_password is set but etcd_user is empty")
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def describe(self) -> str:
+        """How the client reaches etcd, for logs (never the password)."""
+        parts = ["TLS" if self.tls else "plaintext"]
+        if self.cert is not None:
+            parts.append("client certificate")
+        if self.user:
+            parts.append(f"user {self.user!r}")
+        return ", ".join(parts)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_pem(self.ca, "etcd_ca"),
+            private_key=read_pem(self.key, "etcd_key"),
+            certificate_chain=read_pem(self.cert, "etcd_cert"),
+        )
+
+
+class _TlsAetcdClient(aetcd.Client):  # type: ignore[misc]
+    """An aetcd client over TLS: aetcd 1.0.0 only dials plaintext.
+
+    `connect` builds what aetcd's own does (channel, optional Authenticate, stubs, watcher) on a
+    secure channel; it relies on aetcd 1.0.0's attribute names, so check it when aetcd (pinned
+    in pyproject.toml) is upgraded. gRPC errors raised here reach the caller through the public
+    method that connected, which maps them to aetcd's exceptions.
+    """
+
+    _is_connecting: bool  # aetcd's own attributes, set by its __init__
+
+    def __init__(
+        self, host: str, port: int, credentials: grpc.ChannelCredentials, **kwargs: Any
+    ) -> None:
+        aetcd.Client.__init__(self, host, port, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        self._is_connecting = True
+        channel = grpc.aio.secure_channel(
+            f"{self._host}:{self._port}", self._credentials, options=list(self._options.items())
+        )
+        try:
+            metadata = None
+            if self._username is not None:
+                request = aetcd.rpc.AuthenticateRequest(
+                    name=self._username, password=self._password
+                )
+                reply = await aetcd.rpc.AuthStub(channel).Authenticate(
+                    request, timeout=self._timeout
+                )
+                metadata = (("token", reply.token),)
+        except BaseException:
+            await channel.close()
+            raise
+        finally:
+            self._is_connecting = False
+        self.channel, self.metadata = channel, metadata
+        self.kvstub = aetcd.rpc.KVStub(channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(channel)
+        self.leasestub = aetcd.rpc.LeaseStub(channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(channel)
+        self._watcher = aetcd.watcher.Watcher(
+            aetcd.rpc.WatchStub(channel), timeout=self._timeout, metadata=metadata
+        )
+        self._connected.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +188,7 @@ class WatchEvent:
 
 
 def _parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.removeprefix("http://").rpartition(":")
+    host, sep, port = endpoint.removeprefix("http://").removeprefix("https://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"etcd endpoint {endpoint!r} is not 'host:port' (e.g. 'etcd-0:2379')")
     return host, int(port)
@@ -119,11 +234,21 @@ class EtcdClient:
     values bytes. Watches and kept leases started here are stopped by `close()`.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        request_timeout_s: float = 5.0,
+        security: EtcdSecurity | None = None,
+    ) -> None:
+        """`security` None: plaintext without authentication (etcd's default)."""
         if not endpoints:
             raise ConfigError("etcd endpoints must name at least one 'host:port'")
         self._endpoints = [_parse_endpoint(e) for e in endpoints]
         self._timeout_s = request_timeout_s
+        self._security = security or EtcdSecurity()
+        # Read once, so a missing certificate file is a configuration error at start-up.
+        self._credentials = self._security.channel_credentials()
         self._index = 0
         self._client: Any = None  # aetcd.Client, created lazily for self._index
         self._children: set[Watch | KeptLease] = set()
@@ -140,9 +265,16 @@ class EtcdClient:
     def _current(self) -> Any:
         if self._client is None:
             host, port = self._endpoints[self._index]
-            self._client = aetcd.Client(
-                host, port, timeout=self._timeout_s, options=_CHANNEL_OPTIONS
-            )
+            user = self._security.user or None
+            password = self._security.password if user is not None else None
+            kwargs = {
+                "username": user, "password": password,
+                "timeout": self._timeout_s, "options": _CHANNEL_OPTIONS,
+            }  # fmt: skip
+            if self._credentials is None:
+                self._client = aetcd.Client(host, port, **kwargs)
+            else:
+                self._client = _TlsAetcdClient(host, port, self._credentials, **kwargs)
         return self._client
 
     async def _drop(self, client: Any) -> None:
@@ -162,6 +294,13 @@ class EtcdClient:
             try:
                 return await op(client)
             except aetcd.InvalidArgumentError as err:
+                if any(refusal in str(err) for refusal in _AUTH_REFUSALS):
+                    endpoint = self.endpoint
+                    await self._drop(client)
+                    raise EtcdAuthFailed(
+                        f"etcd at {endpoint} refused this client ({what}): {err}; check"
+                        f" etcd_user and etcd_password ({self._security.describe()})"
+                    ) from err
                 raise InvalidInput(f"etcd {what}: {err}") from err
             except (aetcd.ClientError, aetcd.rpc.BaseError, TimeoutError) as err:
                 if not _unreachable(err):
@@ -246,6 +385,12 @@ class EtcdClient:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+
+    @property
+    def connected(self) -> bool:
+        """Whether every watch and kept lease started here is connected (vacuously true with
+        none): what the services' `relaygr_etcd_connected` metric reports."""
+        return all(child.connected for child in self._children)
 
     def _forget(self, child: Watch | KeptLease) -> None:
         self._children.discard(child)

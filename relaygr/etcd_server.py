@@ -6,13 +6,16 @@ import importlib.util
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from relaygr.etcd import EtcdSecurity
 from relaygr.processes import dying_with_parent, terminate
 
 _READY_TIMEOUT_S = 20.0
@@ -28,6 +31,19 @@ def find_etcd_binary() -> str | None:
             if bundled.is_file() and os.access(bundled, os.X_OK):
                 return str(bundled)
     return shutil.which("etcd")
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """How etcd serves its clients over TLS: its certificate and key, and the CA it trusts.
+
+    With `client_cert_auth`, etcd refuses any client without a certificate signed by `ca`.
+    """
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert_auth: bool = True
 
 
 def _free_ports(count: int) -> list[int]:
@@ -51,11 +67,23 @@ class EtcdServer:
     data dir.
     """
 
-    def __init__(self, binary: str, *, die_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        binary: str,
+        *,
+        die_with_parent: bool = False,
+        tls: EtcdTls | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         """`die_with_parent`: etcd gets SIGTERM if the thread that starts it dies (use only
-        when that thread lives as long as etcd should, as a launcher's main thread does)."""
+        when that thread lives as long as etcd should, as a launcher's main thread does).
+        `tls`: serve clients over TLS (the peer port stays plaintext: one member, loopback).
+        `extra_args`: more etcd flags (e.g. "--auth-token-ttl=1")."""
         self.binary = binary
+        self._extra_args = extra_args
         self._die_with_parent = die_with_parent
+        self.tls = tls
+        self._root_password: str | None = None
         self._tmp = Path(tempfile.mkdtemp(prefix="relaygr-etcd-"))
         self.data_dir = self._tmp / "data"
         self.client_port, self.peer_port = _free_ports(2)
@@ -67,6 +95,19 @@ class EtcdServer:
         return f"127.0.0.1:{self.client_port}"
 
     @property
+    def _client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+
+    def client_security(self, user: str = "", password: str = "") -> EtcdSecurity:
+        """What a client needs to reach this etcd: its CA and, for `--client-cert-auth`, the
+        server's own certificate (it carries client usage too; see relaygr.certs)."""
+        if self.tls is None:
+            return EtcdSecurity(user=user, password=password)
+        return EtcdSecurity(
+            ca=self.tls.ca, cert=self.tls.cert, key=self.tls.key, user=user, password=password
+        )
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
@@ -74,7 +115,7 @@ class EtcdServer:
         """Start etcd (again, on the same ports and data dir) and wait until /health says ok."""
         if self.running:
             return
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = self._client_url
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         args = [
             self.binary,
@@ -88,6 +129,14 @@ class EtcdServer:
             "--initial-cluster-state=new",
             "--log-level=warn",
         ]
+        if self.tls is not None:
+            args += [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                f"--client-cert-auth={'true' if self.tls.client_cert_auth else 'false'}",
+            ]
+        args += self._extra_args
         with self._log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 dying_with_parent(args) if self._die_with_parent else args,
@@ -96,15 +145,24 @@ class EtcdServer:
             )
         self._wait_healthy(client_url)
 
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        return context
+
     def _wait_healthy(self, client_url: str) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         delay = 0.02
+        context = self._ssl_context()
         while time.monotonic() < deadline:
             assert self._process is not None
             if self._process.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self._process.returncode}:\n{self.log()}")
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1.0) as reply:
+                url = f"{client_url}/health"
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
                     if b'"health":"true"' in reply.read():
                         return
             except (OSError, urllib.error.URLError):
@@ -112,6 +170,48 @@ class EtcdServer:
             time.sleep(delay)  # poll interval under a deadline, not a readiness guess
             delay = min(delay * 2, 0.2)
         raise TimeoutError(f"etcd not healthy within {_READY_TIMEOUT_S}s:\n{self.log()}")
+
+    def _etcdctl(self, *args: str, stdin: str = "", user: str | None = None) -> None:
+        etcdctl = Path(self.binary).with_name("etcdctl")
+        command = [
+            str(etcdctl) if etcdctl.exists() else "etcdctl",
+            f"--endpoints={self._client_url}",
+        ]
+        if self.tls is not None:
+            command += [
+                f"--cacert={self.tls.ca}",
+                f"--cert={self.tls.cert}",
+                f"--key={self.tls.key}",
+            ]
+        if user is not None:
+            command.append(f"--user={user}")
+        result = subprocess.run(
+            [*command, *args], input=stdin, capture_output=True, text=True, timeout=30, check=False
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"etcdctl {args[0]} {args[1]} failed: {result.stderr.strip()}")
+
+    def enable_auth(self, root_password: str) -> None:
+        """Create the `root` user with `root_password` and turn etcd's authentication on: from
+        now on every request needs a user and password (or, with client-cert-auth, a
+        certificate whose common name is a user)."""
+        self._etcdctl("user", "add", "root", "--interactive=false", stdin=f"{root_password}\n")
+        self._etcdctl("user", "grant-role", "root", "root")
+        self._etcdctl("auth", "enable")
+        self._root_password = root_password
+
+    def add_user(self, name: str, password: str, prefix: str) -> None:
+        """A user (and a role of the same name) that may read and write keys under `prefix`;
+        call after `enable_auth`."""
+        if self._root_password is None:
+            raise RuntimeError("add_user needs enable_auth first")
+        root = f"root:{self._root_password}"
+        self._etcdctl("role", "add", name, user=root)
+        self._etcdctl(
+            "role", "grant-permission", name, "readwrite", prefix, "--prefix=true", user=root
+        )
+        self._etcdctl("user", "add", name, "--interactive=false", stdin=f"{password}\n", user=root)
+        self._etcdctl("user", "grant-role", name, name, user=root)
 
     def stop(self) -> None:
         """SIGTERM etcd, SIGKILL it if it has not exited within a deadline; keep the data dir."""

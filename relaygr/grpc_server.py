@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -81,18 +82,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         cached = self._guarded.get(method)
         if cached is None or cached[0] is not handler:
+            # The request is decoded inside the guard: gRPC's own decoding would answer a
+            # malformed message with UNKNOWN and the parser's internals.
             guarded = grpc.unary_unary_rpc_method_handler(
-                _guarded(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                _guarded(handler.unary_unary, method, handler.request_deserializer),
+                request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
             cached = self._guarded[method] = (handler, guarded)
         return cached[1]
 
 
-def _guarded(behaviour: UnaryBehaviour, method: str) -> UnaryBehaviour:
+def _guarded(
+    behaviour: UnaryBehaviour, method: str, decode: Callable[[bytes], Any] | None = None
+) -> UnaryBehaviour:
     async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if decode is not None:
+                try:
+                    request = decode(request)
+                except DecodeError as err:
+                    raise InvalidInput(f"malformed request to {method}: {err}") from err
             return await behaviour(request, context)
         except grpc.aio.AbortError:
             raise  # the handler already chose its status
@@ -112,6 +122,8 @@ class ServerOptions:
     max_receive_message_bytes: int = 16 * 1024 * 1024
     max_send_message_bytes: int = 16 * 1024 * 1024
     max_concurrent_streams: int = 1024
+    # RPCs in progress on the whole server; past it gRPC answers RESOURCE_EXHAUSTED at once.
+    max_concurrent_rpcs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
@@ -119,6 +131,8 @@ class ServerOptions:
                 raise ConfigError(f"{name} must be a positive number of bytes")
         if self.max_concurrent_streams <= 0:
             raise ConfigError("max_concurrent_streams must be a positive integer")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs <= 0:
+            raise ConfigError("max_concurrent_rpcs must be a positive integer")
 
     def channel_args(self) -> list[tuple[str, int]]:
         return [
@@ -179,15 +193,22 @@ async def start_server(
     service_names: Sequence[str],
     options: ServerOptions | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> GrpcServer:
     """Start a server on `address` (e.g. "127.0.0.1:0") serving what `register` adds.
+
+    `interceptors` run outside the error interceptor (tracing: the server span sees the status).
 
     `service_names` are the full names (e.g. "relaygr.v1.RankerService") reported by health
     and reflection. `credentials` None binds insecure; pass `grpc.ssl_server_credentials(...)`
     for TLS.
     """
     options = options or ServerOptions()
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options.channel_args())
+    server = grpc.aio.server(
+        interceptors=[*interceptors, ErrorInterceptor()],
+        options=options.channel_args(),
+        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+    )
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

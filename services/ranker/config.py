@@ -6,6 +6,7 @@ from pathlib import Path
 from relaygr.config import require_positive
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
+from relaygr.service_options import ServiceOptions
 
 ENV_PREFIX = "RELAYGR_RANKER_"
 MIB = 1 << 20
@@ -16,7 +17,7 @@ def _help(text: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class RankerConfig:
+class RankerConfig(ServiceOptions):
     listen: str = field(default="127.0.0.1:50061", metadata=_help("gRPC listen address"))
     instance_id: str = field(default="", metadata=_help("instance id (default: host:port)"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda or npu"))
@@ -36,6 +37,9 @@ class RankerConfig:
     relay_window_ms: int = field(
         default=2000, metadata=_help("default pin of a pre-inferred prefix awaiting its Rank")
     )
+    max_relay_window_ms: int = field(
+        default=60000, metadata=_help("longest pin a PreInfer may ask for (longer: refused)")
+    )
     prefill_chunk_tokens: int = field(
         default=512, metadata=_help("background prefill chunk: a Rank waits at most one")
     )
@@ -53,8 +57,10 @@ class RankerConfig:
         metadata=_help("history lengths timed at start-up; span the lengths you serve"),
     )
     calibration_candidates: int = field(default=64, metadata=_help("candidates when calibrating"))
-    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
-    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+    # Fewer than the other services' default: each Rank holds tensors while it waits.
+    max_concurrent_rpcs: int = field(
+        default=1024, metadata=_help("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+    )
     etcd_endpoints: tuple[str, ...] = field(
         default=(), metadata=_help("etcd endpoints to register in (none: standalone)")
     )
@@ -71,17 +77,20 @@ class RankerConfig:
         if self.checkpoint is not None and self.model_config is not None:
             raise ConfigError("set either checkpoint or model_config, not both")
         positive = (
-            "hbm_budget_mb", "dram_ttl_s", "relay_window_ms",
+            "hbm_budget_mb", "dram_ttl_s", "relay_window_ms", "max_relay_window_ms",
             "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
-            "calibration_candidates", "max_message_mb", "drain_grace_s", "lease_ttl_s",
+            "calibration_candidates", "lease_ttl_s",
         )  # fmt: skip
         require_positive(self, positive, "ranker")
         if self.dram_budget_mb < 0:
             raise ConfigError(
                 f"ranker dram_budget_mb must be >= 0 (0: no host tier), got {self.dram_budget_mb}"
             )
+        if self.relay_window_ms > self.max_relay_window_ms:
+            raise ConfigError("ranker relay_window_ms must be <= max_relay_window_ms")
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:
             raise ConfigError("ranker calibration_lengths must be positive token counts")
+        self.check_service("ranker")  # last: a field's own error is named first
 
     @property
     def hbm_budget_bytes(self) -> int:

@@ -2,21 +2,32 @@
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import torch
+from opentelemetry.trace import SpanContext, Tracer
 
 from relaygr.cost import CostModel
-from relaygr.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
 from relaygr.ranker.digest import PrefixHasher
 from relaygr.ranker.inputs import Prefix, RankInput, validate_prefix, validate_rank_input
 from relaygr.ranker.kv_store import CacheKey, KVStore, Tier
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.prefix_kv import PrefixKV
 from relaygr.ranker.scheduler import ComputeScheduler, Job, Priority
+from relaygr.tracing import (
+    Attributes,
+    annotate,
+    child_span,
+    link_current,
+    record_span,
+    recording,
+    sampled_span_context,
+)
 
 
 class PreInferOutcome(StrEnum):
@@ -61,6 +72,7 @@ class EngineSettings:
     relay_enabled: bool
     relay_window_s: float
     prefill_chunk_tokens: int
+    max_relay_window_s: float = 60.0  # a longer pin asked for is refused: it would hold memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +90,30 @@ class RankResult:
     computed_tokens: int
 
 
+_SPAN_OF_SOURCE = {
+    _Source.RELOAD: "ranker.reload",
+    _Source.EXTEND: "ranker.extend",
+    _Source.PREFILL: "ranker.prefill",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Who produced or last relayed a prefix cache: the span a consuming Rank links to."""
+
+    span_context: SpanContext
+    operation: str  # "pre_infer" or "rank"
+
+
 @dataclass(eq=False, slots=True)
 class _Inflight:
     job: Job
     task: asyncio.Task[PrefixKV]
     source: _Source
     computed_tokens: int  # prefix tokens this job computes (0 for a reload)
+    # What the landed entry records as its origin: the requester, except that a Rank's reload
+    # of a host copy keeps the copy's producer (the content is the same).
+    origin: Origin | None = None
 
 
 class RankerEngine:
@@ -104,14 +134,21 @@ class RankerEngine:
         scheduler: ComputeScheduler,
         cost_model: CostModel,
         settings: EngineSettings,
+        tracer: Tracer | None = None,
     ) -> None:
+        """`tracer` None: tracing off (no span work at all)."""
         self.model = model
         self.store = store
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.settings = settings
+        self._tracer = tracer
         self._inflight: dict[CacheKey, _Inflight] = {}
         self.draining = False
+
+    def inflight(self) -> int:
+        """Prefix computations and reloads in flight."""
+        return len(self._inflight)
 
     # -- PreInfer --------------------------------------------------------------------------
 
@@ -124,11 +161,18 @@ class RankerEngine:
         if not self.settings.relay_enabled:
             raise Unavailable("relay is disabled on this ranker (bypass): nothing to pre-infer")
         window = relay_window_s or self.settings.relay_window_s
+        if window > self.settings.max_relay_window_s:
+            raise InvalidInput(
+                f"relay window {window * 1e3:.0f} ms is over this ranker's limit of "
+                f"{self.settings.max_relay_window_s * 1e3:.0f} ms (max_relay_window_ms)"
+            )
         key = self._key(prefix)
+        origin = self._origin("pre_infer")
         if self.store.get(key, Tier.HBM) is not None:
             outcome = PreInferOutcome.ALREADY_RESIDENT
         elif key in self._inflight:
-            await asyncio.shield(self._inflight[key].task)
+            with child_span(self._tracer, "ranker.wait_inflight"):
+                await asyncio.shield(self._inflight[key].task)
             outcome = PreInferOutcome.JOINED_INFLIGHT
         else:
             nbytes = self._expected_bytes(prefix.num_tokens)
@@ -137,12 +181,22 @@ class RankerEngine:
                     f"prefix of {prefix.num_tokens} tokens needs {nbytes} bytes; the device "
                     f"tier has {self._free_for_pins()} bytes not pinned by other relays"
                 )
-            inflight = self._start(key, prefix, Priority.BACKGROUND, deadline, window)
+            inflight = self._start(key, prefix, Priority.BACKGROUND, deadline, window, origin)
             await asyncio.shield(inflight.task)
             outcome = _PRE_INFER_OUTCOME[inflight.source]
         kv = self.store.get(key, Tier.HBM)
-        if kv is None or not self.store.put_device(key, kv, pin_for=window):
+        if kv is None or not self.store.put_device(key, kv, pin_for=window, origin=origin):
             raise ResourceExhausted("the device tier cannot hold this prefix beside pinned relays")
+        if origin is not None:
+            annotate(
+                {
+                    "relaygr.user_id": prefix.user_id,
+                    "relaygr.pre_infer.outcome": outcome.value,
+                    "relaygr.tokens.prefix": kv.num_tokens,
+                    "relaygr.kv.bytes": kv.nbytes,
+                    "relaygr.relay.window_ms": window * 1e3,
+                }
+            )
         return PreInferResult(outcome, key, kv.num_tokens, kv.nbytes)
 
     # -- Rank ------------------------------------------------------------------------------
@@ -154,22 +208,31 @@ class RankerEngine:
             scores = await self._run(
                 "full", self._once(lambda: self.model.full_forward(request)), deadline
             )
-            return RankResult(scores, CacheOutcome.BYPASS, request.history_tokens + candidates)
+            computed = request.history_tokens + candidates
+            self._annotate_rank(request, CacheOutcome.BYPASS, computed, None)
+            return RankResult(scores, CacheOutcome.BYPASS, computed)
         key = self._key(request.prefix)
         kv = self.store.get(key, Tier.HBM)
+        own = self._origin("rank")
+        consumed = self._entry_origin(key, Tier.HBM) if kv is not None else None
         computed = len(request.short_term) + candidates
         outcome = CacheOutcome.HBM_HIT
         if kv is None and key in self._inflight:
             inflight = self._inflight[key]
             self.scheduler.promote(inflight.job, deadline)
             outcome = CacheOutcome.WAITED_INFLIGHT
-            with contextlib.suppress(DeadlineExceeded):  # its pre-infer gave up: compute below
+            consumed = inflight.origin
+            with (
+                child_span(self._tracer, "ranker.wait_inflight"),
+                contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
+            ):
                 kv = await asyncio.shield(inflight.task)
         if kv is None:
-            inflight = self._start(key, request.prefix, Priority.RANK, deadline, pin_for=None)
+            inflight = self._start(key, request.prefix, Priority.RANK, deadline, None, own)
             kv = await asyncio.shield(inflight.task)
             outcome = _RANK_OUTCOME[inflight.source]
             computed += inflight.computed_tokens
+            consumed = inflight.origin if inflight.source is _Source.RELOAD else None
         scores = await self._run(
             "rank",
             self._once(
@@ -180,6 +243,7 @@ class RankerEngine:
             deadline,
         )
         self.store.consume(key)
+        self._annotate_rank(request, outcome, computed, consumed if consumed != own else None)
         return RankResult(scores, outcome, computed)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -213,22 +277,46 @@ class RankerEngine:
         priority: Priority,
         deadline: float | None,
         pin_for: float | None,
+        origin: Origin | None = None,
     ) -> _Inflight:
-        """Submit the cheapest way to make `key` device-resident, as the one in-flight job."""
+        """Submit the cheapest way to make `key` device-resident, as the one in-flight job.
+
+        `pin_for` is the relay window of a PreInfer (None: a Rank's); `origin` the requester's.
+        """
         source, steps, computed = self._plan(key, prefix)
+        if source is _Source.RELOAD and pin_for is None:
+            held = self._entry_origin(key, Tier.DRAM)
+            origin = held if held is not None else origin
         job = self.scheduler.submit(f"{source}:{key.user_id}", steps, priority, deadline)
+        # _land first runs on the loop's next turn, when the entry below is in the table.
         task = asyncio.get_running_loop().create_task(self._land(key, job, pin_for))
         # Its waiters may all be gone (deadline, disconnect): the outcome is then nobody's.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        inflight = _Inflight(job, task, source, computed)
+        inflight = _Inflight(job, task, source, computed, origin)
         self._inflight[key] = inflight
         return inflight
 
     async def _land(self, key: CacheKey, job: Job, pin_for: float | None) -> PrefixKV:
+        inflight = self._inflight[key]
+        span = _SPAN_OF_SOURCE[inflight.source]
         try:
             kv: PrefixKV = await asyncio.wrap_future(job.future)
-            self.store.put_device(key, kv, pin_for=pin_for)  # may not fit; the waiters still use it
+            # may not fit; the waiters still use it
+            self.store.put_device(key, kv, pin_for=pin_for, origin=inflight.origin)
+            if recording(self._tracer):
+                attributes: Attributes = {
+                    "relaygr.tokens.computed": inflight.computed_tokens,
+                    "relaygr.tokens.prefix": kv.num_tokens,
+                    "relaygr.kv.bytes": kv.nbytes,
+                    "relaygr.job.chunks": max(job.steps_run, 1),
+                }
+                if inflight.source is _Source.RELOAD:
+                    attributes = {**attributes, "relaygr.kv.from": "dram", "relaygr.kv.to": "hbm"}
+                self._record_job(job, span, attributes)
             return kv
+        except BaseException:
+            self._record_job(job, span, {"error": True})
+            raise
         finally:
             del self._inflight[key]
 
@@ -297,3 +385,57 @@ class RankerEngine:
         except asyncio.CancelledError:
             job.future.cancel()  # not started yet: never run it
             raise
+        finally:
+            self._record_job(job, "ranker.full_forward" if name == "full" else f"ranker.{name}")
+
+    # -- tracing ---------------------------------------------------------------------------
+
+    def _origin(self, operation: str) -> Origin | None:
+        """The current request as the origin of a prefix it produces; None when not traced."""
+        if self._tracer is None:
+            return None
+        span_context = sampled_span_context()
+        return None if span_context is None else Origin(span_context, operation)
+
+    def _entry_origin(self, key: CacheKey, tier: Tier) -> Origin | None:
+        if self._tracer is None:
+            return None
+        entry = self.store.peek(key, tier)
+        origin = None if entry is None else entry.origin
+        return origin if isinstance(origin, Origin) else None
+
+    def _record_job(self, job: Job, name: str, attributes: Attributes | None = None) -> None:
+        """Spans for a job's wait in the queue and its compute, timed by the worker."""
+        if not recording(self._tracer):
+            return
+        now = time.time_ns()
+        queue_attributes: Attributes = {
+            "relaygr.job": job.name,
+            "relaygr.priority": job.priority.name.lower(),
+        }
+        record_span(
+            self._tracer, "ranker.queue", job.submitted_ns, job.started_ns or now, queue_attributes
+        )
+        if job.started_ns:
+            record_span(self._tracer, name, job.started_ns, job.finished_ns or now, attributes)
+
+    def _annotate_rank(
+        self, request: RankInput, outcome: CacheOutcome, computed: int, consumed: Origin | None
+    ) -> None:
+        """The Rank's decision on its span, and its link to the span whose cache it used."""
+        if not recording(self._tracer):
+            return
+        annotate(
+            {
+                "relaygr.user_id": request.prefix.user_id,
+                "relaygr.cache.outcome": outcome.value,
+                "relaygr.tokens.prefix": request.prefix.num_tokens,
+                "relaygr.tokens.computed": computed,
+                "relaygr.candidates": len(request.candidates),
+            }
+        )
+        if consumed is not None:
+            link_current(
+                consumed.span_context,
+                {"relaygr.link": "relay", "relaygr.relay.producer": consumed.operation},
+            )

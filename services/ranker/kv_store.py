@@ -41,6 +41,9 @@ class Entry:
     nbytes: int
     stored_at: float
     pinned_until: float | None = None  # relay window end while awaiting its Rank
+    # Opaque to the store: who produced or last relayed this prefix (the engine keeps the
+    # producing span's trace context here). Kept when the entry is demoted to DRAM.
+    origin: object | None = None
 
     @property
     def pinned(self) -> bool:
@@ -139,11 +142,14 @@ class KVStore:
 
     # -- changes ---------------------------------------------------------------------------
 
-    def put_device(self, key: CacheKey, kv: PrefixKV, pin_for: float | None) -> bool:
+    def put_device(
+        self, key: CacheKey, kv: PrefixKV, pin_for: float | None, origin: object | None = None
+    ) -> bool:
         """Store `kv` in HBM, pinned for `pin_for` seconds (None: unpinned, LRU from the start).
 
         Makes room by demoting unpinned entries. Returns False, changing nothing, when the entry
-        cannot fit beside the pinned ones. Re-storing a resident key refreshes its pin.
+        cannot fit beside the pinned ones. Re-storing a resident key refreshes its pin (and its
+        `origin`, when one is given).
         """
         self.expire()
         hbm = self._tiers[Tier.HBM]
@@ -153,6 +159,8 @@ class KVStore:
             hbm.entries.move_to_end(key)
             if pin_for is not None:
                 existing.pinned_until = max(existing.pinned_until or 0.0, now + pin_for)
+            if origin is not None:
+                existing.origin = origin
             return True
         self._supersede(key)  # the user's old prefixes are dead whether or not this one fits
         nbytes = kv.nbytes
@@ -162,7 +170,7 @@ class KVStore:
         while hbm.used + nbytes > hbm.budget:
             self._demote(next(e for e in hbm.entries.values() if not e.pinned))
         pinned_until = None if pin_for is None else now + pin_for
-        hbm.add(Entry(key, kv, nbytes, now, pinned_until))
+        hbm.add(Entry(key, kv, nbytes, now, pinned_until, origin))
         self._index(key)
         self.counters["hbm_stored"] += 1
         return True
@@ -176,7 +184,7 @@ class KVStore:
             self.counters["relays_consumed"] += 1
         entry.pinned_until = None
 
-    def put_host(self, key: CacheKey, kv: PrefixKV) -> bool:
+    def put_host(self, key: CacheKey, kv: PrefixKV, origin: object | None = None) -> bool:
         """Store a host copy in DRAM (evicting LRU DRAM entries); False if too large.
 
         A demotion, not a new prefix: it supersedes nothing.
@@ -191,7 +199,7 @@ class KVStore:
             return False
         while dram.used + kv.nbytes > dram.budget:
             self._drop(Tier.DRAM, next(iter(dram.entries)), Drop.EVICTED)
-        dram.add(Entry(key, kv, kv.nbytes, self._clock()))
+        dram.add(Entry(key, kv, kv.nbytes, self._clock(), origin=origin))
         self._index(key, newest=False)
         self.counters["dram_stored"] += 1
         return True
@@ -234,7 +242,7 @@ class KVStore:
         key = entry.key
         dram = self._tiers[Tier.DRAM]
         if key not in dram.entries and entry.kv.nbytes <= dram.budget:  # else no copy is made
-            self.put_host(key, self._to_host(entry.kv))
+            self.put_host(key, self._to_host(entry.kv), entry.origin)
         kept = key in self._tiers[Tier.DRAM].entries
         self._drop(Tier.HBM, key, Drop.DEMOTED if kept else Drop.EVICTED)
 

@@ -29,6 +29,10 @@ class Job:
     deadline: float | None
     future: Future[Any] = field(default_factory=Future)
     steps_run: int = 0
+    # Wall-clock times (time.time_ns) for tracing only; the injected clock governs deadlines.
+    submitted_ns: int = field(default_factory=time.time_ns)
+    started_ns: int = 0  # its first step began (0: not yet, or never ran)
+    finished_ns: int = 0  # its last step ended, or it failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +146,13 @@ class ComputeScheduler:
             try:
                 next(job.steps)
             except StopIteration as done:
+                job.finished_ns = time.time_ns()
                 job.future.set_result(done.value)
                 with self._cond:
                     self._log("done", job)
                 continue
             except Exception as err:  # delivered to the waiter, which maps it to a status
+                job.finished_ns = time.time_ns()
                 job.future.set_exception(err)
                 with self._cond:
                     self._log("failed", job)
@@ -163,6 +169,7 @@ class ComputeScheduler:
             job.future.set_exception(DeadlineExceeded(f"{job.name}: deadline passed while queued"))
             outcome = "expired"
         else:
+            job.started_ns = time.time_ns()
             return True
         with self._cond:
             self._log(outcome, job)

@@ -4,14 +4,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
 import torch
+from opentelemetry.trace import Tracer
 
 from relaygr.cluster import RankerRecord
 from relaygr.cost import CostModel
@@ -19,21 +20,27 @@ from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
-from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
+from relaygr.grpc_server import GrpcServer, install_drain_handlers
+from relaygr.metrics import MetricsServer
 from relaygr.ranker.checkpoint import load_checkpoint
-from relaygr.ranker.config import ENV_PREFIX, MIB, RankerConfig
+from relaygr.ranker.config import ENV_PREFIX, RankerConfig
 from relaygr.ranker.cost_model import calibrate
 from relaygr.ranker.engine import EngineSettings, RankerEngine
 from relaygr.ranker.kv_store import KVStore
+from relaygr.ranker.metrics import RankerMetrics
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.ranker.prefix_kv import PrefixKV
 from relaygr.ranker.scheduler import ComputeScheduler, Priority
 from relaygr.ranker.service import SERVICE_NAME, RankerServicer
 from relaygr.service_main import service_main
+from relaygr.service_options import start_service_servers
+from relaygr.telemetry import Telemetry, metrics_address
+from relaygr.tracing import child_span
 from relaygr.v1 import ranker_pb2_grpc
 
 _log = logging.getLogger("relaygr.ranker")
+SERVICE = "relaygr-ranker"  # the default OTEL service.name
 
 
 def load_model(cfg: RankerConfig) -> RankingModel:
@@ -54,11 +61,15 @@ def build_engine(
     model: RankingModel,
     cost_model: CostModel,
     clock: Callable[[], float] = time.monotonic,
+    tracer: Tracer | None = None,
 ) -> RankerEngine:
     pin = model.device.type != "cpu"
 
     def to_host(kv: PrefixKV) -> PrefixKV:
-        return kv.to("cpu", pin_memory=pin)
+        # A tier move (HBM eviction keeping a host copy), traced under the request causing it.
+        attributes = {"relaygr.kv.bytes": kv.nbytes, "relaygr.tokens.prefix": kv.num_tokens}
+        with child_span(tracer, "ranker.demote", {**attributes, "relaygr.kv.to": "dram"}):
+            return kv.to("cpu", pin_memory=pin)
 
     store = KVStore(cfg.hbm_budget_bytes, cfg.dram_budget_bytes, cfg.dram_ttl_s, clock, to_host)
     scheduler = ComputeScheduler(
@@ -70,8 +81,9 @@ def build_engine(
         relay_enabled=cfg.relay_enabled,
         relay_window_s=cfg.relay_window_ms / 1e3,
         prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+        max_relay_window_s=cfg.max_relay_window_ms / 1e3,
     )
-    return RankerEngine(model, store, scheduler, cost_model, settings)
+    return RankerEngine(model, store, scheduler, cost_model, settings, tracer)
 
 
 def ranker_record(
@@ -103,10 +115,22 @@ class RankerServer:
     engine: RankerEngine | None = None
     cluster: EtcdCluster | None = None
     etcd: EtcdClient | None = None
+    metrics: RankerMetrics | None = None
+    metrics_server: MetricsServer | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound `/metrics` port; None when metrics are not served."""
+        return None if self.metrics_server is None else self.metrics_server.port
+
+    async def close_metrics(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
 
     async def drain(self) -> None:
         """Leave the mesh, stop taking pre-inference, land in-flight prefixes, finish compute."""
@@ -123,32 +147,36 @@ class RankerServer:
         await self.server.enter_graceful_shutdown()
         await self.drain()
         await self.server.stop(grace)
+        await self.close_metrics()
 
 
 async def start_ranker(
     cfg: RankerConfig,
     model: RankingModel | None = None,
     cost_model: CostModel | None = None,
-    credentials: grpc.ServerCredentials | None = None,
+    telemetry: Telemetry | None = None,
 ) -> RankerServer:
     """Start serving: health answers NOT_SERVING at once, SERVING when model and cost are ready.
 
     `model` and `cost_model` may be given (tests, benchmarks) to skip loading and calibration.
+    `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
+    is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
     """
-    servicer = RankerServicer(cfg.instance_id, "pending")
-    options = ServerOptions(
-        max_receive_message_bytes=cfg.max_message_mb * MIB,
-        max_send_message_bytes=cfg.max_message_mb * MIB,
-    )
-    server = await start_server(
+    telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
+    metrics = RankerMetrics(telemetry.registry)
+    servicer = RankerServicer(cfg.instance_id, "pending", metrics)
+    server, metrics_server = await start_service_servers(
+        cfg,
+        "ranker",
         cfg.listen,
         lambda s: ranker_pb2_grpc.add_RankerServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],
-        options,
-        credentials,
+        telemetry,
+        _log,
     )
     instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
-    ranker = RankerServer(server, servicer, instance_id)
+    ranker = RankerServer(server, servicer, instance_id, metrics=metrics)
+    ranker.metrics_server = metrics_server
     if model is None:
         model = await asyncio.to_thread(load_model, cfg)
     if cost_model is None:
@@ -156,13 +184,15 @@ async def start_ranker(
             calibrate, model, cfg.calibration_lengths, cfg.calibration_candidates
         )
         _log.info("calibrated %s: %s", model.device, cost_model)
-    ranker.engine = build_engine(cfg, model, cost_model)
+    ranker.engine = build_engine(cfg, model, cost_model, tracer=telemetry.tracer)
+    metrics.engine = ranker.engine
     servicer.configure(instance_id, str(model.device))
     servicer.attach(ranker.engine)
     await server.set_serving(True)
     if cfg.etcd_endpoints:
-        ranker.etcd = EtcdClient(cfg.etcd_endpoints)
+        ranker.etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
         ranker.cluster = EtcdCluster(ranker.etcd, prefix=cfg.etcd_prefix)
+        metrics.etcd_connected = lambda: ranker.etcd is not None and ranker.etcd.connected
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         await ranker.cluster.register(
             ranker_record(instance_id, address, model, cost_model, cfg), cfg.lease_ttl_s
@@ -180,12 +210,17 @@ async def start_ranker(
 
 async def _serve(cfg: RankerConfig) -> None:
     torch.set_grad_enabled(False)
-    ranker = await start_ranker(cfg)
-    print(f"relaygr ranker listening on port {ranker.port}", flush=True)
-    done = install_drain_handlers(
-        asyncio.get_running_loop(), ranker.server, cfg.drain_grace_s, ranker.drain
-    )
-    await done
+    telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port, cfg.instance_id)
+    try:
+        ranker = await start_ranker(cfg, telemetry=telemetry)
+        print(f"relaygr ranker listening on port {ranker.port}", flush=True)
+        done = install_drain_handlers(
+            asyncio.get_running_loop(), ranker.server, cfg.drain_grace_s, ranker.drain
+        )
+        await done
+        await ranker.close_metrics()
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)  # the spans still batched go out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,9 +6,10 @@ import grpc
 
 from relaygr.errors import Unavailable
 from relaygr.grpc_server import absolute_deadline
-from relaygr.ranker.convert import prefix_from_proto, rank_input_from_proto
+from relaygr.ranker.convert import InputLimits, prefix_from_proto, rank_input_from_proto
 from relaygr.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
 from relaygr.ranker.kv_store import Tier
+from relaygr.ranker.metrics import RankerMetrics
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 
 SERVICE_NAME = "relaygr.v1.RankerService"
@@ -26,8 +27,10 @@ _CACHE_OUTCOME = {
 class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
     """Proto in, engine call, proto out; errors travel as RelayGRError to the interceptor."""
 
-    def __init__(self, instance_id: str, device: str) -> None:
+    def __init__(self, instance_id: str, device: str, metrics: RankerMetrics | None = None) -> None:
+        self._metrics = metrics  # latency histograms; None: not measured
         self._engine: RankerEngine | None = None
+        self._limits: InputLimits | None = None
         self._instance_id = instance_id
         self._device = device
 
@@ -36,6 +39,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
 
     def attach(self, engine: RankerEngine) -> None:
         """Start serving with `engine` (the server answers health checks while it warms up)."""
+        self._limits = InputLimits.of(engine.model.cfg)
         self._engine = engine
 
     @property
@@ -44,14 +48,23 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             raise Unavailable("ranker is loading its model and calibrating")
         return self._engine
 
+    @property
+    def limits(self) -> InputLimits:
+        """The model's input limits (Unavailable while warming up, like `engine`)."""
+        if self._limits is None:
+            raise Unavailable("ranker is loading its model and calibrating")
+        return self._limits
+
     async def PreInfer(
         self, request: common_pb2.PreInferRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.PreInferReply:
         start = time.perf_counter()
-        prefix = prefix_from_proto(request)
+        prefix = prefix_from_proto(request, self.limits)
         window = request.relay_window_ms / 1e3 if request.relay_window_ms else None
         deadline = absolute_deadline(context.time_remaining(), time.monotonic())
         result = await self.engine.pre_infer(prefix, window, deadline)
+        if self._metrics is not None:
+            self._metrics.observe_pre_infer(result.outcome, time.perf_counter() - start)
         return common_pb2.PreInferReply(
             request_id=request.request_id,
             outcome=_PRE_INFER_OUTCOME[result.outcome],
@@ -67,11 +80,13 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         self, request: common_pb2.RankRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.RankReply:
         start = time.perf_counter()
-        rank_input = rank_input_from_proto(request)
+        rank_input = rank_input_from_proto(request, self.limits)
         deadline = absolute_deadline(context.time_remaining(), time.monotonic())
         result = await self.engine.rank(rank_input, deadline)
         scores = result.scores.numpy()
         tasks = self.engine.model.cfg.tasks
+        if self._metrics is not None:
+            self._metrics.observe_rank(result.outcome, time.perf_counter() - start)
         return common_pb2.RankReply(
             request_id=request.request_id,
             scores=[

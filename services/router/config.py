@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from relaygr.config import require_positive
 from relaygr.errors import ConfigError
+from relaygr.service_options import ServiceOptions
 
 ENV_PREFIX = "RELAYGR_ROUTER_"
 
@@ -22,7 +23,7 @@ class PlacementMode(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig:
+class RouterConfig(ServiceOptions):
     listen: str = field(default="127.0.0.1:50051", metadata=_help("gRPC listen address"))
     etcd_endpoints: tuple[str, ...] = field(
         default=("127.0.0.1:2379",), metadata=_help("etcd endpoints, host:port[,...]")
@@ -40,18 +41,19 @@ class RouterConfig:
     placement: PlacementMode = field(
         default=PlacementMode.AFFINITY, metadata=_help("affinity, or random for ablation")
     )
-    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
-    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+    # Checked on the packed arrays' bytes before forwarding; rankers enforce their model's limits.
+    max_tokens: int = field(
+        default=65536, metadata=_help("most history tokens (user features + behaviours)")
+    )
+    max_candidates: int = field(default=65536, metadata=_help("most candidates in a Rank"))
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "placement", PlacementMode(self.placement))
         except ValueError as err:
             raise ConfigError(f"router placement must be one of {list(PlacementMode)}") from err
-        require_positive(
-            self,
-            ("load_epsilon", "load_floor", "relay_window_ms", "max_message_mb", "drain_grace_s"),
-            "router",
-        )
+        positive = ("load_epsilon", "load_floor", "relay_window_ms", "max_tokens", "max_candidates")
+        require_positive(self, positive, "router")
         if not self.etcd_endpoints:
             raise ConfigError("router etcd_endpoints must name at least one host:port")
+        self.check_service("router")  # last: a field's own error is named first

@@ -1,9 +1,11 @@
 """Pooled gRPC channels from the router to rankers, one per ranker address, carrying raw bytes."""
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+
+from relaygr.tls import ChannelOption, TlsSettings, open_channel
 
 # A ranker method taking and returning serialized messages: (request bytes, timeout) -> reply.
 RawCall = Callable[..., Awaitable[bytes]]
@@ -19,15 +21,24 @@ class RankerPool:
     addresses no longer live, so a departed ranker's connection does not linger.
     """
 
-    def __init__(self, options: list[tuple[str, int]]) -> None:
+    def __init__(
+        self,
+        options: list[ChannelOption],
+        tls: TlsSettings,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    ) -> None:
+        """`tls`: the owning service's settings; every channel is TLS unless it is plaintext.
+        `interceptors` (tracing: W3C trace context on every call) wrap every channel's calls."""
         self._options = options
+        self._tls = tls
+        self._interceptors = interceptors
         self._channels: dict[str, tuple[grpc.aio.Channel, dict[str, RawCall]]] = {}
 
     def call(self, address: str, method: str) -> RawCall:
         """The raw callable of a RankerService `method` on the ranker at `address`."""
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = open_channel(address, self._tls, self._options, self._interceptors)
             calls = {m: channel.unary_unary(_SERVICE + m) for m in _METHODS}
             entry = (channel, calls)  # type: ignore[assignment]
             self._channels[address] = entry

@@ -2,26 +2,30 @@
 
 import asyncio
 import logging
+import os
 import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
-from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
+from relaygr.grpc_server import GrpcServer, install_drain_handlers
+from relaygr.metrics import MetricsServer
 from relaygr.router.config import ENV_PREFIX, PlacementMode, RouterConfig
+from relaygr.router.limits import RequestLimits
+from relaygr.router.metrics import register_router_metrics
 from relaygr.router.pool import RankerPool
 from relaygr.router.service import SERVICE_NAME, RouterServicer
 from relaygr.service_main import service_main
+from relaygr.service_options import start_service_servers
+from relaygr.telemetry import Telemetry, metrics_address
 
-MIB = 1 << 20
 _CLOSE_GRACE_S = 5.0  # calls in flight to a departed ranker may finish (they have deadlines)
 _log = logging.getLogger("relaygr.router")
+SERVICE = "relaygr-router"  # the default OTEL service.name
 
 
 @dataclass(slots=True)
@@ -32,12 +36,21 @@ class RouterServer:
     etcd: EtcdClient
     pool: RankerPool
     maintenance: asyncio.Task[None]
+    metrics_server: MetricsServer | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound `/metrics` port; None when metrics are not served."""
+        return None if self.metrics_server is None else self.metrics_server.port
+
     async def close(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
         await cancel_and_wait(self.maintenance)
         await self.cluster.stop()
         await self.etcd.close()
@@ -48,37 +61,41 @@ class RouterServer:
         await self.close()
 
 
-async def start_router(
-    cfg: RouterConfig, credentials: grpc.ServerCredentials | None = None
-) -> RouterServer:
-    """Serve RouterService; health turns SERVING once the etcd views are loaded."""
-    options = ServerOptions(
-        max_receive_message_bytes=cfg.max_message_mb * MIB,
-        max_send_message_bytes=cfg.max_message_mb * MIB,
-    )
-    etcd = EtcdClient(cfg.etcd_endpoints)
+async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) -> RouterServer:
+    """Serve RouterService; health turns SERVING once the etcd views are loaded.
+
+    `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
+    is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
+    """
+    telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
+    options = cfg.server_options()
+    etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
     cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
-    pool = RankerPool(options.channel_args()[:2])
+    pool = RankerPool(options.channel_args()[:2], cfg, telemetry.client_interceptors())
     randomly = random.Random().randrange if cfg.placement is PlacementMode.RANDOM else None
     servicer = RouterServicer(
         cluster, cluster, pool, cfg.load_epsilon, cfg.load_floor, cfg.relay_window_ms / 1e3,
-        randomly=randomly,
+        randomly=randomly, limits=RequestLimits(cfg.max_tokens, cfg.max_candidates),
+        tracer=telemetry.tracer,
     )  # fmt: skip
+    register_router_metrics(telemetry.registry, servicer, cluster.view, lambda: etcd.connected)
     if randomly is not None:
         _log.warning("placement is RANDOM: PreInfer and Rank ignore affinity (ablation only)")
-    server = await start_server(
+    server, metrics_server = await start_service_servers(
+        cfg,
+        "router",
         cfg.listen,
         lambda s: s.add_generic_rpc_handlers((servicer.handler(),)),
         [SERVICE_NAME],
-        options,
-        credentials,
+        telemetry,
+        _log,
     )
     await cluster.start()
     await server.set_serving(True)
     _log.info("router serving on port %d, %d rankers in view", server.port, len(cluster.view()))
     window_s = cfg.relay_window_ms / 1e3
     maintenance = asyncio.create_task(_maintain(cluster, pool, window_s), name="router-maintenance")
-    return RouterServer(server, servicer, cluster, etcd, pool, maintenance)
+    return RouterServer(server, servicer, cluster, etcd, pool, maintenance, metrics_server)
 
 
 async def _maintain(cluster: EtcdCluster, pool: RankerPool, window_s: float) -> None:
@@ -98,10 +115,14 @@ async def _maintain(cluster: EtcdCluster, pool: RankerPool, window_s: float) -> 
 
 
 async def _serve(cfg: RouterConfig) -> None:
-    router = await start_router(cfg)
-    print(f"relaygr router listening on port {router.port}", flush=True)
-    await install_drain_handlers(asyncio.get_running_loop(), router.server, cfg.drain_grace_s)
-    await router.close()
+    telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port)
+    try:
+        router = await start_router(cfg, telemetry)
+        print(f"relaygr router listening on port {router.port}", flush=True)
+        await install_drain_handlers(asyncio.get_running_loop(), router.server, cfg.drain_grace_s)
+        await router.close()
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)  # the spans still batched go out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

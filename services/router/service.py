@@ -12,12 +12,15 @@ from collections.abc import Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry.trace import Tracer
 
 from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
 from relaygr.errors import InvalidInput, ResourceExhausted, Unavailable
+from relaygr.router.limits import RequestLimits, check_limits
 from relaygr.router.load import WindowedLoad
 from relaygr.router.placement import directory_write, place, route_rank, shuffled
 from relaygr.router.pool import RankerPool
+from relaygr.tracing import annotate, child_span
 from relaygr.v1 import router_pb2
 
 SERVICE_NAME = "relaygr.v1.RouterService"
@@ -50,9 +53,15 @@ class RouterServicer:
         relay_window_s: float,
         clock: Callable[[], float] = time.time,
         randomly: Callable[[int], int] | None = None,
+        limits: RequestLimits | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
-        """`randomly` (an int in [0, n) per call) turns affinity off: the placement ablation."""
+        """`randomly` (an int in [0, n) per call) turns affinity off: the placement ablation.
+        `limits` (None: none) bound a request's tokens and candidates before it is forwarded.
+        `tracer` (None: off) traces each routing decision as a `router.route` span."""
+        self._tracer = tracer
         self._randomly = randomly
+        self._limits = limits
         self._membership = membership
         self._directory = directory
         self._pool = pool
@@ -62,6 +71,10 @@ class RouterServicer:
         self._clock = clock
         self.load = WindowedLoad(relay_window_s, clock)
         self.counters: Counter[str] = Counter()
+        # Ranks by where their order came from: "directory" or "hash" (PreInfers: `counters`).
+        self.rank_routes: Counter[str] = Counter()
+        # Every call to a ranker by (method, status code name), failed-over attempts included.
+        self.forwarded: Counter[tuple[str, str]] = Counter()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """RouterService's methods on serialized messages (no deserializer, no serializer)."""
@@ -75,7 +88,7 @@ class RouterServicer:
 
     async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         view = self._membership.view()
-        user = _user_id(request, "PreInferRequest")
+        user = _user_id(request, "PreInferRequest", self._limits)
         if self._randomly is not None:
             return await self._forward_randomly(view, "PreInfer", request, context)
         entry = self._directory.entry(user)
@@ -84,7 +97,15 @@ class RouterServicer:
         placement = place(user, view, loads, self._epsilon, hint, self._load_floor)
         if placement is None:
             raise Unavailable(_NO_RANKER)
-        reply, instance = await self._forward(placement.order, view, "PreInfer", request, context)
+        decision = {
+            "relaygr.user_id": user,
+            "relaygr.placement.reason": placement.reason.value,
+            "relaygr.placement.owner": placement.owner,
+        }
+        with child_span(self._tracer, "router.route", decision):
+            reply, instance = await self._forward(
+                placement.order, view, "PreInfer", request, context
+            )
         self.load.add(instance)
         self.counters[f"placed_{placement.reason}"] += 1
         known = None if entry is None else (entry.instance_id, entry.expires_at)
@@ -94,12 +115,16 @@ class RouterServicer:
 
     async def Rank(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         view = self._membership.view()
-        user = _user_id(request, "RankRequest")
+        user = _user_id(request, "RankRequest", self._limits)
         if self._randomly is not None:
             return await self._forward_randomly(view, "Rank", request, context)
         instance = self._directory.lookup(user)
         order = route_rank(user, view, {} if instance is None else {user: instance})
-        reply, _ = await self._forward(order, view, "Rank", request, context)
+        reason = "directory" if order and order[0] == instance else "hash"
+        self.rank_routes[reason] += 1
+        decision = {"relaygr.user_id": user, "relaygr.placement.reason": reason}
+        with child_span(self._tracer, "router.route", decision):
+            reply, _ = await self._forward(order, view, "Rank", request, context)
         return reply
 
     async def _forward(
@@ -124,10 +149,20 @@ class RouterServicer:
             call = self._pool.call(view[instance].address, method)
             try:
                 reply = await call(request, timeout=context.time_remaining())
+                self.forwarded[method, "OK"] += 1
                 if tried:
                     self.counters[f"{method}_failed_over"] += 1
+                if self._tracer is not None:
+                    annotate(
+                        {
+                            "relaygr.placement.instance": instance,
+                            "relaygr.placement.attempts": len(tried) + 1,
+                            "relaygr.placement.fallback": bool(tried),
+                        }
+                    )
                 return reply, instance
             except grpc.aio.AioRpcError as err:
+                self.forwarded[method, err.code().name] += 1
                 if err.code() not in _TRY_NEXT:
                     await context.abort(err.code(), err.details() or err.code().name)
                 tried.append(f"{instance}: {err.code().name} {err.details()}")
@@ -145,9 +180,10 @@ class RouterServicer:
         context: grpc.aio.ServicerContext,
     ) -> bytes:
         assert self._randomly is not None
-        reply, _ = await self._forward(
-            shuffled(view, self._randomly), view, method, request, context
-        )
+        with child_span(self._tracer, "router.route", {"relaygr.placement.reason": "random"}):
+            reply, _ = await self._forward(
+                shuffled(view, self._randomly), view, method, request, context
+            )
         self.counters[f"placed_random_{method}"] += 1
         return reply
 
@@ -161,11 +197,14 @@ class RouterServicer:
             _log.warning("placement of %s on %s not recorded: %s", user, instance, err)
 
 
-def _user_id(request: bytes, kind: str) -> str:
-    """The user id of a serialized PreInferRequest or RankRequest (field 2 of both)."""
+def _user_id(request: bytes, kind: str, limits: RequestLimits | None) -> str:
+    """The user id of a serialized PreInferRequest or RankRequest (field 2 of both), once the
+    request is known to be within `limits`."""
     key = router_pb2.RoutingKey()
     try:
         key.ParseFromString(request)
     except DecodeError as err:
         raise InvalidInput(f"request is not a valid {kind}: {err}") from err
+    if limits is not None:
+        check_limits(key, limits)
     return key.user_id

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from relaygr.config import require_positive
 from relaygr.errors import ConfigError
+from relaygr.service_options import ServiceOptions
 
 ENV_PREFIX = "RELAYGR_TRIGGER_"
 
@@ -22,7 +23,7 @@ def _help(text: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class TriggerConfig:
+class TriggerConfig(ServiceOptions):
     listen: str = field(default="127.0.0.1:50041", metadata=_help("gRPC listen address"))
     etcd_endpoints: tuple[str, ...] = field(
         default=("127.0.0.1:2379",), metadata=_help("etcd endpoints, host:port[,...]")
@@ -62,8 +63,7 @@ class TriggerConfig:
     max_long_term: int = field(default=65536, metadata=_help("most long-term behaviours"))
     max_short_term: int = field(default=65536, metadata=_help("most expected short-term"))
     max_candidates: int = field(default=65536, metadata=_help("most expected candidates"))
-    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
-    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+    max_user_features: int = field(default=1024, metadata=_help("most user feature tokens"))
 
     def __post_init__(self) -> None:
         try:
@@ -76,7 +76,7 @@ class TriggerConfig:
                 "slo_ms", "prefill_share", "burst_s", "relay_budget_share", "relay_window_ms",
                 "refusal_cooldown_ms", "dispatch_queue", "dispatch_concurrency",
                 "observe_interval_ms", "max_long_term", "max_short_term", "max_candidates",
-                "max_message_mb", "drain_grace_s",
+                "max_user_features",
             ),
             "trigger",
         )  # fmt: skip
@@ -87,6 +87,7 @@ class TriggerConfig:
                 raise ConfigError(f"trigger {name} must be in (0, 1], got {getattr(self, name)}")
         if not self.etcd_endpoints:
             raise ConfigError("trigger etcd_endpoints must name at least one host:port")
+        self.check_service("trigger")  # last: a field's own error is named first
 
     @property
     def relay_window_s(self) -> float:

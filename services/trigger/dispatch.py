@@ -7,8 +7,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
 
 from relaygr.aio import cancel_and_wait
+from relaygr.tracing import attached
 from relaygr.trigger.policy import Decision
 from relaygr.v1 import common_pb2, trigger_pb2
 
@@ -23,6 +25,9 @@ class Job:
     decision: Decision
     event: trigger_pb2.RetrievalEvent
     relay_window_ms: int
+    # The deciding request's trace context: the PreInfer is sent in it, so the relay's trace
+    # continues from the decision (None: tracing off).
+    trace_context: Context | None = None
 
     @property
     def user_id(self) -> str:
@@ -59,7 +64,8 @@ class Dispatcher:
     tasks stay bounded whatever the event rate; `submit` never blocks and answers False when the
     queue is full (the caller counts the drop). Every job submitted reaches `on_outcome` exactly
     once, with the reply or the failure (deadline included), unless `stop` cancels it;
-    `counters` tallies "sent", "failed_<STATUS>" and "cancelled".
+    `counters` tallies "failed_<STATUS>" and "cancelled" (successes are the outcome handler's
+    to count: the trigger's `counters["relayed"]`).
     """
 
     def __init__(self, send: Send, capacity: int, concurrency: int) -> None:
@@ -89,6 +95,14 @@ class Dispatcher:
         """Jobs waiting or in flight."""
         return self._queue.qsize() + self._in_flight
 
+    def queued(self) -> int:
+        """Jobs waiting for a worker."""
+        return self._queue.qsize()
+
+    def in_flight(self) -> int:
+        """Jobs being sent."""
+        return self._in_flight
+
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every submitted job to finish; True if they did."""
         try:
@@ -108,7 +122,8 @@ class Dispatcher:
             job = await self._queue.get()
             self._in_flight += 1
             try:
-                reply = await self._send(job.pre_infer(), job.relay_window_ms / 1e3)
+                with attached(job.trace_context):
+                    reply = await self._send(job.pre_infer(), job.relay_window_ms / 1e3)
             except asyncio.CancelledError:
                 self.counters["cancelled"] += 1
                 raise
@@ -118,7 +133,6 @@ class Dispatcher:
                 _log.warning("dispatch to the router failed for %s: %r", job.user_id, err)
                 self._fail(job, Failure(grpc.StatusCode.UNKNOWN, repr(err)))
             else:
-                self.counters["sent"] += 1
                 self._report(job, reply, None)
             finally:
                 self._in_flight -= 1

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -9,22 +10,29 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry.trace import Tracer
 
 from relaygr.aio import cancel_and_wait
 from relaygr.etcd import EtcdClient, Watch
 from relaygr.etcd_cluster import EtcdCluster
-from relaygr.grpc_server import GrpcServer, ServerOptions, install_drain_handlers, start_server
+from relaygr.grpc_server import GrpcServer, install_drain_handlers
+from relaygr.metrics import MetricsServer
 from relaygr.router.pool import RankerPool
 from relaygr.service_main import service_main
+from relaygr.service_options import start_service_servers
+from relaygr.telemetry import Telemetry, metrics_address
+from relaygr.tls import open_channel
+from relaygr.tracing import root_span
 from relaygr.trigger.config import ENV_PREFIX, TriggerConfig
 from relaygr.trigger.dispatch import Dispatcher
 from relaygr.trigger.live_config import LiveConfig, live_config_key
+from relaygr.trigger.metrics import register_trigger_metrics
 from relaygr.trigger.policy import AdmissionPolicy
 from relaygr.trigger.service import SERVICE_NAME, TriggerServicer
 from relaygr.v1 import common_pb2, ranker_pb2, router_pb2_grpc, trigger_pb2_grpc
 
-MIB = 1 << 20
 _log = logging.getLogger("relaygr.trigger")
+SERVICE = "relaygr-trigger"  # the default OTEL service.name
 
 
 @dataclass(slots=True)
@@ -39,10 +47,16 @@ class TriggerServer:
     router_channel: grpc.aio.Channel
     tasks: list[asyncio.Task[None]]
     watch: Watch
+    metrics_server: MetricsServer | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound `/metrics` port; None when metrics are not served."""
+        return None if self.metrics_server is None else self.metrics_server.port
 
     async def drain(self, grace_s: float) -> None:
         """Stop answering (health NOT_SERVING) and let queued relays go out within `grace_s`."""
@@ -53,6 +67,9 @@ class TriggerServer:
             )
 
     async def close(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
         await cancel_and_wait(*self.tasks)
         await self.dispatcher.stop()
         await self.watch.cancel()
@@ -67,20 +84,19 @@ class TriggerServer:
         await self.close()
 
 
-async def start_trigger(
-    cfg: TriggerConfig, credentials: grpc.ServerCredentials | None = None
-) -> TriggerServer:
-    """Serve TriggerService; health turns SERVING once the etcd views and live config are read."""
-    options = ServerOptions(
-        max_receive_message_bytes=cfg.max_message_mb * MIB,
-        max_send_message_bytes=cfg.max_message_mb * MIB,
-    )
-    etcd = EtcdClient(cfg.etcd_endpoints)
+async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) -> TriggerServer:
+    """Serve TriggerService; health turns SERVING once the etcd views and live config are read.
+
+    `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
+    is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
+    """
+    telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
+    options = cfg.server_options()
+    etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
     cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
-    pool = RankerPool(options.channel_args()[:2])
-    router_channel = grpc.aio.insecure_channel(
-        cfg.router_address, options=options.channel_args()[:2]
-    )
+    interceptors = telemetry.client_interceptors()
+    pool = RankerPool(options.channel_args()[:2], cfg, interceptors)
+    router_channel = open_channel(cfg.router_address, cfg, options.channel_args()[:2], interceptors)
     router = router_pb2_grpc.RouterServiceStub(router_channel)
 
     async def send(
@@ -91,19 +107,26 @@ async def start_trigger(
 
     policy = AdmissionPolicy(cfg)
     dispatcher = Dispatcher(send, cfg.dispatch_queue, cfg.dispatch_concurrency)
-    servicer = TriggerServicer(policy, cluster, cluster, dispatcher)
+    servicer = TriggerServicer(policy, cluster, cluster, dispatcher, tracer=telemetry.tracer)
+    register_trigger_metrics(
+        telemetry.registry, servicer, dispatcher, cluster.view, lambda: etcd.connected
+    )
     live = LiveConfig(cfg, live_config_key(cfg.etcd_prefix), policy.reconfigure)
-    server = await start_server(
+    server, metrics_server = await start_service_servers(
+        cfg,
+        "trigger",
         cfg.listen,
         lambda s: trigger_pb2_grpc.add_TriggerServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],
-        options,
-        credentials,
+        telemetry,
+        _log,
     )
     await cluster.start()
     watch = await etcd.watch_prefix(live.key, live.on_event)
     dispatcher.start(servicer.on_outcome)
-    observe = asyncio.create_task(_observe(cfg, policy, cluster, pool), name="trigger-observe")
+    observe = asyncio.create_task(
+        _observe(cfg, policy, cluster, pool, telemetry.tracer), name="trigger-observe"
+    )
     await server.set_serving(True)
     _log.info(
         "trigger serving on port %d, mode %s, %d rankers in view",
@@ -112,14 +135,22 @@ async def start_trigger(
         len(cluster.view()),
     )
     return TriggerServer(
-        server, servicer, dispatcher, live, cluster, etcd, pool, router_channel, [observe], watch
-    )
+        server, servicer, dispatcher, live, cluster, etcd, pool, router_channel, [observe], watch,
+        metrics_server,
+    )  # fmt: skip
 
 
 async def _observe(
-    cfg: TriggerConfig, policy: AdmissionPolicy, cluster: EtcdCluster, pool: RankerPool
+    cfg: TriggerConfig,
+    policy: AdmissionPolicy,
+    cluster: EtcdCluster,
+    pool: RankerPool,
+    tracer: Tracer | None = None,
 ) -> None:
-    """Read every ranker's pinned bytes (Describe) each interval; forget what expired or left."""
+    """Read every ranker's pinned bytes (Describe) each interval; forget what expired or left.
+
+    With tracing on, each round is one trace (`trigger.observe`) holding its Describe calls.
+    """
     interval_s = cfg.observe_interval_ms / 1e3
 
     async def describe(instance: str, address: str) -> None:
@@ -137,23 +168,28 @@ async def _observe(
 
     while True:
         view = cluster.view()
-        await asyncio.gather(*(describe(i, r.address) for i, r in view.items()))
+        with root_span(tracer, "trigger.observe", {"relaygr.rankers": len(view)}):
+            await asyncio.gather(*(describe(i, r.address) for i, r in view.items()))
         policy.sweep(time.monotonic(), view)
         await pool.retain({r.address for r in view.values()}, grace_s=1.0)
         await asyncio.sleep(interval_s)
 
 
 async def _serve(cfg: TriggerConfig) -> None:
-    trigger = await start_trigger(cfg)
-    print(f"relaygr trigger listening on port {trigger.port}", flush=True)
+    telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port)
+    try:
+        trigger = await start_trigger(cfg, telemetry)
+        print(f"relaygr trigger listening on port {trigger.port}", flush=True)
 
-    async def on_drain() -> None:
-        await trigger.drain(cfg.drain_grace_s)
+        async def on_drain() -> None:
+            await trigger.drain(cfg.drain_grace_s)
 
-    await install_drain_handlers(
-        asyncio.get_running_loop(), trigger.server, cfg.drain_grace_s, on_drain
-    )
-    await trigger.close()
+        await install_drain_handlers(
+            asyncio.get_running_loop(), trigger.server, cfg.drain_grace_s, on_drain
+        )
+        await trigger.close()
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)  # the spans still batched go out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,12 +6,14 @@ from collections import Counter
 from collections.abc import Callable
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from relaygr.cluster import Directory, Membership, RankerRecord
 from relaygr.errors import InvalidInput
-from relaygr.ranker.convert import prefix_from_proto
+from relaygr.ranker.convert import InputLimits, prefix_from_proto
 from relaygr.ranker.inputs import Prefix
 from relaygr.router.placement import route_rank
+from relaygr.tracing import child_span, current_context
 from relaygr.trigger.dispatch import Dispatcher, Failure, Job
 from relaygr.trigger.policy import AdmissionPolicy, Decision, Event, Reason
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
@@ -40,7 +42,11 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         directory: Directory,
         dispatcher: Dispatcher,
         clock: Callable[[], float] = time.monotonic,
+        tracer: Tracer | None = None,
     ) -> None:
+        """`tracer` (None: off) traces each decision as a `trigger.decide` span, under which
+        an admitted relay's PreInfer is sent."""
+        self._tracer = tracer
         self.policy = policy
         self._membership = membership
         self._directory = directory
@@ -52,11 +58,25 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         self, request: trigger_pb2.RetrievalEvent, context: grpc.aio.ServicerContext
     ) -> trigger_pb2.TriggerDecision:
         event = self._event(request)
-        decision = self.policy.decide(event, self._target(request.user_id), self._clock())
-        if decision.admitted and not self._dispatch(request, decision):
-            self.policy.ledger.fail(request.user_id, decision.digest)
-            self.counters["dispatch_dropped"] += 1
-            decision = Decision(Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target)
+        with child_span(self._tracer, "trigger.decide") as span:
+            decision = self.policy.decide(event, self._target(request.user_id), self._clock())
+            if decision.admitted and not self._dispatch(request, decision):
+                self.policy.ledger.fail(request.user_id, decision.digest)
+                self.counters["dispatch_dropped"] += 1
+                decision = Decision(Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target)
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "relaygr.user_id": request.user_id,
+                        "relaygr.admission.reason": decision.reason.value,
+                        "relaygr.admission.admitted": decision.admitted,
+                        "relaygr.admission.predicted_full_ms": decision.predicted_full_ms,
+                        "relaygr.admission.target": decision.target,
+                        "relaygr.tokens.prefix": event.prefix_tokens,
+                        "relaygr.kv.bytes": decision.kv_bytes,
+                        "relaygr.admission.prefill_ms": decision.prefill_ms,
+                    }
+                )
         self.counters[decision.reason] += 1
         return trigger_pb2.TriggerDecision(
             request_id=request.request_id,
@@ -80,7 +100,10 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         for what, count, limit in limits:
             if count > limit:
                 raise InvalidInput(f"{count} {what} exceed the limit of {limit}")
-        prefix = prefix_from_proto(request)  # ids' lengths, ragged behaviour arrays
+        lengths = InputLimits(
+            cfg.max_user_features, cfg.max_user_features + cfg.max_long_term, cfg.max_candidates
+        )
+        prefix = prefix_from_proto(request, lengths)  # ids' and arrays' lengths, ragged arrays
         return Event(
             request.user_id,
             prefix.num_tokens,
@@ -97,7 +120,10 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         return view[order[0]] if order else None
 
     def _dispatch(self, request: trigger_pb2.RetrievalEvent, decision: Decision) -> bool:
-        return self._dispatcher.submit(Job(decision, request, self.policy.cfg.relay_window_ms))
+        window_ms = self.policy.cfg.relay_window_ms
+        return self._dispatcher.submit(
+            Job(decision, request, window_ms, current_context(self._tracer))
+        )
 
     def on_outcome(
         self, job: Job, reply: common_pb2.PreInferReply | None, failure: Failure | None

@@ -7,20 +7,33 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from relaygr.certs import Pki
 from relaygr.ranker.model import RankingModel
 from relaygr.ranker.server import RankerServer, start_ranker
 from relaygr.router.config import RouterConfig
 from relaygr.router.server import RouterServer, start_router
+from relaygr.tls import PLAINTEXT, ClientTls, open_channel
 from relaygr.trigger.config import TriggerConfig
 from relaygr.trigger.server import TriggerServer, start_trigger
 from relaygr.v1 import router_pb2_grpc, trigger_pb2_grpc
 from tests.integration.ranker_harness import BASE, COST, poll
 
 
+def transport(pki: Pki | None) -> dict[str, object]:
+    """Service config fields for mutual TLS with `pki`'s certificates, or for plaintext."""
+    if pki is None:
+        return {"plaintext": True}
+    return {
+        "plaintext": False, "tls_cert": pki.node_cert, "tls_key": pki.node_key,
+        "tls_ca": pki.ca_cert,
+    }  # fmt: skip
+
+
 @dataclass(slots=True)
 class Mesh:
     endpoint: str
     model: RankingModel
+    pki: Pki | None = None  # every service and the harness's channels over mutual TLS
     rankers: dict[str, RankerServer] = field(default_factory=dict)
     routers: list[RouterServer] = field(default_factory=list)
     triggers: list[TriggerServer] = field(default_factory=list)
@@ -30,7 +43,7 @@ class Mesh:
     async def add_ranker(self, instance_id: str, **config: object) -> RankerServer:
         cfg = replace(
             BASE, instance_id=instance_id, etcd_endpoints=(self.endpoint,), lease_ttl_s=2.0,
-            **config,
+            **{**transport(self.pki), **config},
         )  # type: ignore[arg-type]  # fmt: skip
         ranker = await start_ranker(cfg, model=self.model, cost_model=COST)
         self.rankers[instance_id] = ranker
@@ -40,9 +53,12 @@ class Mesh:
     async def add_router(
         self, converge: bool = True, **config: object
     ) -> router_pb2_grpc.RouterServiceStub:
-        cfg = RouterConfig(listen="127.0.0.1:0", etcd_endpoints=(self.endpoint,), **config)  # type: ignore[arg-type]
+        cfg = RouterConfig(
+            listen="127.0.0.1:0", etcd_endpoints=(self.endpoint,),
+            **{**transport(self.pki), **config},
+        )  # type: ignore[arg-type]  # fmt: skip
         router = await start_router(cfg)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+        channel = open_channel(f"127.0.0.1:{router.port}", self.client)
         self.routers.append(router)
         self.channels.append(channel)
         self.stubs.append(router_pb2_grpc.RouterServiceStub(channel))
@@ -52,17 +68,22 @@ class Mesh:
 
     async def add_trigger(self, **config: object) -> trigger_pb2_grpc.TriggerServiceStub:
         """A trigger relaying through the first router (add one first)."""
-        defaults = {"router_address": f"127.0.0.1:{self.routers[0].port}"}
+        defaults = {"router_address": f"127.0.0.1:{self.routers[0].port}", **transport(self.pki)}
         cfg = TriggerConfig(
             listen="127.0.0.1:0", etcd_endpoints=(self.endpoint,), **{**defaults, **config}
         )  # type: ignore[arg-type]
         trigger = await start_trigger(cfg)
         self.triggers.append(trigger)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{trigger.port}")
+        channel = open_channel(f"127.0.0.1:{trigger.port}", self.client)
         self.channels.append(channel)
         live = set(self.rankers)
         await poll(lambda: set(trigger.cluster.view()) == live)
         return trigger_pb2_grpc.TriggerServiceStub(channel)
+
+    @property
+    def client(self) -> ClientTls:
+        """How the harness (a caller outside the mesh) dials the services."""
+        return self.pki.client() if self.pki is not None else PLAINTEXT
 
     async def converged(self) -> None:
         """Every router and trigger sees exactly the live rankers."""
@@ -83,9 +104,11 @@ class Mesh:
 
 
 @asynccontextmanager
-async def running_mesh(endpoint: str, model: RankingModel) -> AsyncIterator[Mesh]:
+async def running_mesh(
+    endpoint: str, model: RankingModel, pki: Pki | None = None
+) -> AsyncIterator[Mesh]:
     async with AsyncExitStack() as stack:
-        mesh = Mesh(endpoint, model)
+        mesh = Mesh(endpoint, model, pki)
         stack.push_async_callback(mesh.close)
         yield mesh
 

@@ -25,6 +25,7 @@ COST = CostModel(
 
 BASE = RankerConfig(
     listen="127.0.0.1:0",
+    plaintext=True,  # tests/integration/test_security.py runs the same services over mTLS
     calibration_lengths=(32, 64),
     calibration_candidates=8,
     prefill_chunk_tokens=64,

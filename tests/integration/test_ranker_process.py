@@ -37,7 +37,7 @@ def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generat
     process = subprocess.Popen(
         [
             sys.executable, "-m", "relaygr.cli", "ranker", "--config", str(config_file),
-            "--listen", "127.0.0.1:0", "--model-config", str(model_config),
+            "--listen", "127.0.0.1:0", "--plaintext", "--model-config", str(model_config),
             "--device", "cpu", "--instance-id", "ranker-test",
         ],
         stdout=subprocess.PIPE,

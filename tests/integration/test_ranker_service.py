@@ -228,6 +228,12 @@ def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(
                 await r.stub.PreInfer(pre_infer_request_to_proto(prefix(rng, 590)))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "bytes" in (err.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # would pin memory for ~49 days
+                await r.stub.PreInfer(
+                    pre_infer_request_to_proto(prefix(rng, 20), relay_window_ms=2**32 - 1)
+                )
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_relay_window_ms" in (err.value.details() or "")
             reply = await r.stub.Rank(rank_request_to_proto(good))
             assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
 

@@ -105,7 +105,7 @@ def _spawn_ranker(
     model_config.write_text(json.dumps(tiny_config().to_dict()))
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
             "--model-config", str(model_config), "--model-seed", "0", "--device", "cpu",
             "--instance-id", instance_id, "--etcd-endpoints", endpoint, "--lease-ttl-s", "2",
             "--calibration-lengths", "32,64",

@@ -242,7 +242,10 @@ def test_a_request_every_ranker_refuses_as_too_large_is_resource_exhausted(
         async with running_mesh(etcd_server.endpoint, model) as mesh:
             for name in ("r0", "r1"):
                 await mesh.add_ranker(name, max_message_mb=1)
-            router = await mesh.add_router(max_message_mb=16)
+            # Counts past the router's own token and candidate limits: only sizes are at stake.
+            router = await mesh.add_router(
+                max_message_mb=16, max_tokens=10**6, max_candidates=10**6
+            )
             servicer = mesh.routers[0].servicer
             good = rank_input(rng, prefix(rng, 50, user_id="big"), n_candidates=4)
             huge_rank = rank_request_to_proto(good)

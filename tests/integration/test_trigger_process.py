@@ -17,6 +17,7 @@ def test_trigger_process_serves_and_drains(etcd_server: EtcdServer) -> None:
         [
             sys.executable, "-m", "relaygr.cli", "trigger", "--listen", "127.0.0.1:0",
             "--etcd-endpoints", etcd_server.endpoint, "--router-address", "127.0.0.1:9",
+            "--plaintext",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

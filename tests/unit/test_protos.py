@@ -40,6 +40,8 @@ def _fill(msg: message.Message, depth: int = 0) -> None:
             value: object = field.enum_type.values[-1].number
         elif field.type == FD.TYPE_STRING:
             value = f"{field.name}-{number}"
+        elif field.type == FD.TYPE_BYTES:
+            value = f"{field.name}-{number}".encode()
         elif field.type == FD.TYPE_BOOL:
             value = True
         elif field.type in (FD.TYPE_FLOAT, FD.TYPE_DOUBLE):

@@ -48,7 +48,8 @@ def ranker(instance_id: str = X, **overrides: Any) -> RankerRecord:
 
 
 def config(**overrides: Any) -> TriggerConfig:
-    return TriggerConfig(**overrides)  # defaults: slo 50, margin 5, window 2 s, cooldown 1 s
+    # defaults: slo 50, margin 5, window 2 s, cooldown 1 s
+    return TriggerConfig(**{"plaintext": True, **overrides})
 
 
 class Digest:

@@ -1,0 +1,176 @@
+"""A throwaway certificate authority for local meshes and tests: CA, node and client certificates.
+
+Never for production: the CA key sits next to the certificates in a temporary directory. In a
+cluster, certificates come from the platform (cert-manager, a mesh CA) and reach the services as
+file paths (`--tls-cert`, `--tls-key`, `--tls-ca`; docs/security.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from relaygr.tls import ClientTls
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1")
+_VALID_FOR = datetime.timedelta(days=7)
+_CLOCK_SKEW = datetime.timedelta(hours=1)
+_CA_KEY_USAGE = dict.fromkeys(
+    ("content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
+     "encipher_only", "decipher_only"),
+    False,
+) | {"digital_signature": True, "key_cert_sign": True, "crl_sign": True}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Pki:
+    """Files written by `make_pki`: one CA, a node certificate and a client certificate.
+
+    The node certificate carries both server and client usage, so one process can serve TLS and
+    present the same certificate on its outgoing hops (to other services and to etcd). The
+    client certificate is for callers that only call (tests, benchmarks, a demo driver).
+    """
+
+    directory: Path
+    ca_cert: Path
+    node_cert: Path
+    node_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def service_flags(self) -> tuple[str, ...]:
+        """Command-line flags that make a service serve and call over mutual TLS."""
+        return (
+            "--tls-cert", str(self.node_cert), "--tls-key", str(self.node_key),
+            "--tls-ca", str(self.ca_cert),
+        )  # fmt: skip
+
+    def etcd_flags(self) -> tuple[str, ...]:
+        """Command-line flags that make a service reach etcd over TLS with a client certificate."""
+        return (
+            "--etcd-ca", str(self.ca_cert), "--etcd-cert", str(self.node_cert),
+            "--etcd-key", str(self.node_key),
+        )  # fmt: skip
+
+    def client(self) -> ClientTls:
+        """What a caller outside the mesh needs to dial a service over mutual TLS."""
+        return ClientTls(tls_ca=self.ca_cert, tls_cert=self.client_cert, tls_key=self.client_key)
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "RelayGR throwaway"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _subject_alt_names(hosts: tuple[str, ...]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> Path:
+    path.write_bytes(data)
+    if private:
+        path.chmod(0o600)
+    return path
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+class _Authority:
+    """Signs leaf certificates with one freshly generated CA key (ECDSA P-256)."""
+
+    def __init__(self, common_name: str, now: datetime.datetime) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.name = _name(common_name)
+        self._now = now
+        self.cert = (
+            self._builder(self.name, self.key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(**_CA_KEY_USAGE), critical=True)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+
+    def _builder(
+        self, subject: x509.Name, public_key: ec.EllipticCurvePublicKey
+    ) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(self._now - _CLOCK_SKEW)
+            .not_valid_after(self._now + _VALID_FOR)
+        )
+
+    def issue(
+        self, common_name: str, hosts: tuple[str, ...], *, server: bool
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server:
+            usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
+        builder = (
+            self._builder(_name(common_name), key.public_key())
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+        )
+        if hosts:
+            builder = builder.add_extension(_subject_alt_names(hosts), critical=False)
+        return builder.sign(self.key, hashes.SHA256()), key
+
+
+def make_pki(
+    directory: Path,
+    *,
+    hosts: tuple[str, ...] = LOOPBACK_NAMES,
+    ca_name: str = "relaygr-throwaway-ca",
+    now: datetime.datetime | None = None,
+) -> Pki:
+    """Generate a CA and certificates for `hosts` (DNS names or IP addresses) into `directory`.
+
+    Keys are written readable by the owner only. The certificates are valid for a week from
+    `now` (default: the current time), with an hour of allowance for clock skew.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = _Authority(ca_name, now or datetime.datetime.now(datetime.UTC))
+    node, node_key = ca.issue("relaygr-node", hosts, server=True)
+    client, client_key = ca.issue("relaygr-client", (), server=False)
+    pem = serialization.Encoding.PEM
+    return Pki(
+        directory=directory,
+        ca_cert=_write(directory / "ca.pem", ca.cert.public_bytes(pem)),
+        node_cert=_write(directory / "node.pem", node.public_bytes(pem)),
+        node_key=_write(directory / "node-key.pem", _key_pem(node_key), private=True),
+        client_cert=_write(directory / "client.pem", client.public_bytes(pem)),
+        client_key=_write(directory / "client-key.pem", _key_pem(client_key), private=True),
+    )

@@ -1,0 +1,75 @@
+"""The security fields every service config inherits: gRPC TLS and etcd TLS/authentication."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relaygr.errors import ConfigError
+from relaygr.etcd import EtcdSecurity
+from relaygr.tls import check_tls
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityOptions:
+    """Transport security of one service (docs/security.md).
+
+    Invariant, checked by `check_security` from each service's `__post_init__`: the service
+    either serves and calls gRPC over TLS (`tls_cert` and `tls_key` set) or `plaintext` is set
+    explicitly, never both and never neither. `etcd_password` is left out of the repr.
+    """
+
+    tls_cert: Path | None = field(
+        default=None, metadata=_help("PEM certificate served, and presented on outgoing hops")
+    )
+    tls_key: Path | None = field(default=None, metadata=_help("PEM private key of tls_cert"))
+    tls_ca: Path | None = field(
+        default=None,
+        metadata=_help(
+            "PEM CA bundle: verifies the servers this service calls and, when set, requires"
+            " callers to present a certificate signed by it (mutual TLS)"
+        ),
+    )
+    tls_server_name: str = field(
+        default="",
+        metadata=_help("name checked in servers' certificates on outgoing hops (default: host)"),
+    )
+    plaintext: bool = field(
+        default=False,
+        metadata=_help("serve and call gRPC unencrypted and unauthenticated (local demos only)"),
+    )
+    etcd_ca: Path | None = field(
+        default=None, metadata=_help("PEM CA that signed etcd's certificate (turns on TLS)")
+    )
+    etcd_cert: Path | None = field(
+        default=None, metadata=_help("PEM client certificate for etcd --client-cert-auth")
+    )
+    etcd_key: Path | None = field(default=None, metadata=_help("PEM private key of etcd_cert"))
+    etcd_user: str = field(default="", metadata=_help("etcd user (etcd auth enabled)"))
+    etcd_password: str = field(
+        default="",
+        repr=False,
+        metadata=_help("password of etcd_user; pass it through the environment, not a flag"),
+    )
+
+    def check_security(self, service: str) -> None:
+        """Raise ConfigError naming `service` when the transport choice is missing or mixed."""
+        check_tls(self, service)
+        try:
+            self.etcd_security()
+        except ConfigError as err:
+            raise ConfigError(f"{service}: {err}") from err
+
+    def etcd_security(self) -> EtcdSecurity:
+        """How this service reaches etcd (ConfigError when the etcd_* fields are inconsistent)."""
+        return EtcdSecurity(
+            ca=self.etcd_ca,
+            cert=self.etcd_cert,
+            key=self.etcd_key,
+            user=self.etcd_user,
+            password=self.etcd_password,
+        )

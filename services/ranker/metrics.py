@@ -1,0 +1,163 @@
+"""The ranker's Prometheus metrics: latency observed per request; tiers, drops, relays and queues
+read from the engine's own counters and state when scraped."""
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import Metric
+
+from relaygr.metrics import LiveCollector, connectivity, counter, gauge
+from relaygr.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
+from relaygr.ranker.kv_store import Drop, Tier
+from relaygr.ranker.scheduler import Priority
+
+# Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+)  # fmt: skip
+# Which cache outcomes count as a hit in which tier, for the hit ratio.
+HIT_TIERS = {
+    Tier.HBM: (CacheOutcome.HBM_HIT, CacheOutcome.WAITED_INFLIGHT),
+    Tier.DRAM: (CacheOutcome.DRAM_HIT,),
+}
+
+
+class RankerMetrics:
+    """Every metric of one ranker, in its own registry.
+
+    Latency histograms are observed by the servicer (`observe_rank`, `observe_pre_infer`);
+    every series of theirs exists from the start, at zero. Everything else is read at scrape
+    time from `engine` (set once it is warm) and `etcd_connected`, so nothing is counted twice.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.engine: RankerEngine | None = None
+        self.etcd_connected: Callable[[], bool] | None = None
+        self.rank_latency = Histogram(
+            "relaygr_ranker_rank_latency_seconds",
+            "Server-side time of a Rank, by cache outcome",
+            ["cache_outcome"],
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.pre_infer_latency = Histogram(
+            "relaygr_ranker_pre_infer_latency_seconds",
+            "Server-side time of a PreInfer, by outcome",
+            ["outcome"],
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self._rank = {o: self.rank_latency.labels(o.value) for o in CacheOutcome}
+        self._pre_infer = {o: self.pre_infer_latency.labels(o.value) for o in PreInferOutcome}
+        registry.register(LiveCollector(self._collect))
+
+    def observe_rank(self, outcome: CacheOutcome, seconds: float) -> None:
+        self._rank[outcome].observe(seconds)
+
+    def observe_pre_infer(self, outcome: PreInferOutcome, seconds: float) -> None:
+        self._pre_infer[outcome].observe(seconds)
+
+    def ranks_by_outcome(self) -> dict[str, float]:
+        """Ranks served so far per cache outcome (the latency histogram's counts)."""
+        counts: dict[str, float] = {}
+        for family in self.rank_latency.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    counts[sample.labels["cache_outcome"]] = sample.value
+        return counts
+
+    def _collect(self) -> Iterator[Metric]:
+        connected = self.etcd_connected() if self.etcd_connected is not None else None
+        yield from connectivity(connected, None)
+        engine = self.engine
+        if engine is None:
+            return  # warming up: nothing to report beyond the (empty) histograms
+        ranks = self.ranks_by_outcome()
+        total = sum(ranks.values())
+        yield gauge(
+            "relaygr_ranker_cache_hit_ratio",
+            "Share of Ranks since start served from a cached prefix in the tier (HBM: resident "
+            "or waited for in flight; DRAM: reloaded); absent before the first Rank",
+            ["tier"],
+            {
+                (tier.value,): sum(ranks.get(o.value, 0.0) for o in outcomes) / total
+                for tier, outcomes in HIT_TIERS.items()
+                if total
+            },
+        )
+        engine.store.expire()  # pins past their window and stale host copies count now
+        usage = {tier: engine.store.usage(tier) for tier in Tier}
+        yield gauge(
+            "relaygr_ranker_kv_used_bytes",
+            "Bytes of prefix KV caches held in the tier",
+            ["tier"],
+            {(t.value,): u.used_bytes for t, u in usage.items()},
+        )
+        yield gauge(
+            "relaygr_ranker_kv_pinned_bytes",
+            "Bytes pinned in the tier by relays awaiting their Rank",
+            ["tier"],
+            {(t.value,): u.pinned_bytes for t, u in usage.items()},
+        )
+        yield gauge(
+            "relaygr_ranker_kv_budget_bytes",
+            "Byte budget of the tier",
+            ["tier"],
+            {(t.value,): u.budget_bytes for t, u in usage.items()},
+        )
+        yield gauge(
+            "relaygr_ranker_kv_entries",
+            "Prefix caches held in the tier",
+            ["tier"],
+            {(t.value,): u.entries for t, u in usage.items()},
+        )
+        counts = engine.store.counters
+        yield counter(
+            "relaygr_ranker_kv_drops",
+            "Prefix caches that left a tier, by reason (demoted: evicted from HBM with a DRAM "
+            "copy kept; evicted: no copy kept; expired: past the DRAM time to live; superseded: "
+            "the user's prefix changed; too_large: does not fit the tier at all)",
+            ["tier", "reason"],
+            {(t.value, r.value): counts[f"{t}_dropped_{r}"] for t in Tier for r in Drop},
+        )
+        yield counter(
+            "relaygr_ranker_kv_stored",
+            "Prefix caches stored into the tier",
+            ["tier"],
+            {(t.value,): counts[f"{t}_stored"] for t in Tier},
+        )
+        yield counter(
+            "relaygr_ranker_kv_rejected",
+            "Prefixes the device tier could not hold beside pinned relays",
+            [],
+            {(): counts["hbm_rejected"]},
+        )
+        yield counter(
+            "relaygr_ranker_relays_consumed",
+            "Relays (pinned pre-inferred prefixes) consumed by their Rank",
+            [],
+            {(): counts["relays_consumed"]},
+        )
+        yield counter(
+            "relaygr_ranker_relays_unconsumed",
+            "Relays produced but never consumed: the relay window ended (expired) or the cache "
+            "was dropped while pinned (dropped)",
+            ["reason"],
+            {
+                ("expired",): counts["relays_expired_unconsumed"],
+                ("dropped",): counts["relays_dropped_unconsumed"],
+            },
+        )
+        yield gauge(
+            "relaygr_ranker_queue_depth",
+            "Compute jobs waiting for the worker, by priority",
+            ["priority"],
+            {(p.name.lower(),): engine.scheduler.depth(p) for p in Priority},
+        )
+        yield gauge(
+            "relaygr_ranker_inflight_prefixes",
+            "Prefix computations and reloads in flight",
+            [],
+            {(): engine.inflight()},
+        )

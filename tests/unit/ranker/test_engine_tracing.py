@@ -1,0 +1,226 @@
+"""The engine's spans: a Rank links to the span that produced the cache it used, on every path.
+
+Request spans stand in for the gRPC server spans; spans are collected in memory.
+"""
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Tracer
+
+from relaygr.cost import CostModel
+from relaygr.ranker.config import MIB, RankerConfig
+from relaygr.ranker.engine import CacheOutcome, RankerEngine
+from relaygr.ranker.kv_store import Tier
+from relaygr.ranker.model import RankingModel
+from relaygr.ranker.prefix_kv import PrefixKV
+from relaygr.ranker.scheduler import Priority
+from relaygr.ranker.server import build_engine
+from tests.polling import eventually
+from tests.unit.ranker.factories import prefix, rank_input, tiny_config
+
+# Reloading a host copy is far cheaper than recomputing: DRAM hits reload.
+COST = CostModel(
+    fixed_ms=1.0, per_token_ms=0.01, per_pair_ms=1e-6, per_candidate_key_ms=1e-5,
+    reload_ms_per_mb=0.01,
+)  # fmt: skip
+MODEL = RankingModel(tiny_config(), seed=7)
+TOKENS = 100  # long-term behaviours per prefix (+4 user features)
+
+
+class Traced:
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.tracer: Tracer = provider.get_tracer("test")
+
+    def spans(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.exporter.get_finished_spans() if s.name == name]
+
+    def one(self, name: str) -> ReadableSpan:
+        [span] = self.spans(name)
+        return span
+
+
+@pytest.fixture
+def traced() -> Traced:
+    return Traced()
+
+
+def _engine(tracer: Tracer | None, hbm_entries: float) -> Iterator[RankerEngine]:
+    """The engine as the ranker server builds it (its host copies traced as tier moves)."""
+    mib = (TOKENS + 4) * MODEL.cfg.cache_bytes_per_token / MIB
+    cfg = RankerConfig(
+        plaintext=True, hbm_budget_mb=hbm_entries * mib, dram_budget_mb=8 * mib,
+        relay_window_ms=60_000, prefill_chunk_tokens=64,
+    )  # fmt: skip
+    engine = build_engine(cfg, MODEL, COST, tracer=tracer)
+    try:
+        yield engine
+    finally:
+        engine.scheduler.stop()
+
+
+@pytest.fixture
+def engine(traced: Traced) -> Iterator[RankerEngine]:
+    yield from _engine(traced.tracer, hbm_entries=1.5)  # room for one prefix
+
+
+def _link_of(span: ReadableSpan) -> tuple[int, int] | None:
+    if not span.links:
+        return None
+    [link] = span.links
+    assert link.attributes is not None and link.attributes["relaygr.link"] == "relay"
+    return link.context.trace_id, link.context.span_id
+
+
+def _ids(span: ReadableSpan) -> tuple[int, int]:
+    assert span.context is not None
+    return span.context.trace_id, span.context.span_id
+
+
+def test_hbm_hit_links_to_the_pre_infer(
+    traced: Traced, engine: RankerEngine, rng: np.random.Generator
+) -> None:
+    request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
+
+    async def scenario() -> CacheOutcome:
+        with traced.tracer.start_as_current_span("PreInfer"):
+            await engine.pre_infer(request.prefix, None, None)
+        with traced.tracer.start_as_current_span("Rank"):
+            return (await engine.rank(request, None)).outcome
+
+    assert asyncio.run(scenario()) is CacheOutcome.HBM_HIT
+    pre_infer, rank = traced.one("PreInfer"), traced.one("Rank")
+    assert _link_of(rank) == _ids(pre_infer)
+    assert rank.attributes is not None and rank.attributes["relaygr.cache.outcome"] == "hbm_hit"
+    [link] = rank.links
+    assert link.attributes is not None and link.attributes["relaygr.relay.producer"] == "pre_infer"
+    prefill = traced.one("ranker.prefill")
+    assert prefill.parent is not None and prefill.parent.span_id == _ids(pre_infer)[1]
+    assert prefill.attributes is not None
+    assert prefill.attributes["relaygr.tokens.computed"] == TOKENS + 4
+    assert prefill.attributes["relaygr.job.chunks"] == 2  # 64-token chunks
+    [queue_b, queue_r] = sorted(traced.spans("ranker.queue"), key=lambda s: s.start_time or 0)
+    assert queue_b.attributes is not None and queue_b.attributes["relaygr.priority"] == "background"
+    assert queue_r.attributes is not None and queue_r.attributes["relaygr.priority"] == "rank"
+    rank_compute = traced.one("ranker.rank")
+    assert rank_compute.parent is not None and rank_compute.parent.span_id == _ids(rank)[1]
+    assert queue_r.end_time == rank_compute.start_time  # the compute starts where the wait ends
+
+
+def test_dram_reload_keeps_the_producer_and_traces_the_tier_moves(
+    traced: Traced, engine: RankerEngine, rng: np.random.Generator
+) -> None:
+    a = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
+    b = rank_input(rng, prefix(rng, TOKENS, user_id="b"))
+
+    async def scenario() -> CacheOutcome:
+        with traced.tracer.start_as_current_span("PreInfer a"):
+            await engine.pre_infer(a.prefix, None, None)
+        with traced.tracer.start_as_current_span("Rank a"):
+            await engine.rank(a, None)  # consumed: a may now leave HBM
+        with traced.tracer.start_as_current_span("PreInfer b"):
+            await engine.pre_infer(b.prefix, None, None)  # demotes a to DRAM
+        assert engine.store.tier_of(engine._key(a.prefix)) is Tier.DRAM
+        with traced.tracer.start_as_current_span("Rank a again"):
+            return (await engine.rank(a, None)).outcome
+
+    assert asyncio.run(scenario()) is CacheOutcome.DRAM_HIT
+    assert _link_of(traced.one("Rank a again")) == _ids(traced.one("PreInfer a"))
+    demote = traced.one("ranker.demote")
+    assert demote.parent is not None
+    assert demote.parent.span_id == _ids(traced.one("PreInfer b"))[1]
+    reload = traced.one("ranker.reload")
+    assert reload.attributes is not None
+    assert (reload.attributes["relaygr.kv.from"], reload.attributes["relaygr.kv.to"]) == (
+        "dram",
+        "hbm",
+    )
+    assert reload.attributes["relaygr.tokens.computed"] == 0
+
+
+def test_a_rank_waiting_for_its_pre_infer_links_to_it(
+    traced: Traced, engine: RankerEngine, rng: np.random.Generator
+) -> None:
+    request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(30)
+        return None
+        yield
+
+    async def scenario() -> CacheOutcome:
+        engine.scheduler.submit("gate", hold(), Priority.RANK)
+        await asyncio.to_thread(entered.wait, 30)
+
+        async def pre_infer() -> None:
+            with traced.tracer.start_as_current_span("PreInfer"):
+                await engine.pre_infer(request.prefix, None, None)
+
+        async def rank() -> CacheOutcome:
+            with traced.tracer.start_as_current_span("Rank"):
+                return (await engine.rank(request, None)).outcome
+
+        pre = asyncio.create_task(pre_infer())
+        await eventually(lambda: engine.inflight() == 1, "PreInfer queued behind the gate")
+        ranked = asyncio.create_task(rank())
+        promoted = lambda: any(e.kind == "promoted" for e in engine.scheduler.events)  # noqa: E731
+        await eventually(promoted, "the Rank joined the PreInfer's job")
+        release.set()
+        await pre
+        return await ranked
+
+    assert asyncio.run(scenario()) is CacheOutcome.WAITED_INFLIGHT
+    assert _link_of(traced.one("Rank")) == _ids(traced.one("PreInfer"))
+    wait = traced.one("ranker.wait_inflight")
+    assert wait.parent is not None and wait.parent.span_id == _ids(traced.one("Rank"))[1]
+
+
+def test_a_miss_has_no_link_and_a_return_visit_links_to_the_rank_that_computed_it(
+    traced: Traced, engine: RankerEngine, rng: np.random.Generator
+) -> None:
+    p = prefix(rng, TOKENS, user_id="a")
+
+    async def scenario() -> list[CacheOutcome]:
+        outcomes = []
+        for name in ("Rank 1", "Rank 2"):
+            with traced.tracer.start_as_current_span(name):
+                outcomes.append((await engine.rank(rank_input(rng, p), None)).outcome)
+        return outcomes
+
+    assert asyncio.run(scenario()) == [CacheOutcome.MISS, CacheOutcome.HBM_HIT]
+    first, second = traced.one("Rank 1"), traced.one("Rank 2")
+    assert _link_of(first) is None
+    assert _link_of(second) == _ids(first)
+    [link] = second.links
+    assert link.attributes is not None and link.attributes["relaygr.relay.producer"] == "rank"
+
+
+def test_without_a_tracer_nothing_is_recorded_and_nothing_changes(
+    traced: Traced, rng: np.random.Generator
+) -> None:
+    request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
+
+    async def scenario(engine: RankerEngine) -> CacheOutcome:
+        with traced.tracer.start_as_current_span("PreInfer"):  # a sampled caller, even so
+            await engine.pre_infer(request.prefix, None, None)
+        with traced.tracer.start_as_current_span("Rank"):
+            return (await engine.rank(request, None)).outcome
+
+    for engine in _engine(None, hbm_entries=1.5):
+        assert asyncio.run(scenario(engine)) is CacheOutcome.HBM_HIT
+        entry = engine.store.peek(engine._key(request.prefix), Tier.HBM)
+        assert entry is not None and entry.origin is None
+        assert isinstance(entry.kv, PrefixKV)
+    assert sorted(s.name for s in traced.exporter.get_finished_spans()) == ["PreInfer", "Rank"]
+    assert not traced.one("Rank").links

@@ -1,0 +1,1 @@
+"""Developer tools run from the Makefile and the tests (not part of the relaygr package)."""
