@@ -11,7 +11,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("relaygr.router.server", "serve RouterService: affine placement of relays"),
     "trigger": ("relaygr.trigger.server", "serve TriggerService: which requests to relay"),
     "up": ("relaygr.mesh", "run the local mesh (etcd, rankers, router, trigger) until Ctrl-C"),
-    "demo": ("relaygr.demo", "in-process relay demo: pre-infer, rank, compare"),
+    "demo": ("relaygr.demo", "the local mesh driven with and without relays, compared"),
+    "bench": ("relaygr.bench_cli", "run a benchmark from the source tree's bench/"),
 }
 
 
