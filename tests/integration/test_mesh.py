@@ -1,9 +1,6 @@
 """`relaygr up`'s LocalMesh: real processes, a relay end to end, nothing left behind."""
 
 import asyncio
-import glob
-import json
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -13,14 +10,10 @@ import pytest
 from relaygr.drive import retrieval_event
 from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.convert import rank_request_to_proto
-from relaygr.ranker.model import RankingModel
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
+from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
 from tests.polling import eventually
-from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
-
-
-def _workdirs() -> set[str]:
-    return set(glob.glob(f"{tempfile.gettempdir()}/relaygr-mesh-*"))
+from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 
 def _alive(pid: int) -> bool:
@@ -34,16 +27,9 @@ def _alive(pid: int) -> bool:
 def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:
-    config = tiny_config()
-    model_path = tmp_path / "model.json"
-    model_path.write_text(json.dumps(config.to_dict()))
-    before = _workdirs()
-    spec = MeshSpec(
-        rankers=2,
-        ranker_args=("--model-config", str(model_path), "--device", "cpu",
-                     "--calibration-lengths", "32,64"),
-        trigger_args=("--slo-ms", "2", "--margin-ms", "1"),  # everything is at risk
-    )  # fmt: skip
+    before = mesh_workdirs()
+    # Everything is at risk.
+    spec, model = tiny_mesh(tmp_path, trigger_args=("--slo-ms", "2", "--margin-ms", "1"))
     with LocalMesh(spec) as mesh:
         assert mesh.trigger is not None and mesh.router is not None
         pids = [s.process.pid for s in (*mesh.rankers, mesh.router, mesh.trigger)]
@@ -65,18 +51,18 @@ def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
             )
         assert reply.instance_id == decision.target_instance
         assert reply.cache_outcome == 1  # CACHE_OUTCOME_HBM_HIT
-        expected = RankingModel(config, seed=0).full_forward(request).numpy()
+        expected = model.full_forward(request).numpy()
         scores = np.array([list(t.scores) for t in reply.scores])
         assert rel_err(scores, expected) <= 1e-5
     assert not any(_alive(pid) for pid in pids)
-    assert _workdirs() == before
+    assert mesh_workdirs() == before
 
 
 def test_a_child_dying_during_start_up_stops_everything() -> None:
-    before = _workdirs()
+    before = mesh_workdirs()
     mesh = LocalMesh(MeshSpec(rankers=2, ranker_args=("--hbm-budget-mb", "-1")))
     with pytest.raises(RuntimeError, match="ranker-0 exited") as err:
         mesh.start()
     assert "hbm_budget_mb must be > 0" in str(err.value)  # the child's own words
     assert mesh.etcd is None and not any(_alive(s.process.pid) for s in mesh.rankers)
-    assert _workdirs() == before
+    assert mesh_workdirs() == before

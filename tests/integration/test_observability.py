@@ -28,7 +28,7 @@ from opentelemetry import trace
 from prometheus_client.parser import text_string_to_metric_families
 
 from relaygr.drive import retrieval_event
-from relaygr.mesh import LocalMesh, MeshSpec
+from relaygr.mesh import LocalMesh
 from relaygr.ranker.convert import (
     behaviours_to_proto,
     pre_infer_request_to_proto,
@@ -44,6 +44,7 @@ from relaygr.trigger.server import TriggerServer, start_trigger
 from relaygr.v1 import common_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver, ReceivedSpan
+from tests.integration.process_mesh import tiny_mesh
 from tests.integration.ranker_harness import BASE, COST, tiny_model
 from tests.integration.test_ranker_process import wait_for_port
 from tests.polling import eventually
@@ -490,15 +491,12 @@ def test_the_local_mesh_passes_otel_env_and_serves_metrics(
     """`relaygr up` pointed at a collector: one trace across three processes, linked Rank."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-    model_path = tmp_path / "model.json"
-    model_path.write_text(json.dumps(tiny_config().to_dict()))
-    spec = MeshSpec(
+    spec, _ = tiny_mesh(
+        tmp_path,
         rankers=1,
-        ranker_args=("--model-config", str(model_path), "--device", "cpu",
-                     "--calibration-lengths", "32,64"),
         trigger_args=("--mode", "all", "--relay-window-ms", "20000"),  # slow shared machines
         metrics_base_port=_free_ports(3),
-    )  # fmt: skip
+    )
     request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
     with LocalMesh(spec) as mesh:
         assert mesh.trigger is not None and mesh.router is not None

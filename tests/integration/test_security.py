@@ -1,9 +1,6 @@
 """Mutual TLS at every service and to etcd, etcd authentication, and the relay over TLS."""
 
 import asyncio
-import glob
-import json
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,15 +14,15 @@ from relaygr.drive import retrieval_event
 from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdAuthFailed, EtcdClient, EtcdRejected, EtcdSecurity
 from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
-from relaygr.mesh import LocalMesh, MeshSpec
+from relaygr.mesh import LocalMesh
 from relaygr.ranker.convert import rank_request_to_proto
-from relaygr.ranker.model import RankingModel
 from relaygr.tls import PLAINTEXT, ClientTls, TlsSettings, open_blocking_channel, open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from tests.integration.mesh_harness import running_mesh
+from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
 from tests.integration.ranker_harness import tiny_model
 from tests.polling import eventually
-from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
+from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -230,26 +227,13 @@ def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
         server.close()
 
 
-def _workdirs() -> set[str]:
-    return set(glob.glob(f"{tempfile.gettempdir()}/relaygr-mesh-*"))
-
-
 def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:
     """`relaygr up --tls`: a throwaway CA, etcd and every service process on mutual TLS; the
     relay runs end to end; plaintext callers are refused; the CA's files go with the mesh."""
-    config = tiny_config()
-    model_path = tmp_path / "model.json"
-    model_path.write_text(json.dumps(config.to_dict()))
-    before = _workdirs()
-    spec = MeshSpec(
-        rankers=2,
-        ranker_args=("--model-config", str(model_path), "--device", "cpu",
-                     "--calibration-lengths", "32,64"),
-        trigger_args=("--mode", "all"),
-        tls=True,
-    )  # fmt: skip
+    before = mesh_workdirs()
+    spec, model = tiny_mesh(tmp_path, trigger_args=("--mode", "all"), tls=True)
     with LocalMesh(spec) as mesh:
         assert mesh.trigger is not None and mesh.router is not None and mesh.pki is not None
         ca_dir = mesh.pki.directory
@@ -271,7 +255,7 @@ def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
             # the same prefix, so a later one is a hit either way; scores must match throughout.
             replies: list[common_pb2.RankReply] = []
             asyncio.run(eventually(hit, "a Rank served from the relayed prefix", timeout_s=30))
-        expected = RankingModel(config, seed=0).full_forward(request).numpy()
+        expected = model.full_forward(request).numpy()
         for reply in replies:
             assert rel_err(np.array([list(t.scores) for t in reply.scores]), expected) <= 1e-5
         for service in (mesh.trigger, mesh.router, *mesh.rankers):
@@ -292,4 +276,4 @@ def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
 
         asyncio.run(etcd_refuses_plaintext())
     assert not ca_dir.exists()
-    assert _workdirs() == before
+    assert mesh_workdirs() == before
