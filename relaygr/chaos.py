@@ -162,7 +162,13 @@ def chaos_mesh_spec(checkpoint: Path, log_dir: Path | None = None) -> MeshSpec:
         "--hbm-budget-mb", "24", "--dram-budget-mb", "24", "--lease-ttl-s", "2",
     )  # fmt: skip
     return MeshSpec(
-        rankers=2, ranker_args=ranker, routers=2, trigger_args=("--mode", "all"), log_dir=log_dir
+        rankers=2,
+        ranker_args=ranker,
+        routers=2,
+        # A frozen ranker's Ranks go to the other one after 1 s instead of waiting it out.
+        router_args=("--rank-hedge-ms", "1000"),
+        trigger_args=("--mode", "all"),
+        log_dir=log_dir,
     )
 
 

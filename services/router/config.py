@@ -38,6 +38,14 @@ class RouterConfig(ServiceOptions):
     relay_window_ms: int = field(
         default=2000, metadata=_help("how long a spilled placement is kept in the directory")
     )
+    rank_hedge_ms: int = field(
+        default=0,
+        metadata=_help(
+            "a Rank unanswered this long is also sent to the next ranker in its order; the"
+            " first reply wins (0: never). Set it well above the Rank P99: each hedge computes"
+            " the Rank twice"
+        ),
+    )
     placement: PlacementMode = field(
         default=PlacementMode.AFFINITY, metadata=_help("affinity, or random for ablation")
     )
@@ -54,6 +62,10 @@ class RouterConfig(ServiceOptions):
             raise ConfigError(f"router placement must be one of {list(PlacementMode)}") from err
         positive = ("load_epsilon", "load_floor", "relay_window_ms", "max_tokens", "max_candidates")
         require_positive(self, positive, "router")
+        if self.rank_hedge_ms < 0:
+            raise ConfigError(
+                f"router rank_hedge_ms must be >= 0 (0: never), got {self.rank_hedge_ms}"
+            )
         if not self.etcd_endpoints:
             raise ConfigError("router etcd_endpoints must name at least one host:port")
         self.check_service("router")  # last: a field's own error is named first

@@ -58,6 +58,12 @@ def register_router_metrics(
             {(m,): counts[f"{m}_failed_over"] for m in _METHODS},
         )
         yield counter(
+            "relaygr_router_hedges",
+            "Ranks also sent to the next ranker after rank_hedge_ms without an answer",
+            ["method"],
+            {(m,): counts[f"{m}_hedged"] for m in _METHODS},
+        )
+        yield counter(
             "relaygr_router_directory_writes",
             "Placements written to the etcd directory (failed: etcd unreachable)",
             ["result"],

@@ -76,7 +76,7 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     servicer = RouterServicer(
         cluster, cluster, pool, cfg.load_epsilon, cfg.load_floor, cfg.relay_window_ms / 1e3,
         randomly=randomly, limits=RequestLimits(cfg.max_tokens, cfg.max_candidates),
-        tracer=telemetry.tracer,
+        tracer=telemetry.tracer, rank_hedge_s=cfg.rank_hedge_ms / 1e3 or None,
     )  # fmt: skip
     register_router_metrics(telemetry.registry, servicer, cluster.view, lambda: etcd.connected)
     if randomly is not None:

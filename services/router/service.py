@@ -5,6 +5,7 @@ request's bytes, and the ranker's reply bytes, unparsed: the hop costs one small
 decode and re-encode of every behaviour array.
 """
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -55,11 +56,14 @@ class RouterServicer:
         randomly: Callable[[int], int] | None = None,
         limits: RequestLimits | None = None,
         tracer: Tracer | None = None,
+        rank_hedge_s: float | None = None,
     ) -> None:
         """`randomly` (an int in [0, n) per call) turns affinity off: the placement ablation.
         `limits` (None: none) bound a request's tokens and candidates before it is forwarded.
-        `tracer` (None: off) traces each routing decision as a `router.route` span."""
+        `tracer` (None: off) traces each routing decision as a `router.route` span.
+        `rank_hedge_s` (None: never) sends a Rank unanswered that long to the next ranker too."""
         self._tracer = tracer
+        self._rank_hedge_s = rank_hedge_s
         self._randomly = randomly
         self._limits = limits
         self._membership = membership
@@ -124,7 +128,9 @@ class RouterServicer:
         self.rank_routes[reason] += 1
         decision = {"relaygr.user_id": user, "relaygr.placement.reason": reason}
         with child_span(self._tracer, "router.route", decision):
-            reply, _ = await self._forward(order, view, "Rank", request, context)
+            reply, _ = await self._forward(
+                order, view, "Rank", request, context, self._rank_hedge_s
+            )
         return reply
 
     async def _forward(
@@ -134,39 +140,72 @@ class RouterServicer:
         method: str,
         request: bytes,
         context: grpc.aio.ServicerContext,
+        hedge_after_s: float | None = None,
     ) -> tuple[bytes, str]:
         """Call `method` on the first ranker in `order` that can serve it; honour the deadline.
 
-        When none can: RESOURCE_EXHAUSTED if every ranker tried refused for want of room (the
-        request is too large or too heavy for all of them), else UNAVAILABLE; the message lists
-        each ranker's answer. An empty `order` (no live ranker) is UNAVAILABLE.
+        With `hedge_after_s`, a call unanswered that long is also sent to the next ranker in
+        `order` (once); the first reply wins and the other call is cancelled, so a frozen ranker
+        costs a miss rather than the caller's deadline. When none can serve: RESOURCE_EXHAUSTED
+        if every ranker tried refused for want of room (the request is too large or too heavy
+        for all of them), else UNAVAILABLE; the message lists each ranker's answer. An empty
+        `order` (no live ranker) is UNAVAILABLE.
         """
         if not order:
             raise Unavailable(_NO_RANKER)
+        waiting = list(order)
+        calls: dict[asyncio.Future[bytes], str] = {}
+
+        def launch() -> None:
+            instance = waiting.pop(0)
+            call = self._pool.call(view[instance].address, method)
+            calls[asyncio.ensure_future(call(request, timeout=context.time_remaining()))] = instance
+
         tried: list[str] = []
         codes: set[grpc.StatusCode] = set()
-        for instance in order:
-            call = self._pool.call(view[instance].address, method)
-            try:
-                reply = await call(request, timeout=context.time_remaining())
-                self.forwarded[method, "OK"] += 1
-                if tried:
-                    self.counters[f"{method}_failed_over"] += 1
-                if self._tracer is not None:
-                    annotate(
-                        {
-                            "relaygr.placement.instance": instance,
-                            "relaygr.placement.attempts": len(tried) + 1,
-                            "relaygr.placement.fallback": bool(tried),
-                        }
-                    )
-                return reply, instance
-            except grpc.aio.AioRpcError as err:
-                self.forwarded[method, err.code().name] += 1
-                if err.code() not in _TRY_NEXT:
-                    await context.abort(err.code(), err.details() or err.code().name)
-                tried.append(f"{instance}: {err.code().name} {err.details()}")
-                codes.add(err.code())
+        hedged = False
+        launch()
+        try:
+            while calls:
+                hedge_now = hedge_after_s is not None and not hedged and bool(waiting)
+                done, _ = await asyncio.wait(
+                    calls,
+                    timeout=hedge_after_s if hedge_now else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:  # the call outlived the hedge delay: ask the next ranker too
+                    hedged = True
+                    self.counters[f"{method}_hedged"] += 1
+                    launch()
+                    continue
+                for finished in done:
+                    instance = calls.pop(finished)
+                    try:
+                        reply = finished.result()
+                    except grpc.aio.AioRpcError as err:
+                        self.forwarded[method, err.code().name] += 1
+                        if err.code() not in _TRY_NEXT:
+                            await context.abort(err.code(), err.details() or err.code().name)
+                        tried.append(f"{instance}: {err.code().name} {err.details()}")
+                        codes.add(err.code())
+                        continue
+                    self.forwarded[method, "OK"] += 1
+                    if instance != order[0]:
+                        self.counters[f"{method}_failed_over"] += 1
+                    if self._tracer is not None:
+                        annotate(
+                            {
+                                "relaygr.placement.instance": instance,
+                                "relaygr.placement.attempts": len(order) - len(waiting),
+                                "relaygr.placement.fallback": instance != order[0],
+                            }
+                        )
+                    return reply, instance
+                if not calls and waiting:
+                    launch()
+        finally:
+            for call in calls:
+                call.cancel()
         message = f"no ranker could serve {method}: " + "; ".join(tried)
         if codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}:
             raise ResourceExhausted(message)
