@@ -83,7 +83,7 @@ def sweep(variants: Sequence[Variant], spec: WorkloadSpec, args: argparse.Namesp
 
 
 ROOT = Path(__file__).resolve().parent.parent
-# The ranker benchmark's model: a sweep of the mesh takes minutes on 2 cores.
+# A lighter model than the default keeps a sweep to minutes on 2 cores (every benchmark's).
 BENCH_MODEL = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
 
 

@@ -22,17 +22,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from pipeline import BENCH_MODEL, ROOT
 from report import machine_info, max_compliant, write_section
 
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import RankInput
-from relaygr.ranker.model_config import ModelConfig
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
 
-ROOT = Path(__file__).resolve().parent.parent
-# A lighter model than the default keeps a sweep to minutes on 2 cores; ratios are what count.
-BENCH_MODEL = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
 OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
 PRE_INFER_OUTCOMES = {
     v: k.removeprefix("PRE_INFER_OUTCOME_").lower() for k, v in common_pb2.PreInferOutcome.items()

@@ -29,17 +29,14 @@ from typing import Any
 import grpc
 import numpy as np
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from pipeline import BENCH_MODEL, ROOT
 from report import machine_info, write_section
 
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
-from relaygr.ranker.model_config import ModelConfig
 from relaygr.ranker.synthetic import random_behaviours
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-# The ranker benchmark's model: a Rank costs tens of ms on a CPU core, as in serving.
-MODEL = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
 MODES = ("off", "100%", "1%")
 
 
@@ -203,9 +200,9 @@ def report(stats: dict[str, Any], spans: dict[str, int], args: argparse.Namespac
         "",
         f"- Date: {info['date']}; machine: {info['machine']}; torch {info['torch']}, "
         f"Python {info['python']}. 1-minute load average: {load}.",
-        f"- Three `relaygr ranker` processes (CPU, {MODEL.num_layers} layers, d_model "
-        f"{MODEL.d_model}, same seed) differing only in OTEL_* variables: none (off); the OTLP "
-        "endpoint with the default parent-based always-on sampler (100%: every Rank is a "
+        f"- Three `relaygr ranker` processes (CPU, {BENCH_MODEL.num_layers} layers, d_model "
+        f"{BENCH_MODEL.d_model}, same seed) differing only in OTEL_* variables: none (off); the "
+        "OTLP endpoint with the default parent-based always-on sampler (100%: every Rank is a "
         "trace root, so every one is traced); `parentbased_traceidratio` at 0.01 (1%). Spans "
         "go in batches to an OTLP/gRPC receiver in the benchmark process.",
         f"- {args.users} users ({args.prefix} long-term behaviours + 8 user features, 32 "
@@ -248,7 +245,7 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_config = Path(tmp) / "model.json"
-            model_config.write_text(json.dumps(MODEL.to_dict()))
+            model_config.write_text(json.dumps(BENCH_MODEL.to_dict()))
             for mode, env in environments(f"http://127.0.0.1:{port}").items():
                 env = {**env, "OTEL_SERVICE_NAME": mode}
                 rankers[mode] = Ranker(mode, model_config, env, hbm_mb=1024)

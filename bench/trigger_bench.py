@@ -162,16 +162,18 @@ def main() -> int:
         if args.quick:
             args.rates, args.duration, args.min_requests = [2, 6], 8.0, 0
         saved = run(args)
+    saved_args = argparse.Namespace(**saved["args"])
     text = render(
         [Point(**p) for p in saved["points"]],
-        argparse.Namespace(**saved["args"]),
+        saved_args,
         saved["machine"],
         saved["command"],
         saved["decision_time"],
     )
     print(text)
-    if not args.no_docs and not saved["args"]["quick"]:
-        write_section(ROOT / "docs" / "benchmarks.md", result_name("trigger_bench", args), text)
+    if not args.no_docs and not saved_args.quick:
+        name = result_name("trigger_bench", saved_args)
+        write_section(ROOT / "docs" / "benchmarks.md", name, text)
     return 0
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from relaygr.drive import OUTCOMES, REASONS, retrieval_event
-from relaygr.mesh import LocalMesh, MeshSpec
+from relaygr.drive import HIT_OUTCOMES, OUTCOMES, REASONS, retrieval_event
+from relaygr.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
 from relaygr.ranker.convert import rank_request_to_proto
 from relaygr.ranker.inputs import RankInput
 from relaygr.ranker.model_config import ModelConfig
@@ -34,10 +34,7 @@ from relaygr.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
 # A client may retry these: the request was not served, and another try can be.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
-HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended"})
 HUNG = "HUNG"
-# Clients spread Ranks over every router replica and skip one that is down.
-ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]
 
 
 @dataclass(frozen=True, slots=True)

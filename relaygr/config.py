@@ -148,6 +148,11 @@ def _metavar(tp: Any) -> str:
     return _SCALARS.get(tp, "BOOL").upper()
 
 
+def helped(text: str) -> dict[str, str]:
+    """A config field's metadata: its `--help` text (`field(..., metadata=helped("..."))`)."""
+    return {"help": text}
+
+
 def add_config_arguments(
     parser: argparse.ArgumentParser, cls: type, *, env_prefix: str = ""
 ) -> None:

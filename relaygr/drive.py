@@ -31,6 +31,8 @@ OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.C
 REASONS = {
     v: k.removeprefix("ADMISSION_REASON_").lower() for k, v in trigger_pb2.AdmissionReason.items()
 }
+# Rank outcomes served from a relayed prefix (not by full inference).
+HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended"})
 
 
 # What a one-behaviour probe (never at risk, never cached) gets back in each trigger mode.
@@ -109,7 +111,7 @@ class Point:
 
     @property
     def hit_ratio(self) -> float:
-        hits = sum(v for k, v in self.outcomes.items() if k not in ("miss", "bypass"))
+        hits = sum(v for k, v in self.outcomes.items() if k in HIT_OUTCOMES)
         return hits / self.ok if self.ok else 0.0
 
 

@@ -265,10 +265,10 @@ class EtcdClient:
     def _current(self) -> Any:
         if self._client is None:
             host, port = self._endpoints[self._index]
-            user = self._security.user or None
-            password = self._security.password if user is not None else None
             kwargs = {
-                "username": user, "password": password,
+                # EtcdSecurity sets both or neither; aetcd wants None for no authentication.
+                "username": self._security.user or None,
+                "password": self._security.password or None,
                 "timeout": self._timeout_s, "options": _CHANNEL_OPTIONS,
             }  # fmt: skip
             if self._credentials is None:

@@ -37,13 +37,12 @@ def find_etcd_binary() -> str | None:
 class EtcdTls:
     """How etcd serves its clients over TLS: its certificate and key, and the CA it trusts.
 
-    With `client_cert_auth`, etcd refuses any client without a certificate signed by `ca`.
+    etcd refuses any client without a certificate signed by `ca` (`--client-cert-auth`).
     """
 
     ca: Path
     cert: Path
     key: Path
-    client_cert_auth: bool = True
 
 
 def _free_ports(count: int) -> list[int]:
@@ -134,7 +133,7 @@ class EtcdServer:
                 f"--cert-file={self.tls.cert}",
                 f"--key-file={self.tls.key}",
                 f"--trusted-ca-file={self.tls.ca}",
-                f"--client-cert-auth={'true' if self.tls.client_cert_auth else 'false'}",
+                "--client-cert-auth=true",
             ]
         args += self._extra_args
         with self._log_path.open("ab") as log:

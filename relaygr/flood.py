@@ -20,15 +20,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from relaygr.mesh import LocalMesh
+from relaygr.mesh import ROUND_ROBIN, LocalMesh
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import Prefix, RankInput, UserId
 from relaygr.ranker.synthetic import random_behaviours
 from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
+from relaygr.workload import T0
 
 MIB = 1 << 20
-_T0 = 1_700_000_000
 _PRE_INFER = "/relaygr.v1.RouterService/PreInfer"
 
 
@@ -97,13 +97,13 @@ def _warm_up_request(rng: np.random.Generator, name: str, features: int) -> Rank
     prefix = Prefix(
         UserId(f"flood-warm-up-{name}"),
         rng.integers(0, 1 << 40, features),
-        random_behaviours(rng, 64, _T0, 10**6),
+        random_behaviours(rng, 64, T0, 10**6),
     )
     return RankInput(
         prefix,
-        random_behaviours(rng, 8, _T0 + 10**6, 100),
+        random_behaviours(rng, 8, T0 + 10**6, 100),
         rng.integers(0, 99, 8),
-        _T0 + 10**6 + 100,
+        T0 + 10**6 + 100,
     )
 
 
@@ -114,7 +114,7 @@ def memory_flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
 async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Generator) -> FloodReport:
     tls = mesh.client_tls
     channels = {s.name: open_channel(s.address, tls) for s in mesh.rankers}
-    routers = open_channel(mesh.router_target, tls, [("grpc.lb_policy_name", "round_robin")])
+    routers = open_channel(mesh.router_target, tls, ROUND_ROBIN)
     try:
         stubs = {name: ranker_pb2_grpc.RankerServiceStub(c) for name, c in channels.items()}
         describe = ranker_pb2.DescribeRequest()
@@ -146,7 +146,7 @@ async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
             Prefix(
                 UserId("x"),
                 rng.integers(0, 1 << 40, features),
-                random_behaviours(rng, behaviours, _T0, 10**7),
+                random_behaviours(rng, behaviours, T0, 10**7),
             ),
             relay_window_ms=settings.relay_window_ms,
         )

@@ -31,6 +31,9 @@ from relaygr.tls import PLAINTEXT, ClientTls, open_blocking_channel
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
 _STOP_TIMEOUT_S = 30.0
+# Channel options for `LocalMesh.router_target`: calls spread over every router replica and
+# skip one that is down.
+ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,6 @@ class LocalMesh:
     spec: MeshSpec = field(default_factory=MeshSpec)
     etcd: EtcdServer | None = None
     rankers: list[Service] = field(default_factory=list)
-    router: Service | None = None  # the first of `routers`
     routers: list[Service] = field(default_factory=list)
     trigger: Service | None = None
     pki: Pki | None = None  # the throwaway CA and certificates when `spec.tls`
@@ -125,6 +127,11 @@ class LocalMesh:
         return (*self.pki.service_flags(), *self.pki.etcd_flags(), "--tls-server-name", "localhost")
 
     @property
+    def router(self) -> Service | None:
+        """The first of `routers`."""
+        return self.routers[0] if self.routers else None
+
+    @property
     def router_target(self) -> str:
         """A gRPC target naming every router replica (one address when there is one)."""
         if len(self.routers) == 1:
@@ -152,7 +159,6 @@ class LocalMesh:
             for i in range(self.spec.routers):
                 name = f"router-{i}" if i else "router"
                 self.routers.append(self._spawn(name, [*router_args, *self.spec.router_args]))
-            self.router = self.routers[0]
             self.trigger = self._spawn(
                 "trigger",
                 ["trigger", "--listen", "127.0.0.1:0", *endpoints,
@@ -173,8 +179,9 @@ class LocalMesh:
         if self.spec.metrics_base_port:
             metrics_port = self.spec.metrics_base_port + len(self._started)
             args = [*args, "--metrics-port", str(metrics_port)]
-        service = Service(name, _launch(args, log), log, args=tuple(args))
-        service.metrics_port = metrics_port
+        service = Service(
+            name, _launch(args, log), log, args=tuple(args), metrics_port=metrics_port
+        )
         self._started.append(service)
         service.port = self._wait_port(service)
         return service
@@ -261,10 +268,7 @@ class LocalMesh:
         lines = [f"etcd     {self.etcd_endpoint}"]
         if self.pki is not None:
             lines.insert(0, f"mutual TLS, throwaway CA and certificates in {self.pki.directory}")
-        lines += [f"{s.name:<8} {s.address}{_metrics_url(s)}" for s in self.rankers]
-        for service in (*self.routers, self.trigger):
-            if service is not None:
-                lines.append(f"{service.name:<8} {service.address}{_metrics_url(service)}")
+        lines += [f"{s.name:<8} {s.address}{_metrics_url(s)}" for s in self._started]
         return "\n".join(lines)
 
 

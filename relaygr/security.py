@@ -5,13 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relaygr.config import helped
 from relaygr.errors import ConfigError
 from relaygr.etcd import EtcdSecurity
 from relaygr.tls import check_tls
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,36 +21,36 @@ class SecurityOptions:
     """
 
     tls_cert: Path | None = field(
-        default=None, metadata=_help("PEM certificate served, and presented on outgoing hops")
+        default=None, metadata=helped("PEM certificate served, and presented on outgoing hops")
     )
-    tls_key: Path | None = field(default=None, metadata=_help("PEM private key of tls_cert"))
+    tls_key: Path | None = field(default=None, metadata=helped("PEM private key of tls_cert"))
     tls_ca: Path | None = field(
         default=None,
-        metadata=_help(
+        metadata=helped(
             "PEM CA bundle: verifies the servers this service calls and, when set, requires"
             " callers to present a certificate signed by it (mutual TLS)"
         ),
     )
     tls_server_name: str = field(
         default="",
-        metadata=_help("name checked in servers' certificates on outgoing hops (default: host)"),
+        metadata=helped("name checked in servers' certificates on outgoing hops (default: host)"),
     )
     plaintext: bool = field(
         default=False,
-        metadata=_help("serve and call gRPC unencrypted and unauthenticated (local demos only)"),
+        metadata=helped("serve and call gRPC unencrypted and unauthenticated (local demos only)"),
     )
     etcd_ca: Path | None = field(
-        default=None, metadata=_help("PEM CA that signed etcd's certificate (turns on TLS)")
+        default=None, metadata=helped("PEM CA that signed etcd's certificate (turns on TLS)")
     )
     etcd_cert: Path | None = field(
-        default=None, metadata=_help("PEM client certificate for etcd --client-cert-auth")
+        default=None, metadata=helped("PEM client certificate for etcd --client-cert-auth")
     )
-    etcd_key: Path | None = field(default=None, metadata=_help("PEM private key of etcd_cert"))
-    etcd_user: str = field(default="", metadata=_help("etcd user (etcd auth enabled)"))
+    etcd_key: Path | None = field(default=None, metadata=helped("PEM private key of etcd_cert"))
+    etcd_user: str = field(default="", metadata=helped("etcd user (etcd auth enabled)"))
     etcd_password: str = field(
         default="",
         repr=False,
-        metadata=_help("password of etcd_user; pass it through the environment, not a flag"),
+        metadata=helped("password of etcd_user; pass it through the environment, not a flag"),
     )
 
     def check_security(self, service: str) -> None:

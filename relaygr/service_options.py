@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from relaygr.config import require_positive
+from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
 from relaygr.grpc_server import GrpcServer, ServerOptions, start_server
 from relaygr.logs import check_log_options
@@ -21,30 +21,27 @@ from relaygr.tls import log_transport, server_credentials
 MIB = 1 << 20
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True, slots=True)
 class ServiceOptions(SecurityOptions):
     """The serving fields of every service config; `check_service` validates them."""
 
-    max_message_mb: int = field(default=16, metadata=_help("largest gRPC message, MiB"))
+    max_message_mb: int = field(default=16, metadata=helped("largest gRPC message, MiB"))
     max_concurrent_streams: int = field(
-        default=1024, metadata=_help("concurrent RPCs on one client connection (HTTP/2 streams)")
+        default=1024, metadata=helped("concurrent RPCs on one client connection (HTTP/2 streams)")
     )
     max_concurrent_rpcs: int = field(
-        default=4096, metadata=_help("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+        default=4096, metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
     )
-    drain_grace_s: float = field(default=10.0, metadata=_help("time to finish work on SIGTERM"))
+    drain_grace_s: float = field(default=10.0, metadata=helped("time to finish work on SIGTERM"))
     metrics_port: int = field(
-        default=0, metadata=_help("serve Prometheus /metrics on this port, all interfaces (0: off)")
+        default=0,
+        metadata=helped("serve Prometheus /metrics on this port, all interfaces (0: off)"),
     )
     log_level: str = field(
-        default="INFO", metadata=_help("DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        default="INFO", metadata=helped("DEBUG, INFO, WARNING, ERROR or CRITICAL")
     )
     log_format: str = field(
-        default="json", metadata=_help("json (one object per line, with trace ids) or text")
+        default="json", metadata=helped("json (one object per line, with trace ids) or text")
     )
 
     def check_service(self, service: str) -> None:

@@ -252,6 +252,6 @@ class Telemetry:
                 provider.shutdown()
 
 
-def metrics_address(port: int, host: str = "0.0.0.0") -> tuple[str, int] | None:
+def metrics_address(port: int) -> tuple[str, int] | None:
     """Where a `metrics_port` config value serves `/metrics`: all interfaces; 0: nowhere."""
-    return None if port == 0 else (host, port)
+    return None if port == 0 else ("0.0.0.0", port)

@@ -126,12 +126,11 @@ def channel_credentials(settings: TlsSettings) -> grpc.ChannelCredentials | None
     )
 
 
-def channel_options(
-    settings: TlsSettings, options: Sequence[ChannelOption] = ()
-) -> list[ChannelOption]:
+def _secure_options(settings: TlsSettings, options: Sequence[ChannelOption]) -> list[ChannelOption]:
     """`options` plus the server-name override, when `tls_server_name` is set."""
-    extra = [("grpc.ssl_target_name_override", settings.tls_server_name)]
-    return [*options, *(extra if settings.tls_server_name and not settings.plaintext else [])]
+    if not settings.tls_server_name:
+        return list(options)
+    return [*options, ("grpc.ssl_target_name_override", settings.tls_server_name)]
 
 
 def open_channel(
@@ -150,7 +149,7 @@ def open_channel(
     return grpc.aio.secure_channel(
         address,
         credentials,
-        options=channel_options(settings, options),
+        options=_secure_options(settings, options),
         interceptors=list(interceptors) or None,
     )
 
@@ -162,7 +161,7 @@ def open_blocking_channel(
     credentials = channel_credentials(settings)
     if credentials is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, credentials, options=channel_options(settings, options))
+    return grpc.secure_channel(address, credentials, options=_secure_options(settings, options))
 
 
 def describe(settings: TlsSettings) -> str:

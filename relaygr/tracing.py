@@ -7,7 +7,7 @@ under an unsampled parent would be dropped by the sampler anyway, so it is not b
 
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TypeAlias
+from typing import TypeAlias, TypeGuard
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -19,7 +19,7 @@ Attributes: TypeAlias = Mapping[str, AttributeValue]
 _OFF: nullcontext[None] = nullcontext(None)
 
 
-def recording(tracer: Tracer | None) -> bool:
+def recording(tracer: Tracer | None) -> TypeGuard[Tracer]:
     """Whether spans made now would be kept: tracing is on and the current span is sampled."""
     return tracer is not None and trace.get_current_span().is_recording()
 
@@ -28,7 +28,7 @@ def child_span(
     tracer: Tracer | None, name: str, attributes: Attributes | None = None
 ) -> AbstractContextManager[Span | None]:
     """A span under the current one, made current; None when not `recording`."""
-    if tracer is None or not trace.get_current_span().is_recording():
+    if not recording(tracer):
         return _OFF
     return tracer.start_as_current_span(name, attributes=attributes)
 
@@ -50,7 +50,7 @@ def record_span(
     attributes: Attributes | None = None,
 ) -> None:
     """A finished span under the current one, for work timed elsewhere (the compute worker)."""
-    if tracer is None or not trace.get_current_span().is_recording() or start_ns <= 0:
+    if not recording(tracer) or start_ns <= 0:
         return
     span = tracer.start_span(name, start_time=start_ns, attributes=attributes)
     span.end(end_time=max(end_ns, start_ns))

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaygr.config import require_positive
+from relaygr.config import helped, require_positive
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions
@@ -12,64 +12,60 @@ ENV_PREFIX = "RELAYGR_RANKER_"
 MIB = 1 << 20
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True, slots=True)
 class RankerConfig(ServiceOptions):
-    listen: str = field(default="127.0.0.1:50061", metadata=_help("gRPC listen address"))
-    instance_id: str = field(default="", metadata=_help("instance id (default: host:port)"))
-    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or npu"))
+    listen: str = field(default="127.0.0.1:50061", metadata=helped("gRPC listen address"))
+    instance_id: str = field(default="", metadata=helped("instance id (default: host:port)"))
+    device: str = field(default="auto", metadata=helped("auto, cpu, cuda or npu"))
     checkpoint: Path | None = field(
-        default=None, metadata=_help("checkpoint directory (config.json + weights.pt)")
+        default=None, metadata=helped("checkpoint directory (config.json + weights.pt)")
     )
     model_config: Path | None = field(
         default=None,
-        metadata=_help("JSON of ModelConfig fields for a seeded random model (no checkpoint)"),
+        metadata=helped("JSON of ModelConfig fields for a seeded random model (no checkpoint)"),
     )
-    model_seed: int = field(default=0, metadata=_help("seed of the random model"))
-    hbm_budget_mb: float = field(default=2048.0, metadata=_help("device KV tier budget, MiB"))
+    model_seed: int = field(default=0, metadata=helped("seed of the random model"))
+    hbm_budget_mb: float = field(default=2048.0, metadata=helped("device KV tier budget, MiB"))
     dram_budget_mb: float = field(
-        default=8192.0, metadata=_help("host KV tier budget, MiB (0: no host tier)")
+        default=8192.0, metadata=helped("host KV tier budget, MiB (0: no host tier)")
     )
-    dram_ttl_s: float = field(default=300.0, metadata=_help("host tier time to live, seconds"))
+    dram_ttl_s: float = field(default=300.0, metadata=helped("host tier time to live, seconds"))
     relay_window_ms: int = field(
-        default=2000, metadata=_help("default pin of a pre-inferred prefix awaiting its Rank")
+        default=2000, metadata=helped("default pin of a pre-inferred prefix awaiting its Rank")
     )
     max_relay_window_ms: int = field(
-        default=60000, metadata=_help("longest pin a PreInfer may ask for (longer: refused)")
+        default=60000, metadata=helped("longest pin a PreInfer may ask for (longer: refused)")
     )
     prefill_chunk_tokens: int = field(
-        default=512, metadata=_help("background prefill chunk: a Rank waits at most one")
+        default=512, metadata=helped("background prefill chunk: a Rank waits at most one")
     )
     relay_enabled: bool = field(
-        default=True, metadata=_help("serve Ranks from prefix caches (off: full inference)")
+        default=True, metadata=helped("serve Ranks from prefix caches (off: full inference)")
     )
-    max_queued_ranks: int = field(default=64, metadata=_help("rank jobs queued before shedding"))
+    max_queued_ranks: int = field(default=64, metadata=helped("rank jobs queued before shedding"))
     max_queued_prefills: int = field(
-        default=256, metadata=_help("background jobs queued before refusing pre-inference")
+        default=256, metadata=helped("background jobs queued before refusing pre-inference")
     )
     calibration_lengths: tuple[int, ...] = field(
         # The quadratic (attention) term only shows at long lengths: a fit that stops at 2k
         # predicts an 8k history at half its real cost, and the trigger then misjudges risk.
         default=(512, 2048, 6144),
-        metadata=_help("history lengths timed at start-up; span the lengths you serve"),
+        metadata=helped("history lengths timed at start-up; span the lengths you serve"),
     )
-    calibration_candidates: int = field(default=64, metadata=_help("candidates when calibrating"))
+    calibration_candidates: int = field(default=64, metadata=helped("candidates when calibrating"))
     # Fewer than the other services' default: each Rank holds tensors while it waits.
     max_concurrent_rpcs: int = field(
-        default=1024, metadata=_help("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+        default=1024, metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
     )
     etcd_endpoints: tuple[str, ...] = field(
-        default=(), metadata=_help("etcd endpoints to register in (none: standalone)")
+        default=(), metadata=helped("etcd endpoints to register in (none: standalone)")
     )
-    etcd_prefix: str = field(default="/relaygr", metadata=_help("etcd key prefix of the mesh"))
+    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
     lease_ttl_s: float = field(
-        default=5.0, metadata=_help("membership lease: a dead ranker leaves within this")
+        default=5.0, metadata=helped("membership lease: a dead ranker leaves within this")
     )
     advertise_address: str = field(
-        default="", metadata=_help("host:port routers dial (default: 127.0.0.1:<bound port>)")
+        default="", metadata=helped("host:port routers dial (default: 127.0.0.1:<bound port>)")
     )
 
     def __post_init__(self) -> None:

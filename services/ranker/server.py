@@ -36,7 +36,7 @@ from relaygr.ranker.service import SERVICE_NAME, RankerServicer
 from relaygr.service_main import service_main
 from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
-from relaygr.tracing import child_span
+from relaygr.tracing import Attributes, child_span
 from relaygr.v1 import ranker_pb2_grpc
 
 _log = logging.getLogger("relaygr.ranker")
@@ -67,8 +67,12 @@ def build_engine(
 
     def to_host(kv: PrefixKV) -> PrefixKV:
         # A tier move (HBM eviction keeping a host copy), traced under the request causing it.
-        attributes = {"relaygr.kv.bytes": kv.nbytes, "relaygr.tokens.prefix": kv.num_tokens}
-        with child_span(tracer, "ranker.demote", {**attributes, "relaygr.kv.to": "dram"}):
+        attributes: Attributes = {
+            "relaygr.kv.bytes": kv.nbytes,
+            "relaygr.tokens.prefix": kv.num_tokens,
+            "relaygr.kv.to": "dram",
+        }
+        with child_span(tracer, "ranker.demote", attributes):
             return kv.to("cpu", pin_memory=pin)
 
     store = KVStore(cfg.hbm_budget_bytes, cfg.dram_budget_bytes, cfg.dram_ttl_s, clock, to_host)
@@ -115,7 +119,6 @@ class RankerServer:
     engine: RankerEngine | None = None
     cluster: EtcdCluster | None = None
     etcd: EtcdClient | None = None
-    metrics: RankerMetrics | None = None
     metrics_server: MetricsServer | None = None
 
     @property
@@ -175,8 +178,7 @@ async def start_ranker(
         _log,
     )
     instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
-    ranker = RankerServer(server, servicer, instance_id, metrics=metrics)
-    ranker.metrics_server = metrics_server
+    ranker = RankerServer(server, servicer, instance_id, metrics_server=metrics_server)
     if model is None:
         model = await asyncio.to_thread(load_model, cfg)
     if cost_model is None:

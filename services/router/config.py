@@ -3,15 +3,11 @@
 import enum
 from dataclasses import dataclass, field
 
-from relaygr.config import require_positive
+from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions
 
 ENV_PREFIX = "RELAYGR_ROUTER_"
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 class PlacementMode(enum.StrEnum):
@@ -24,36 +20,36 @@ class PlacementMode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig(ServiceOptions):
-    listen: str = field(default="127.0.0.1:50051", metadata=_help("gRPC listen address"))
+    listen: str = field(default="127.0.0.1:50051", metadata=helped("gRPC listen address"))
     etcd_endpoints: tuple[str, ...] = field(
-        default=("127.0.0.1:2379",), metadata=_help("etcd endpoints, host:port[,...]")
+        default=("127.0.0.1:2379",), metadata=helped("etcd endpoints, host:port[,...]")
     )
-    etcd_prefix: str = field(default="/relaygr", metadata=_help("etcd key prefix of the mesh"))
+    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
     load_epsilon: float = field(
-        default=0.25, metadata=_help("a ranker over (1+eps) x mean load passes users on")
+        default=0.25, metadata=helped("a ranker over (1+eps) x mean load passes users on")
     )
     load_floor: float = field(
-        default=16.0, metadata=_help("mean relays per window below which nobody spills")
+        default=16.0, metadata=helped("mean relays per window below which nobody spills")
     )
     relay_window_ms: int = field(
-        default=2000, metadata=_help("how long a spilled placement is kept in the directory")
+        default=2000, metadata=helped("how long a spilled placement is kept in the directory")
     )
     rank_hedge_ms: int = field(
         default=0,
-        metadata=_help(
+        metadata=helped(
             "a Rank unanswered this long is also sent to the next ranker in its order; the"
             " first reply wins (0: never). Set it well above the Rank P99: each hedge computes"
             " the Rank twice"
         ),
     )
     placement: PlacementMode = field(
-        default=PlacementMode.AFFINITY, metadata=_help("affinity, or random for ablation")
+        default=PlacementMode.AFFINITY, metadata=helped("affinity, or random for ablation")
     )
     # Checked on the packed arrays' bytes before forwarding; rankers enforce their model's limits.
     max_tokens: int = field(
-        default=65536, metadata=_help("most history tokens (user features + behaviours)")
+        default=65536, metadata=helped("most history tokens (user features + behaviours)")
     )
-    max_candidates: int = field(default=65536, metadata=_help("most candidates in a Rank"))
+    max_candidates: int = field(default=65536, metadata=helped("most candidates in a Rank"))
 
     def __post_init__(self) -> None:
         try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relaygr.errors import ConfigError, InvalidInput
+from relaygr.errors import InvalidInput
 from relaygr.v1 import router_pb2
 
 _CONTINUATION = 0x80  # a varint byte at or above this is followed by another of the same value
@@ -19,12 +19,8 @@ _CONTINUATION = 0x80  # a varint byte at or above this is followed by another of
 class RequestLimits:
     """Most history tokens (user features + long-term + short-term behaviours) and candidates."""
 
-    max_tokens: int
+    max_tokens: int  # positive: RouterConfig validates both
     max_candidates: int
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0 or self.max_candidates <= 0:
-            raise ConfigError("router max_tokens and max_candidates must be > 0")
 
 
 def packed_count(data: bytes) -> int:

@@ -153,6 +153,38 @@ class RouterServicer:
         """
         if not order:
             raise Unavailable(_NO_RANKER)
+        refusals: list[tuple[str, grpc.aio.AioRpcError]] = []
+        if hedge_after_s is None:  # one call at a time: no task or timer on the common path
+            for attempt, instance in enumerate(order, 1):
+                call = self._pool.call(view[instance].address, method)
+                try:
+                    reply = await call(request, timeout=context.time_remaining())
+                except grpc.aio.AioRpcError as err:
+                    await self._refused(method, instance, err, context, refusals)
+                    continue
+                return reply, self._served(method, order, instance, attempt)
+        else:
+            served = await self._hedged(order, view, method, request, context, hedge_after_s)
+            if isinstance(served, tuple):
+                return served
+            refusals = served
+        message = f"no ranker could serve {method}: " + "; ".join(
+            f"{instance}: {err.code().name} {err.details()}" for instance, err in refusals
+        )
+        if {err.code() for _, err in refusals} == {grpc.StatusCode.RESOURCE_EXHAUSTED}:
+            raise ResourceExhausted(message)
+        raise Unavailable(message)
+
+    async def _hedged(
+        self,
+        order: tuple[str, ...] | list[str],
+        view: Mapping[str, RankerRecord],
+        method: str,
+        request: bytes,
+        context: grpc.aio.ServicerContext,
+        hedge_after_s: float,
+    ) -> tuple[bytes, str] | list[tuple[str, grpc.aio.AioRpcError]]:
+        """`_forward` with one hedge: (reply, instance) of the first reply, else the refusals."""
         waiting = list(order)
         calls: dict[asyncio.Future[bytes], str] = {}
 
@@ -161,13 +193,12 @@ class RouterServicer:
             call = self._pool.call(view[instance].address, method)
             calls[asyncio.ensure_future(call(request, timeout=context.time_remaining()))] = instance
 
-        tried: list[str] = []
-        codes: set[grpc.StatusCode] = set()
+        refusals: list[tuple[str, grpc.aio.AioRpcError]] = []
         hedged = False
         launch()
         try:
             while calls:
-                hedge_now = hedge_after_s is not None and not hedged and bool(waiting)
+                hedge_now = not hedged and bool(waiting)
                 done, _ = await asyncio.wait(
                     calls,
                     timeout=hedge_after_s if hedge_now else None,
@@ -183,33 +214,46 @@ class RouterServicer:
                     try:
                         reply = finished.result()
                     except grpc.aio.AioRpcError as err:
-                        self.forwarded[method, err.code().name] += 1
-                        if err.code() not in _TRY_NEXT:
-                            await context.abort(err.code(), err.details() or err.code().name)
-                        tried.append(f"{instance}: {err.code().name} {err.details()}")
-                        codes.add(err.code())
+                        await self._refused(method, instance, err, context, refusals)
                         continue
-                    self.forwarded[method, "OK"] += 1
-                    if instance != order[0]:
-                        self.counters[f"{method}_failed_over"] += 1
-                    if self._tracer is not None:
-                        annotate(
-                            {
-                                "relaygr.placement.instance": instance,
-                                "relaygr.placement.attempts": len(order) - len(waiting),
-                                "relaygr.placement.fallback": instance != order[0],
-                            }
-                        )
-                    return reply, instance
+                    return reply, self._served(method, order, instance, len(order) - len(waiting))
                 if not calls and waiting:
                     launch()
         finally:
             for call in calls:
                 call.cancel()
-        message = f"no ranker could serve {method}: " + "; ".join(tried)
-        if codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}:
-            raise ResourceExhausted(message)
-        raise Unavailable(message)
+        return refusals
+
+    async def _refused(
+        self,
+        method: str,
+        instance: str,
+        err: grpc.aio.AioRpcError,
+        context: grpc.aio.ServicerContext,
+        refusals: list[tuple[str, grpc.aio.AioRpcError]],
+    ) -> None:
+        """Count a ranker's error; pass it to the caller unless another ranker may serve."""
+        self.forwarded[method, err.code().name] += 1
+        if err.code() not in _TRY_NEXT:
+            await context.abort(err.code(), err.details() or err.code().name)
+        refusals.append((instance, err))
+
+    def _served(
+        self, method: str, order: tuple[str, ...] | list[str], instance: str, attempts: int
+    ) -> str:
+        """Count and annotate a reply from `instance` after `attempts` calls; return it."""
+        self.forwarded[method, "OK"] += 1
+        if instance != order[0]:
+            self.counters[f"{method}_failed_over"] += 1
+        if self._tracer is not None:
+            annotate(
+                {
+                    "relaygr.placement.instance": instance,
+                    "relaygr.placement.attempts": attempts,
+                    "relaygr.placement.fallback": instance != order[0],
+                }
+            )
+        return instance
 
     async def _forward_randomly(
         self,

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from relaygr.config import require_positive
+from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions
 
@@ -18,52 +18,48 @@ class Mode(enum.StrEnum):
     SEQUENCE_AWARE = "sequence-aware"
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True, slots=True)
 class TriggerConfig(ServiceOptions):
-    listen: str = field(default="127.0.0.1:50041", metadata=_help("gRPC listen address"))
+    listen: str = field(default="127.0.0.1:50041", metadata=helped("gRPC listen address"))
     etcd_endpoints: tuple[str, ...] = field(
-        default=("127.0.0.1:2379",), metadata=_help("etcd endpoints, host:port[,...]")
+        default=("127.0.0.1:2379",), metadata=helped("etcd endpoints, host:port[,...]")
     )
-    etcd_prefix: str = field(default="/relaygr", metadata=_help("etcd key prefix of the mesh"))
+    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
     router_address: str = field(
-        default="127.0.0.1:50051", metadata=_help("router that admitted PreInfers are sent to")
+        default="127.0.0.1:50051", metadata=helped("router that admitted PreInfers are sent to")
     )
     # Admission policy: these may also be changed at run time (LIVE_FIELDS).
-    mode: Mode = field(default=Mode.SEQUENCE_AWARE, metadata=_help("admission mode"))
-    slo_ms: float = field(default=50.0, metadata=_help("ranking latency SLO, ms"))
+    mode: Mode = field(default=Mode.SEQUENCE_AWARE, metadata=helped("admission mode"))
+    slo_ms: float = field(default=50.0, metadata=helped("ranking latency SLO, ms"))
     margin_ms: float = field(
-        default=5.0, metadata=_help("at risk when predicted full inference > slo_ms - margin_ms")
+        default=5.0, metadata=helped("at risk when predicted full inference > slo_ms - margin_ms")
     )
     prefill_share: float = field(
-        default=0.5, metadata=_help("share of each ranker's compute time relays may take, 0..1")
+        default=0.5, metadata=helped("share of each ranker's compute time relays may take, 0..1")
     )
     burst_s: float = field(
-        default=2.0, metadata=_help("prefill budget a ranker may receive at once, in seconds")
+        default=2.0, metadata=helped("prefill budget a ranker may receive at once, in seconds")
     )
     relay_budget_share: float = field(
-        default=0.9, metadata=_help("share of each ranker's HBM budget relays may pin, 0..1")
+        default=0.9, metadata=helped("share of each ranker's HBM budget relays may pin, 0..1")
     )
     relay_window_ms: int = field(
-        default=2000, metadata=_help("how long a relay stays pinned awaiting its Rank")
+        default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank")
     )
     refusal_cooldown_ms: int = field(
-        default=1000, metadata=_help("no relays to a ranker this long after it refused one")
+        default=1000, metadata=helped("no relays to a ranker this long after it refused one")
     )
     # Dispatch and observation.
-    dispatch_queue: int = field(default=256, metadata=_help("admitted PreInfers waiting to send"))
-    dispatch_concurrency: int = field(default=8, metadata=_help("PreInfers in flight at once"))
+    dispatch_queue: int = field(default=256, metadata=helped("admitted PreInfers waiting to send"))
+    dispatch_concurrency: int = field(default=8, metadata=helped("PreInfers in flight at once"))
     observe_interval_ms: int = field(
-        default=1000, metadata=_help("how often rankers' pinned bytes are read (Describe)")
+        default=1000, metadata=helped("how often rankers' pinned bytes are read (Describe)")
     )
     # Input limits, enforced before anything else.
-    max_long_term: int = field(default=65536, metadata=_help("most long-term behaviours"))
-    max_short_term: int = field(default=65536, metadata=_help("most expected short-term"))
-    max_candidates: int = field(default=65536, metadata=_help("most expected candidates"))
-    max_user_features: int = field(default=1024, metadata=_help("most user feature tokens"))
+    max_long_term: int = field(default=65536, metadata=helped("most long-term behaviours"))
+    max_short_term: int = field(default=65536, metadata=helped("most expected short-term"))
+    max_candidates: int = field(default=65536, metadata=helped("most expected candidates"))
+    max_user_features: int = field(default=1024, metadata=helped("most user feature tokens"))
 
     def __post_init__(self) -> None:
         try:

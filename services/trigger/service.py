@@ -48,6 +48,10 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         an admitted relay's PreInfer is sent."""
         self._tracer = tracer
         self.policy = policy
+        cfg = policy.cfg  # input limits are startup settings, never changed live
+        self._lengths = InputLimits(
+            cfg.max_user_features, cfg.max_user_features + cfg.max_long_term, cfg.max_candidates
+        )
         self._membership = membership
         self._directory = directory
         self._dispatcher = dispatcher
@@ -100,10 +104,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         for what, count, limit in limits:
             if count > limit:
                 raise InvalidInput(f"{count} {what} exceed the limit of {limit}")
-        lengths = InputLimits(
-            cfg.max_user_features, cfg.max_user_features + cfg.max_long_term, cfg.max_candidates
-        )
-        prefix = prefix_from_proto(request, lengths)  # ids' and arrays' lengths, ragged arrays
+        prefix = prefix_from_proto(request, self._lengths)  # ids, array lengths, ragged arrays
         return Event(
             request.user_id,
             prefix.num_tokens,

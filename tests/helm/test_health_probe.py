@@ -54,11 +54,7 @@ def test_probe_reports_serving_then_draining_over_mtls(tmp_path: Path) -> None:
     stranger = make_pki(tmp_path / "stranger", hosts=(f"*.{RANKER_DOMAIN}",))
     tls_dir = _secret_dir(pki, tmp_path / "tls", cert=pki.node_cert, key=pki.node_key)
     # A certificate from another CA: the server must refuse the probe's handshake.
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    shutil.copy(pki.ca_cert, foreign / "ca.crt")
-    shutil.copy(stranger.node_cert, foreign / "tls.crt")
-    shutil.copy(stranger.node_key, foreign / "tls.key")
+    foreign = _secret_dir(pki, tmp_path / "foreign", cert=stranger.node_cert, key=stranger.node_key)
 
     async def scenario() -> None:
         server = await _serving_server(pki)

@@ -36,6 +36,11 @@ def tiny_model(**overrides: object) -> RankingModel:
     return RankingModel(tiny_config(**overrides), seed=7)
 
 
+def reply_scores(reply: common_pb2.RankReply) -> np.ndarray:
+    """A RankReply's scores as a (tasks, candidates) array."""
+    return np.array([list(task.scores) for task in reply.scores])
+
+
 @dataclass(slots=True)
 class Ranker:
     server: RankerServer
@@ -48,7 +53,7 @@ class Ranker:
         return self.server.engine
 
     def scores(self, reply: common_pb2.RankReply) -> np.ndarray:
-        return np.array([list(task.scores) for task in reply.scores])
+        return reply_scores(reply)
 
 
 @asynccontextmanager

@@ -33,6 +33,7 @@ from relaygr.ranker.model import RankingModel
 from relaygr.tls import open_blocking_channel
 from relaygr.v1 import router_pb2_grpc
 from relaygr.workload import Population
+from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 pytestmark = pytest.mark.chaos
@@ -81,7 +82,7 @@ def test_a_flood_of_maximum_size_pre_infers_keeps_budgets_and_rss(
         reply = router_pb2_grpc.RouterServiceStub(channel).Rank(
             rank_request_to_proto(request), timeout=30
         )
-    scores = np.array([list(t.scores) for t in reply.scores])
+    scores = reply_scores(reply)
     assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
 
 

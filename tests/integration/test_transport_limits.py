@@ -6,18 +6,18 @@ import grpc
 import numpy as np
 import pytest
 
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
+from relaygr.ranker.convert import (
+    behaviours_to_proto,
+    pre_infer_request_to_proto,
+    rank_request_to_proto,
+)
 from relaygr.ranker.scheduler import Priority
 from relaygr.tls import PLAINTEXT, open_channel
-from relaygr.v1 import common_pb2, ranker_pb2_grpc, trigger_pb2
+from relaygr.v1 import ranker_pb2_grpc, trigger_pb2
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
-from tests.integration.ranker_harness import Gate, poll, running_ranker, tiny_model
+from tests.integration.ranker_harness import Gate, poll, reply_scores, running_ranker, tiny_model
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
-
-
-def _scores(reply: common_pb2.RankReply) -> np.ndarray:
-    return np.array([list(t.scores) for t in reply.scores])
 
 
 async def _refused(call: object, request: object) -> grpc.aio.AioRpcError:
@@ -52,7 +52,7 @@ def test_the_router_refuses_too_many_tokens_or_candidates_before_forwarding(
                 )
             assert not servicer.load.loads() and not servicer.counters  # nothing forwarded
             reply = await router.Rank(rank_request_to_proto(at_limit))
-            assert rel_err(_scores(reply), model.full_forward(at_limit).numpy()) <= 1e-5
+            assert rel_err(reply_scores(reply), model.full_forward(at_limit).numpy()) <= 1e-5
 
     asyncio.run(scenario())
 
@@ -94,10 +94,7 @@ def test_the_trigger_refuses_oversized_messages_and_too_many_user_features(
             p = prefix(rng, 40, n_user=4)
             event = trigger_pb2.RetrievalEvent(
                 user_id="u", user_features=p.user_features.tolist(), expected_candidates=8,
-                long_term=common_pb2.Behaviours(
-                    item_ids=p.long_term.item_ids.tolist(), actions=p.long_term.actions.tolist(),
-                    timestamps=p.long_term.timestamps.tolist(),
-                ),
+                long_term=behaviours_to_proto(p.long_term),
             )  # fmt: skip
             wide = trigger_pb2.RetrievalEvent()
             wide.CopyFrom(event)
