@@ -19,7 +19,6 @@ time from the fault's end until every Rank hits a cache again.
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from pipeline import ROOT, result_name, save_results
-from report import write_section
+from report import add_render_arguments, load_result, run_stamp, write_section
 
 from relaygr.chaos import (
     CHAOS_MODEL,
@@ -121,7 +120,7 @@ def render(saved: dict) -> str:
         f"Reproduce: `{saved['command']}`. What the faults are and what the mesh guarantees: "
         "[reliability.md](reliability.md).",
         "",
-        f"- Date: {info['date']}; machine: {info['machine']}. Local mesh: etcd, two rankers "
+        f"- {run_stamp(info)}. Local mesh: etcd, two rankers "
         "(CPU, a 3-layer d_model 64 model, device tier 24 MiB, host tier 24 MiB, lease 2 s), two "
         "routers, a trigger relaying every event; clients round-robin over both routers.",
         f"- Traffic: open-loop Poisson, {s.rate:g} retrieval events/s, each Rank {s.gap_s:g} s "
@@ -166,12 +165,11 @@ def main() -> int:
     parser.add_argument("--overhead-mb", type=float, default=FloodSettings().overhead_mb)
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     parser.add_argument("--quick", action="store_true", help="the CI test's sizes")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/")
-    parser.add_argument("--from-json", type=Path, help="re-render saved results, run nothing")
+    add_render_arguments(parser)
     parser.add_argument("--tag", default="", help="results and doc section get _TAG")
     args = parser.parse_args()
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
+        saved = load_result(args.from_json)
     else:
         if args.quick:
             args.rate, args.before, args.after = 10.0, 1.0, 3.0

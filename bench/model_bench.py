@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from report import machine_info, write_section
+from report import add_render_arguments, load_result, machine_info, write_section
 
 from relaygr.ranker import synthetic
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
@@ -50,6 +50,7 @@ class Settings:
 
     seed: int
     threads: int
+    quick: bool
     lengths: tuple[int, ...]
     repeats: int | None  # fixed timed pairs per length; None: fit `budget_s`
     budget_s: float  # per-length timing budget when `repeats` is None
@@ -60,6 +61,7 @@ class Settings:
     peak_tries: int
     output: Path
     docs: Path | None
+    from_json: Path | None  # re-render this saved result instead of running
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,7 +387,7 @@ def render_section(result: dict[str, Any]) -> str:
         f"{result['seed']}, i.e. `{COMMAND} --seed {result['seed']}"
         f" --threads {machine['threads']}`.",
         "",
-        f"- Date: {machine['date']}",
+        f"- Date: {machine['date']}; commit: {machine['commit']}",
         f"- Machine: {machine['machine']}, {machine['threads']} torch threads, "
         f"torch {machine['torch']}, Python {machine['python']}",
         f"- Model: default `ModelConfig()`: {cfg['num_layers']} layers, d_model "
@@ -456,7 +458,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument(
         "--docs", type=Path, default=None, help="Markdown to update (default: docs/benchmarks.md)"
     )
-    parser.add_argument("--no-docs", action="store_true", help="do not update the docs")
+    add_render_arguments(parser)
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
@@ -470,6 +472,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     return Settings(
         seed=args.seed if args.seed is not None else secrets.randbits(31),
         threads=args.threads,
+        quick=quick,
         lengths=QUICK_LENGTHS if quick else FULL_LENGTHS,
         repeats=3 if quick and args.repeats is None else args.repeats,
         budget_s=args.budget_s,
@@ -480,6 +483,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         peak_tries=3 if quick else 5,
         output=args.output or default_output,
         docs=docs,
+        from_json=args.from_json,
     )
 
 
@@ -514,6 +518,7 @@ def run(settings: Settings) -> dict[str, Any]:
     peak = matmul_peak(before, after, settings.peak_tries)
     return {
         "command": COMMAND,
+        "quick": settings.quick,
         "seed": settings.seed,
         "machine": machine_info(settings.threads),
         "config": cfg.to_dict(),
@@ -536,11 +541,17 @@ def run(settings: Settings) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
-    result = run(settings)
-    write_json(settings.output, result)
-    print(f"wrote {settings.output}")
-    if settings.docs is not None:
-        write_section(settings.docs, SECTION, render_section(result))
+    if settings.from_json is not None:
+        result = load_result(settings.from_json)
+    else:
+        result = run(settings)
+        write_json(settings.output, result)
+        print(f"wrote {settings.output}")
+    section = render_section(result)
+    print(section)
+    # A run's --quick already chose the docs; a re-rendered smoke run never replaces a real one.
+    if settings.docs is not None and not (settings.from_json is not None and result["quick"]):
+        write_section(settings.docs, SECTION, section)
         print(f"updated {settings.docs}")
     bad = [r for r in result["rows"] if r["max_rel_err"] > MAX_REL_ERR]
     if bad:

@@ -3,14 +3,12 @@
 import argparse
 import json
 import os
-import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from report import machine_info
+from report import add_render_arguments, machine_info, reproduce_command
 
 from relaygr.drive import Point, drive_mesh
 from relaygr.mesh import LocalMesh
@@ -44,7 +42,8 @@ def run_point(
     )
     print(
         f"{variant.label:>18} {rate:5g}/s  p50 {point.p50_ms:7.0f}  p99 {point.p99_ms:7.0f} ms  "
-        f"hits {point.hit_ratio:.0%}  {point.reasons} {point.errors}",
+        f"n {point.ok}  relayed {point.relayed_ratio:.0%}  cross-visit {point.cached_ratio:.0%}  "
+        f"{point.reasons} {point.errors}",
         flush=True,
     )
     return point
@@ -103,8 +102,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> 
     parser.add_argument("--gap-ms", type=float, default=WorkloadSpec().gap_s * 1e3)
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     parser.add_argument("--quick", action="store_true", help="two rates, short points")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/")
-    parser.add_argument("--from-json", type=Path, help="re-render saved results, run nothing")
+    add_render_arguments(parser)
     parser.add_argument(
         "--tag", default="", help="a second configuration: results and doc section get _TAG"
     )
@@ -122,15 +120,15 @@ def ranker_args(model_path: Path, hbm_mb: int) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def save_results(name: str, args: argparse.Namespace, results: dict[str, object]) -> dict:
-    """Write bench/results/<name>[.quick].json with the reproducing command and machine."""
-    command = shlex.join([".venv/bin/python", f"bench/{name}.py", *sys.argv[1:]])
-    if "--seed" not in sys.argv:
-        command += f" --seed {args.seed}"
+def save_results(
+    name: str, args: argparse.Namespace, results: dict[str, object], threads: int | None = None
+) -> dict:
+    """Write bench/results/<name>[.quick].json with the reproducing command and machine
+    (`threads`: the rankers' intra-op threads, when the benchmark knows them)."""
     saved = {
-        "command": command,
+        "command": reproduce_command(name, args.seed),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(),
+        "machine": machine_info(threads),
         **results,
     }
     out = (

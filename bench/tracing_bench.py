@@ -30,7 +30,14 @@ import grpc
 import numpy as np
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from pipeline import BENCH_MODEL, ROOT
-from report import machine_info, write_section
+from report import (
+    add_render_arguments,
+    load_result,
+    machine_info,
+    reproduce_command,
+    run_stamp,
+    write_section,
+)
 
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
@@ -172,8 +179,9 @@ def paired_delta_ms(times: dict[str, list[float]], mode: str) -> float:
     return float(np.median(np.asarray(times[mode]) - np.asarray(times["off"])))
 
 
-def report(stats: dict[str, Any], spans: dict[str, int], args: argparse.Namespace) -> str:
-    info = machine_info()
+def render(saved: dict[str, Any]) -> str:
+    args = argparse.Namespace(**saved["args"])
+    info, stats, spans = saved["machine"], saved["stats"], saved["spans"]
     off = stats["off"]["client"]
     rows = []
     for mode in MODES:
@@ -192,13 +200,13 @@ def report(stats: dict[str, Any], spans: dict[str, int], args: argparse.Namespac
         )
     p99_1 = (stats["1%"]["client"]["p99"] / off["p99"] - 1) * 100
     verdict = "meets" if p99_1 <= 3.0 else "misses"
-    load = f"{args.load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+    load = f"{args.load_before:.2f} at the start, {saved['load_after']:.2f} at the end"
     return "\n".join([
         "## Tracing: what it costs a Rank",
         "",
-        f"Reproduce: `.venv/bin/python bench/tracing_bench.py --seed {args.seed}`.",
+        f"Reproduce: `{saved['command']}`.",
         "",
-        f"- Date: {info['date']}; machine: {info['machine']}; torch {info['torch']}, "
+        f"- {run_stamp(info)}; torch {info['torch']}, "
         f"Python {info['python']}. 1-minute load average: {load}.",
         f"- Three `relaygr ranker` processes (CPU, {BENCH_MODEL.num_layers} layers, d_model "
         f"{BENCH_MODEL.d_model}, same seed) differing only in OTEL_* variables: none (off); the "
@@ -223,18 +231,7 @@ def report(stats: dict[str, Any], spans: dict[str, int], args: argparse.Namespac
     ])  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--ranks", type=int, default=1500, help="timed Ranks per mode")
-    parser.add_argument("--users", type=int, default=64)
-    parser.add_argument("--prefix", type=int, default=1024, help="long-term behaviours")
-    parser.add_argument("--candidates", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=30, help="untimed Ranks per mode")
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
-    parser.add_argument("--no-docs", action="store_true")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     args.load_before = os.getloadavg()[0]
     counter = SpanCounter()
     receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -260,18 +257,35 @@ def main() -> int:
     }
     for mode in MODES[1:]:
         stats[mode]["paired_delta_ms"] = paired_delta_ms(times["client"], mode)
-    text = report(stats, dict(counter.spans), args)
-    print(text)
+    saved = {
+        "command": reproduce_command("tracing_bench", args.seed),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "load_after": os.getloadavg()[0],
+        "stats": stats,
+        "spans": dict(counter.spans),
+    }
     out = ROOT / "bench" / "results" / "tracing_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    saved = {
-        "command": f".venv/bin/python bench/tracing_bench.py --seed {args.seed}",
-        "args": vars(args),
-        "machine": machine_info(),
-        "stats": stats,
-        "spans": counter.spans,
-    }
     out.write_text(json.dumps(saved, indent=2))
+    return saved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=1500, help="timed Ranks per mode")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--prefix", type=int, default=1024, help="long-term behaviours")
+    parser.add_argument("--candidates", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=30, help="untimed Ranks per mode")
+    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    add_render_arguments(parser)
+    args = parser.parse_args()
+    saved = load_result(args.from_json) if args.from_json is not None else run(args)
+    text = render(saved)
+    print(text)
     if not args.no_docs:
         write_section(ROOT / "docs" / "benchmarks.md", "tracing_bench", text)
     return 0

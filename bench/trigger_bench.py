@@ -29,7 +29,7 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import max_compliant, write_section
+from report import load_result, max_compliant, run_stamp, write_section
 
 from relaygr.cluster import MemoryCluster, RankerRecord
 from relaygr.drive import Point, retrieval_event
@@ -120,7 +120,7 @@ def render(
         "",
         f"Reproduce: `{command}`.",
         "",
-        f"- Date: {info['date']}; machine: {info['machine']}. One local mesh: etcd, two "
+        f"- {run_stamp(info)}. One local mesh: etcd, two "
         f"`relaygr ranker` processes (CPU; {m.num_layers} layers, d_model {m.d_model}; device "
         f"tier {args.hbm_mb} MiB each, host tier {4 * args.hbm_mb} MiB), router, trigger.",
         f"- Workload: the ranker benchmark's (Zipf users, log-normal histories to 8k, return "
@@ -157,7 +157,7 @@ def main() -> int:
     parser.add_argument("--prefill-share", type=float, default=0.5)
     args = parser.parse_args()
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
+        saved = load_result(args.from_json)
     else:
         if args.quick:
             args.rates, args.duration, args.min_requests = [2, 6], 8.0, 0

@@ -172,11 +172,12 @@ def chaos_mesh_spec(checkpoint: Path, log_dir: Path | None = None) -> MeshSpec:
 def chaos_workload(users: int = 80) -> WorkloadSpec:
     """Histories the tiny chaos model serves in milliseconds; return visits repeat the user's
     history. A changed history supersedes the user's older prefix on its ranker, so a hot
-    user's overlapping visits would miss now and then by design, blurring what a fault does."""
+    user's overlapping visits would miss now and then by design, blurring what a fault does.
+    A small, skewed population with no session returns: every visit is a Zipf draw."""
     return WorkloadSpec(
         users=users, median_long_term=256, long_term_sigma=0.5, min_long_term=32,
         max_long_term=1024, short_term=(8, 32), candidates=16, user_features=4, gap_s=0.3,
-        new_behaviours_p=0.0,
+        new_behaviours_p=0.0, zipf_s=1.1, revisit_p=0.0,
     )  # fmt: skip
 
 

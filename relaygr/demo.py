@@ -1,9 +1,13 @@
-"""`make demo`: the whole mesh on this machine, relay vs no relay on the same traffic.
+"""`make demo`: the whole mesh on this machine: cache only, relay and no cache on the same traffic.
 
-Brings up etcd, two rankers, a router and a trigger as separate processes, drives the full
+Brings up etcd, two rankers, a router and a trigger as separate processes and drives the full
 pipeline open loop (retrieval event to the trigger, the ranking request to the router one gap
-later) first with the trigger off, then with the sequence-aware trigger, on two copies of the
-same seeded user population, prints the comparison, writes a PNG chart and shuts everything down.
+later) on copies of the same seeded traffic from a large user population: first `cache only`
+(nothing pre-inferred; the rankers keep what their Ranks computed, so return visits can hit),
+then `relay` (the sequence-aware trigger), then `no cache` on a second mesh whose rankers bypass
+every cache. Prints P50/P95/P99 against the SLO and where each Rank's prefix came from (relayed,
+left by an earlier visit, or full inference), writes a PNG chart and a JSON file, and shuts
+everything down.
 """
 
 from __future__ import annotations
@@ -25,21 +29,27 @@ from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.model_config import ModelConfig
 from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
 
-TIERS = ("hbm_hit", "dram_hit", "waited_inflight", "extended", "miss")
+# (label, trigger mode, mesh): the phases, in the order they run.
+PHASES = (("cache only", "off", "cached"), ("relay", "sequence-aware", "cached"),
+          ("no cache", "off", "bypass"))  # fmt: skip
 
 
 def _profile(quick: bool) -> tuple[ModelConfig, WorkloadSpec, dict[str, float]]:
     """Model, workload and knobs sized so that 2 CPU cores show the effect within a minute or
-    two (`quick`: a small model and short histories, for CI)."""
+    two (`quick`: a small model and short histories, for CI). The population is large, as in
+    production: the rankers' tiers hold a small fraction of its users."""
     if quick:
         model = ModelConfig(d_model=64, num_heads=2, d_qk=16, d_v=32, num_layers=2)
-        spec = WorkloadSpec(users=100, median_long_term=512, max_long_term=2048, gap_s=0.5)
+        spec = WorkloadSpec(
+            users=100_000, median_long_term=512, long_term_sigma=0.8, max_long_term=2048,
+            gap_s=0.5,
+        )  # fmt: skip
         return model, spec, {"rate": 6.0, "duration": 12.0, "slo_ms": 250.0, "margin_ms": 225.0}
     model = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
     return (
         model,
-        WorkloadSpec(),
-        {"rate": 6.0, "duration": 40.0, "slo_ms": 1500.0, "margin_ms": 1400.0},
+        WorkloadSpec(gap_s=1.5),
+        {"rate": 1.5, "duration": 60.0, "slo_ms": 1500.0, "margin_ms": 1250.0},
     )
 
 
@@ -69,7 +79,8 @@ class Progress:
 def run_phase(
     mesh: LocalMesh, label: str, mode: str, spec: WorkloadSpec, knobs: dict[str, float], seed: int
 ) -> Point:
-    population = Population(replace(spec, user_prefix=label), np.random.default_rng(seed))
+    user_prefix = label.replace(" ", "-")
+    population = Population(replace(spec, user_prefix=user_prefix), np.random.default_rng(seed))
     arrivals = poisson_arrivals(population, knobs["rate"], knobs["duration"])
     progress = Progress(len(arrivals), label)
     return drive_mesh(
@@ -86,48 +97,66 @@ def run_phase(
 
 
 def table(points: Sequence[Point], slo_ms: float) -> str:
-    header = f"{'':<10} {'P50 ms':>8} {'P99 ms':>8} {'in-SLO req/s':>13} " + " ".join(
-        f"{t.replace('_', ' '):>9}" for t in ("hbm", "dram", "waited", "extended", "miss")
+    """P50/P95/P99 against the SLO, and where each answered Rank's prefix came from."""
+    header = (
+        f"{'':<11} {'Ranks':>6} {'P50 ms':>8} {'P95 ms':>8} {'P99 ms':>8} {'P99 vs SLO':>11} "
+        f"{'relayed':>8} {'cached':>8} {'full inf':>8}"
     )
     lines = [header, "-" * len(header)]
     for p in points:
-        tiers = " ".join(f"{p.outcomes.get(t, 0) / max(p.ok, 1):>9.0%}" for t in TIERS)
-        in_slo = p.within_slo_per_s(slo_ms)
-        lines.append(f"{p.label:<10} {p.p50_ms:>8.0f} {p.p99_ms:>8.0f} {in_slo:>13.1f} {tiers}")
+        verdict = "within" if p.compliant(slo_ms) else "OVER"
+        full = 1.0 - p.hit_ratio if p.ok else 0.0
+        lines.append(
+            f"{p.label:<11} {p.ok:>6} {p.p50_ms:>8.0f} {p.p95_ms:>8.0f} {p.p99_ms:>8.0f} "
+            f"{verdict:>11} {p.relayed_ratio:>8.0%} {p.cached_ratio:>8.0%} {full:>8.0%}"
+        )
+    lines.append(
+        f"(SLO: P99 <= {slo_ms:.0f} ms. relayed: prefix pre-inferred for this visit; cached: "
+        "left by an earlier visit; full inf: computed inside the Rank.)"
+    )
     for p in points:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(p.reasons.items()))
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(p.reasons.items())) or "none"
         errors = ", ".join(f"{k} {v}" for k, v in p.errors.items()) or "none"
         lines.append(f"{p.label} admissions: {reasons}; failed Ranks: {errors}")
     return "\n".join(lines)
 
 
-def chart(points: Sequence[Point], slo_ms: float, path: Path) -> None:
-    """Latency CDF per phase with the SLO marked (PNG)."""
+def chart(points: Sequence[Point], slo_ms: float, path: Path) -> bool:
+    """Latency CDF per phase with the SLO marked, and where each phase's prefixes came from
+    (PNG). Phases with no answered Rank are left out; with none at all, nothing is drawn and
+    False is returned."""
+    drawn = [p for p in points if p.latencies_ms]
+    if not drawn:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for p in points:
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=(3, 2))
+    for p in drawn:
         lat = np.sort(np.asarray(p.latencies_ms))
-        if len(lat):
-            ax.plot(
-                lat,
-                np.arange(1, len(lat) + 1) / len(lat),
-                label=f"{p.label} (P99 {p.p99_ms:.0f} ms)",
-            )
-    ax.axvline(slo_ms, color="grey", linestyle="--", label=f"SLO {slo_ms:.0f} ms")
-    ax.set_xscale("log")
-    ax.set_xlabel("ranking latency from intended send time (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("RelayGR local mesh: relay vs no relay, same traffic")
-    ax.legend(loc="lower right")
-    ax.grid(True, which="both", alpha=0.3)
+        cdf.plot(
+            lat, np.arange(1, len(lat) + 1) / len(lat), label=f"{p.label} (P99 {p.p99_ms:.0f} ms)"
+        )
+    cdf.axvline(slo_ms, color="grey", linestyle="--", label=f"SLO {slo_ms:.0f} ms")
+    cdf.set(xscale="log", xlabel="ranking latency from intended send time (ms)")
+    cdf.set(ylabel="fraction of Ranks", title="Same traffic, three systems")
+    cdf.legend(loc="lower right", fontsize=8)
+    cdf.grid(True, which="both", alpha=0.3)
+    names = [p.label for p in drawn]
+    relayed = np.array([p.relayed_ratio for p in drawn])
+    cached = np.array([p.cached_ratio for p in drawn])
+    bars.bar(names, relayed, label="relayed")
+    bars.bar(names, cached, bottom=relayed, label="cached (earlier visit)")
+    bars.bar(names, 1 - relayed - cached, bottom=relayed + cached, label="full inference")
+    bars.set(ylabel="share of Ranks", title="Where each Rank's prefix came from", ylim=(0, 1))
+    bars.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, help="seconds per phase (default per profile)")
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: random)")
     parser.add_argument("--out", type=Path, default=Path("demo-results"), help="chart and JSON")
+    parser.add_argument(
+        "--no-bypass", action="store_true", help="skip the `no cache` phase and its second mesh"
+    )
     args = parser.parse_args(argv)
     model, spec, knobs = _profile(args.quick)
     if args.rate is not None:
@@ -144,36 +176,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.duration is not None:
         knobs["duration"] = args.duration
     seed = args.seed if args.seed is not None else secrets.randbelow(2**32)
+    phases = [phase for phase in PHASES if not (args.no_bypass and phase[2] == "bypass")]
     print(
         f"RelayGR demo: etcd + 2 rankers + router + trigger on loopback; {knobs['rate']:g} req/s "
-        f"for {knobs['duration']:g} s per phase, SLO {knobs['slo_ms']:.0f} ms, seed {seed}",
+        f"for {knobs['duration']:g} s per phase ({', '.join(p[0] for p in phases)}), "
+        f"{spec.users:,} users, SLO {knobs['slo_ms']:.0f} ms, seed {seed}",
         flush=True,
     )
+    points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="relaygr-demo-") as tmp:
         model_path = Path(tmp) / "model.json"
         model_path.write_text(json.dumps(model.to_dict()))
-        mesh_spec = MeshSpec(
+        base = MeshSpec(
             rankers=2,
             ranker_args=("--model-config", str(model_path), "--device", "cpu"),
             trigger_args=("--slo-ms", str(knobs["slo_ms"]), "--margin-ms", str(knobs["margin_ms"])),
         )
-        print("starting the mesh (rankers calibrate their cost model first) ...", flush=True)
-        with LocalMesh(mesh_spec) as mesh:
-            print(mesh.describe(), flush=True)
-            points = [
-                run_phase(mesh, "no relay", "off", spec, knobs, seed),
-                run_phase(mesh, "relay", "sequence-aware", spec, knobs, seed),
-            ]
+        for kind in dict.fromkeys(p[2] for p in phases):
+            mesh_spec = base
+            if kind == "bypass":
+                mesh_spec = replace(base, ranker_args=(*base.ranker_args, "--no-relay-enabled"))
+            print(
+                f"starting the {kind} mesh (rankers calibrate their cost model first) ...",
+                flush=True,
+            )
+            with LocalMesh(mesh_spec) as mesh:
+                print(mesh.describe(), flush=True)
+                for label, mode, on in phases:
+                    if on == kind:
+                        points.append(run_phase(mesh, label, mode, spec, knobs, seed))
     print()
     print(table(points, knobs["slo_ms"]))
     args.out.mkdir(parents=True, exist_ok=True)
-    chart(points, knobs["slo_ms"], args.out / "relay_demo.png")
+    drew = chart(points, knobs["slo_ms"], args.out / "relay_demo.png")
     (args.out / "relay_demo.json").write_text(
         json.dumps(
             {"seed": seed, "knobs": knobs, "points": [p.summary() for p in points]}, indent=2
         )
     )
-    print(f"\nchart: {args.out / 'relay_demo.png'}; numbers: {args.out / 'relay_demo.json'}")
+    where = f"chart: {args.out / 'relay_demo.png'}; " if drew else "no Rank answered: no chart; "
+    print(f"\n{where}numbers: {args.out / 'relay_demo.json'}")
     print("mesh stopped; every process it started has exited.")
     return 0 if all(p.ok for p in points) else 1
 

@@ -89,8 +89,10 @@ class Point:
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     p50_ms: float = float("inf")
+    p95_ms: float = float("inf")
     p99_ms: float = float("inf")
     outcomes: dict[str, int] = field(default_factory=dict)  # Rank cache outcomes
+    relayed: int = 0  # hits whose prefix a PreInfer produced or pinned (RankReply.relayed)
     reasons: dict[str, int] = field(default_factory=dict)  # trigger decisions
     relayed_tokens: int = 0  # prefix tokens of admitted relays
     duration_s: float = 0.0
@@ -110,9 +112,22 @@ class Point:
         return not self.errors and self.p99_ms <= slo_ms
 
     @property
+    def hits(self) -> int:
+        return sum(v for k, v in self.outcomes.items() if k in HIT_OUTCOMES)
+
+    @property
     def hit_ratio(self) -> float:
-        hits = sum(v for k, v in self.outcomes.items() if k in HIT_OUTCOMES)
-        return hits / self.ok if self.ok else 0.0
+        return self.hits / self.ok if self.ok else 0.0
+
+    @property
+    def relayed_ratio(self) -> float:
+        """Share of answered Ranks served from a relayed prefix."""
+        return self.relayed / self.ok if self.ok else 0.0
+
+    @property
+    def cached_ratio(self) -> float:
+        """Share of answered Ranks served from a prefix an earlier visit left (cross-visit)."""
+        return (self.hits - self.relayed) / self.ok if self.ok else 0.0
 
 
 def retrieval_event(request: RankInput, request_id: str) -> trigger_pb2.RetrievalEvent:
@@ -151,6 +166,7 @@ async def drive(
     reasons: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     relayed_tokens = 0
+    relayed = 0
     # Protos are built before the clock starts: building them must not delay a send.
     events = [retrieval_event(a.request, f"{label}-{i}") for i, a in enumerate(arrivals)]
     ranks = [rank_request_to_proto(a.request) for a in arrivals]
@@ -177,6 +193,7 @@ async def drive(
                     relayed_tokens += arrivals[i].request.prefix.num_tokens
 
         async def one(i: int) -> None:
+            nonlocal relayed
             at = arrivals[i].at
             counted = at >= warmup_s
             pending: asyncio.Task[None] | None = None
@@ -194,6 +211,7 @@ async def drive(
                 if counted:
                     latencies.append((loop.time() - intended) * 1e3)
                     outcomes[OUTCOMES[reply.cache_outcome]] += 1
+                    relayed += reply.relayed and OUTCOMES[reply.cache_outcome] in HIT_OUTCOMES
             if on_done is not None:
                 on_done()
             if pending is not None:
@@ -204,8 +222,10 @@ async def drive(
     point = Point(label, rate, len(counted), len(latencies), dict(errors))
     if latencies:
         point.p50_ms = float(np.percentile(latencies, 50))
+        point.p95_ms = float(np.percentile(latencies, 95))
         point.p99_ms = float(np.percentile(latencies, 99))
     point.outcomes, point.reasons = dict(outcomes), dict(reasons)
+    point.relayed = relayed
     point.relayed_tokens = relayed_tokens
     point.latencies_ms = latencies
     point.duration_s = (arrivals[-1].at - warmup_s) if counted else 0.0

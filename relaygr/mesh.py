@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.certs import Pki, make_pki
+from relaygr.cpu_quota import available_cpus
 from relaygr.etcd import EtcdSecurity
 from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 from relaygr.processes import dying_with_parent, terminate
@@ -38,7 +39,8 @@ ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]
 
 @dataclass(frozen=True, slots=True)
 class MeshSpec:
-    """What to start. `*_args` are extra command-line flags of each service (see --help)."""
+    """What to start. `*_args` are extra command-line flags of each service (see --help); each
+    ranker also gets `--threads`, its share of the CPUs, unless `ranker_args` set it."""
 
     rankers: int = 2
     ranker_args: tuple[str, ...] = ()
@@ -53,6 +55,37 @@ class MeshSpec:
     # Prometheus /metrics of each service on consecutive ports from this one, in start order
     # (rankers, routers, trigger); 0: none.
     metrics_base_port: int = 0
+
+
+def ranker_thread_share(
+    ranker_args: Sequence[str], rankers: int, cpus: int
+) -> tuple[tuple[str, ...], int]:
+    """Each ranker's flags and torch intra-op threads: a fair share of `cpus`.
+
+    Every ranker gets `max(1, cpus // rankers)` threads through an appended `--threads`, unless
+    `ranker_args` pass `--threads` themselves: then those flags stand as given and the threads
+    are theirs (0, auto, is each ranker's own CPU quota, which on this machine is `cpus`).
+    """
+    given = _flag_value(ranker_args, "--threads")
+    if given is None:
+        share = max(1, cpus // rankers)
+        return (*ranker_args, "--threads", str(share)), share
+    try:
+        threads = int(given)
+    except ValueError:
+        threads = 0  # the ranker refuses it at start-up, naming the flag
+    return tuple(ranker_args), threads or cpus
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in `args` (argparse keeps the last)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(f"{flag}="):
+            value = arg[len(flag) + 1 :]
+    return value
 
 
 @dataclass(slots=True)
@@ -93,6 +126,9 @@ class LocalMesh:
     routers: list[Service] = field(default_factory=list)
     trigger: Service | None = None
     pki: Pki | None = None  # the throwaway CA and certificates when `spec.tls`
+    # Torch intra-op threads of each ranker (`ranker_thread_share`), set by `start`.
+    ranker_threads: int = 0
+    cpus: int = 0  # CPUs this process may use (`available_cpus`), set by `start`
     _tmp: Path | None = None
     _started: list[Service] = field(default_factory=list)
 
@@ -151,10 +187,14 @@ class LocalMesh:
             self.etcd = EtcdServer(binary, die_with_parent=True, tls=etcd_tls)
             self.etcd.start()
             endpoints = ("--etcd-endpoints", self.etcd.endpoint, *self._security_flags())
+            self.cpus = available_cpus()
+            ranker_args, self.ranker_threads = ranker_thread_share(
+                self.spec.ranker_args, self.spec.rankers, self.cpus
+            )
             for i in range(self.spec.rankers):
                 name = f"ranker-{i}"
                 args = ["ranker", "--listen", "127.0.0.1:0", "--instance-id", name, *endpoints]
-                self.rankers.append(self._spawn(name, [*args, *self.spec.ranker_args]))
+                self.rankers.append(self._spawn(name, [*args, *ranker_args]))
             router_args = ["router", "--listen", "127.0.0.1:0", *endpoints]
             for i in range(self.spec.routers):
                 name = f"router-{i}" if i else "router"
@@ -269,6 +309,10 @@ class LocalMesh:
         if self.pki is not None:
             lines.insert(0, f"mutual TLS, throwaway CA and certificates in {self.pki.directory}")
         lines += [f"{s.name:<8} {s.address}{_metrics_url(s)}" for s in self._started]
+        lines.append(
+            f"rankers  {self.ranker_threads} torch intra-op thread(s) each,"
+            f" of {self.cpus} CPU(s) this mesh may use"
+        )
         return "\n".join(lines)
 
 

@@ -1,10 +1,22 @@
-"""Synthetic relay workload: Zipf users, long-tailed histories, return visits, Poisson arrivals.
+"""Synthetic relay workload: a large Zipf population, sessions of return visits, open-loop arrivals.
 
-Pure: everything is drawn from the generator it is given, so a seed reproduces a run. Users can
-replay their own traffic instead: `read_trace` / `write_trace` (docs/trace-format.md).
+Pure and lazy: a user's history is derived on demand from the population seed and the user's
+index, so a population of 10^7 users costs nothing until they visit; the only state is, per user
+who has visited, how many visits it has made and when (bounded by the arrivals drawn, not by the
+population). Users can replay their own traffic instead: `read_trace` / `write_trace`
+(docs/trace-format.md).
+
+History lengths (the long-term behaviours a ranking request carries) follow a log-normal whose
+mean matches Yambda-5B, a public industrial recommendation log: 4.79e9 events from 1e6 users
+(Yandex Music; dataset card and arXiv 2505.22238), so 4,790 events per user. The card publishes
+the mean, not the spread: sigma = 1.0 is our assumption (per-user activity in such logs spans
+orders of magnitude). Lengths are truncated at the serving model's maximum (8,192 behaviours
+here), so about 15% of users sit at the cap, as heavy users do in production.
 """
 
+import heapq
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,29 +25,58 @@ import numpy as np
 
 from relaygr.errors import InvalidInput
 from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId, as_int64
-from relaygr.ranker.synthetic import random_behaviours
+from relaygr.ranker.synthetic import DEFAULT_ACTIONS, ITEM_ID_BITS
 
 T0 = 1_700_000_000
+HISTORY_SPAN_S = 10**7  # a first-seen user's long-term behaviours lie in the ~4 months before T0
+
+# Yambda-5B: 4.79e9 events / 1e6 users (see the module docstring); sigma is our assumption.
+YAMBDA_MEAN_EVENTS_PER_USER = 4790
+DEFAULT_LONG_TERM_SIGMA = 1.0
+
+
+def lognormal_median(mean: float, sigma: float) -> int:
+    """The median of a log-normal with this mean and sigma (mean = median * exp(sigma^2 / 2))."""
+    return round(mean / math.exp(sigma**2 / 2))
 
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    users: int = 300  # active users in the window; Zipf makes a few of them return often
-    zipf_s: float = 1.1
-    median_long_term: int = 1024
-    long_term_sigma: float = 0.8  # log-normal spread of history lengths: P99 ~6.5k, up to 8k
+    """A user population and how it visits. Rates are set by the caller of `poisson_arrivals`.
+
+    Visits come in sessions: a session starts with a Zipf-chosen user (active users start more
+    sessions) and each visit is followed by another of the same session with `revisit_p`, an
+    exponential `revisit_gap_s` later; a return visit brings new long-term behaviours with
+    `new_behaviours_p`. Cross-visit cache reuse follows from these and from the tiers' size: it
+    is measured by the benchmarks, never set.
+    """
+
+    users: int = 1_000_000
+    zipf_s: float = 0.8  # skew of session starts over users (rank k has weight k^-s)
+    median_long_term: int = lognormal_median(YAMBDA_MEAN_EVENTS_PER_USER, DEFAULT_LONG_TERM_SIGMA)
+    long_term_sigma: float = DEFAULT_LONG_TERM_SIGMA
     min_long_term: int = 64
-    max_long_term: int = 8192
+    max_long_term: int = 8192  # the serving model's maximum long-term length
     short_term: tuple[int, int] = (32, 128)
     candidates: int = 128
     user_features: int = 8
-    # Retrieval -> ranking. Production gaps (~50-100 ms) are several times an accelerator's
-    # prefill of a long prefix; on 2 CPU cores a 4k prefill takes ~0.4 s, so the gap is
-    # scaled to keep that ratio.
+    # Retrieval -> ranking. In production the gap (tens of ms to ~100 ms) is of the order of
+    # the ranking budget and of an accelerator's prefill of a long history; benchmarks scale
+    # it with the model's cost on the machine at hand.
     gap_s: float = 1.0
+    revisit_p: float = 0.3  # a visit is followed by another in the same session
+    revisit_gap_s: float = 30.0  # mean seconds between visits of a session
     new_behaviours_p: float = 0.3  # a return visit brings new long-term behaviours
     new_behaviours_max: int = 16
     user_prefix: str = "user"  # user ids are f"{user_prefix}-{k}"; distinct runs, distinct users
+
+    def __post_init__(self) -> None:
+        if self.users < 1:
+            raise InvalidInput(f"users must be >= 1, got {self.users}")
+        if not 0 <= self.revisit_p < 1:
+            raise InvalidInput(f"revisit_p must be in [0, 1), got {self.revisit_p}")
+        if not 0 < self.min_long_term <= self.max_long_term:
+            raise InvalidInput("need 0 < min_long_term <= max_long_term")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,61 +85,136 @@ class Arrival:
     request: RankInput
 
 
+def zipf_ranks(rng: np.random.Generator, users: int, s: float, size: int) -> np.ndarray:
+    """`size` user indices in [0, users), index k drawn with weight ~ (k + 1)^-s.
+
+    Inverse-CDF sampling of the continuous power law on [1, users + 1), floored: O(size) time
+    and memory whatever the population (a discrete table would hold `users` weights)."""
+    u = rng.random(size)
+    if abs(s - 1.0) < 1e-9:
+        x = np.exp(u * math.log(users + 1.0))
+    else:
+        a = 1.0 - s
+        x = (1.0 + u * ((users + 1.0) ** a - 1.0)) ** (1.0 / a)
+    return np.minimum(np.floor(x).astype(np.int64) - 1, users - 1)
+
+
+def _sorted_times(rng: np.random.Generator, n: int, low: int, high: int) -> np.ndarray:
+    return np.sort(rng.integers(low, max(high, low + 1), n))
+
+
+def _behaviours(rng: np.random.Generator, n: int, low: int, high: int) -> Behaviours:
+    """`n` behaviours with random items and actions, times sorted in [low, high)."""
+    return Behaviours.of(
+        rng.integers(0, 1 << ITEM_ID_BITS, n),
+        rng.integers(1, DEFAULT_ACTIONS, n),
+        _sorted_times(rng, n, low, high),
+    )
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A visited user's visit times (Unix seconds): all its later histories derive from them."""
+
+    times: list[int]
+
+
 @dataclass(slots=True)
 class Population:
-    """Per-user state that persists across visits, so return visits reuse or extend prefixes."""
+    """A lazily derived population: user k's first history comes from (seed, k), its visit v's
+    new behaviours from (seed, k, v), so a user is the same whichever users visit around it.
+
+    `rng` draws the arrival process (who starts a session, when, short-term behaviours,
+    candidates) and, once, the population seed. Memory: one small record per user seen.
+    """
 
     spec: WorkloadSpec
     rng: np.random.Generator
-    weights: np.ndarray = field(init=False)
-    histories: dict[int, Prefix] = field(default_factory=dict)
+    seed: int = field(init=False)
+    seen: dict[int, _Seen] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        ranks = np.arange(1, self.spec.users + 1, dtype=np.float64)
-        self.weights = ranks**-self.spec.zipf_s / np.sum(ranks**-self.spec.zipf_s)
+        self.seed = int(self.rng.integers(0, 2**63))
 
-    def _behaviours(self, n: int, start: int) -> Behaviours:
-        return random_behaviours(self.rng, n, start, 3600)
+    def user_id(self, user: int) -> UserId:
+        return UserId(f"{self.spec.user_prefix}-{user}")
 
-    def _history(self, user: int, now: int) -> Prefix:
+    def _first_history(self, user: int) -> tuple[np.ndarray, Behaviours]:
         spec = self.spec
-        known = self.histories.get(user)
-        if known is None:
-            n = int(np.clip(
-                self.rng.lognormal(np.log(spec.median_long_term), spec.long_term_sigma),
-                spec.min_long_term, spec.max_long_term,
-            ))  # fmt: skip
-            known = Prefix(
-                UserId(f"{spec.user_prefix}-{user}"),
-                self.rng.integers(0, 1 << 40, spec.user_features),
-                self._behaviours(n, now - 10**7),
-            )
-        elif self.rng.random() < spec.new_behaviours_p:
-            room = spec.max_long_term - len(known.long_term)
-            extra = min(int(self.rng.integers(1, spec.new_behaviours_max + 1)), room)
-            if extra > 0:
-                more = self._behaviours(extra, now - 3600)
-                known = Prefix(known.user_id, known.user_features, known.long_term.concat(more))
-        self.histories[user] = known
-        return known
+        rng = np.random.default_rng((self.seed, user))
+        n = int(np.clip(
+            rng.lognormal(math.log(spec.median_long_term), spec.long_term_sigma),
+            spec.min_long_term, spec.max_long_term,
+        ))  # fmt: skip
+        features = rng.integers(0, 1 << 40, spec.user_features)
+        return features, _behaviours(rng, n, T0 - HISTORY_SPAN_S, T0 - HISTORY_SPAN_S // 2)
+
+    def _new_behaviours(self, user: int, visit: int, room: int, low: int, high: int) -> Behaviours:
+        rng = np.random.default_rng((self.seed, user, visit))
+        if room <= 0 or rng.random() >= self.spec.new_behaviours_p:
+            return Behaviours.empty()
+        n = min(int(rng.integers(1, self.spec.new_behaviours_max + 1)), room)
+        return _behaviours(rng, n, low, high)
+
+    def history(self, user: int, now: int) -> Prefix:
+        """User `user`'s prefix at a visit at `now` (Unix seconds, not before its last visit).
+
+        Visit v's new behaviours derive from (seed, user, v) and the visit times alone, so a
+        return visit's history extends (or repeats) the previous one exactly."""
+        features, long_term = self._first_history(user)
+        state = self.seen.setdefault(user, _Seen([]))
+        state.times.append(now)
+        for visit, at in enumerate(state.times[1:], start=1):
+            low = int(long_term.timestamps[-1])
+            room = self.spec.max_long_term - len(long_term)
+            more = self._new_behaviours(user, visit, room, low, max(low, at - 60))
+            if len(more):
+                long_term = long_term.concat(more)
+        return Prefix(self.user_id(user), features, long_term)
+
+    def visit(self, user: int, now: int) -> RankInput:
+        prefix = self.history(user, now)
+        low, high = self.spec.short_term
+        since = max(int(prefix.long_term.timestamps[-1]), now - 60)
+        short = _behaviours(self.rng, int(self.rng.integers(low, high + 1)), since, now + 1)
+        candidates = self.rng.integers(0, 1 << ITEM_ID_BITS, self.spec.candidates)
+        return RankInput(prefix, short, candidates, now)
 
     def request(self, now: int) -> RankInput:
-        user = int(self.rng.choice(self.spec.users, p=self.weights))
-        prefix = self._history(user, now)
-        low, high = self.spec.short_term
-        short = self._behaviours(int(self.rng.integers(low, high + 1)), now - 600)
-        candidates = self.rng.integers(0, 1 << 50, self.spec.candidates)
-        return RankInput(prefix, short, candidates, now)
+        """A visit by a Zipf-chosen user (a session start)."""
+        user = int(zipf_ranks(self.rng, self.spec.users, self.spec.zipf_s, 1)[0])
+        return self.visit(user, now)
 
 
 def poisson_arrivals(population: Population, rate: float, duration_s: float) -> list[Arrival]:
-    """Open-loop schedule: exponential gaps at `rate` per second, fixed before anything is sent."""
+    """Open-loop schedule of `rate` visits per second for `duration_s`, fixed before anything
+    is sent: sessions start as a Poisson process at rate * (1 - revisit_p) (so that visits,
+    returns included, average `rate`), each visit followed by a return with `revisit_p`."""
+    spec, rng = population.spec, population.rng
+    start_rate = rate * (1.0 - spec.revisit_p)
+    pending: list[tuple[float, int, int]] = []  # (time, tie-breaker, user) of return visits
     arrivals: list[Arrival] = []
-    t = float(population.rng.exponential(1.0 / rate))
-    while t < duration_s:
-        arrivals.append(Arrival(t, population.request(T0 + int(t))))
-        t += float(population.rng.exponential(1.0 / rate))
+    t = float(rng.exponential(1.0 / start_rate))
+    order = 0
+    while True:
+        if pending and pending[0][0] <= t:
+            at, _, user = heapq.heappop(pending)
+        elif t < duration_s:
+            at, user = t, int(zipf_ranks(rng, spec.users, spec.zipf_s, 1)[0])
+            t += float(rng.exponential(1.0 / start_rate))
+        elif pending and pending[0][0] < duration_s:
+            at, _, user = heapq.heappop(pending)
+        else:
+            break
+        arrivals.append(Arrival(at, population.visit(user, T0 + int(at))))
+        if rng.random() < spec.revisit_p:
+            order += 1
+            heapq.heappush(pending, (at + float(rng.exponential(spec.revisit_gap_s)), order, user))
     return arrivals
+
+
+def distinct_users(arrivals: Iterable[Arrival]) -> int:
+    return len({a.request.prefix.user_id for a in arrivals})
 
 
 # Trace files: JSON Lines, one arrival per line, in time order (see docs/trace-format.md).

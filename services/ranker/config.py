@@ -53,6 +53,13 @@ class RankerConfig(ServiceOptions):
         metadata=helped("history lengths timed at start-up; span the lengths you serve"),
     )
     calibration_candidates: int = field(default=64, metadata=helped("candidates when calibrating"))
+    threads: int = field(
+        default=0,
+        metadata=helped(
+            "torch intra-op compute threads, >= 0 (0: auto, the process's CPU quota: the least of"
+            " cgroup cpu.max or cfs quota and the CPU affinity, at least 1)"
+        ),
+    )
     # Fewer than the other services' default: each Rank holds tensors while it waits.
     max_concurrent_rpcs: int = field(
         default=1024, metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
@@ -82,6 +89,8 @@ class RankerConfig(ServiceOptions):
             raise ConfigError(
                 f"ranker dram_budget_mb must be >= 0 (0: no host tier), got {self.dram_budget_mb}"
             )
+        if self.threads < 0:
+            raise ConfigError(f"ranker threads must be >= 0 (0: auto), got {self.threads}")
         if self.relay_window_ms > self.max_relay_window_ms:
             raise ConfigError("ranker relay_window_ms must be <= max_relay_window_ms")
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:

@@ -88,6 +88,9 @@ class RankResult:
     scores: torch.Tensor  # [tasks, candidates], on the CPU
     outcome: CacheOutcome
     computed_tokens: int
+    # The consumed prefix was produced or pinned by a PreInfer (a relay), not left by an
+    # earlier request (a cross-visit hit) nor computed by this Rank.
+    relayed: bool = False
 
 
 _SPAN_OF_SOURCE = {
@@ -111,6 +114,7 @@ class _Inflight:
     task: asyncio.Task[PrefixKV]
     source: _Source
     computed_tokens: int  # prefix tokens this job computes (0 for a reload)
+    relay: bool  # started by a PreInfer (its entry lands pinned for a relay window)
     # What the landed entry records as its origin: the requester, except that a Rank's reload
     # of a host copy keeps the copy's producer (the content is the same).
     origin: Origin | None = None
@@ -213,6 +217,8 @@ class RankerEngine:
             return RankResult(scores, CacheOutcome.BYPASS, computed)
         key = self._key(request.prefix)
         kv = self.store.get(key, Tier.HBM)
+        held = self.store.peek(key, Tier.HBM)
+        relayed = held is not None and held.pinned
         own = self._origin("rank")
         consumed = self._entry_origin(key, Tier.HBM) if kv is not None else None
         computed = len(request.short_term) + candidates
@@ -222,6 +228,7 @@ class RankerEngine:
             self.scheduler.promote(inflight.job, deadline)
             outcome = CacheOutcome.WAITED_INFLIGHT
             consumed = inflight.origin
+            relayed = inflight.relay
             with (
                 child_span(self._tracer, "ranker.wait_inflight"),
                 contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
@@ -232,6 +239,7 @@ class RankerEngine:
             kv = await asyncio.shield(inflight.task)
             outcome = _RANK_OUTCOME[inflight.source]
             computed += inflight.computed_tokens
+            relayed = False
             consumed = inflight.origin if inflight.source is _Source.RELOAD else None
         scores = await self._run(
             "rank",
@@ -244,7 +252,7 @@ class RankerEngine:
         )
         self.store.consume(key)
         self._annotate_rank(request, outcome, computed, consumed if consumed != own else None)
-        return RankResult(scores, outcome, computed)
+        return RankResult(scores, outcome, computed, relayed)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -292,7 +300,7 @@ class RankerEngine:
         task = asyncio.get_running_loop().create_task(self._land(key, job, pin_for))
         # Its waiters may all be gone (deadline, disconnect): the outcome is then nobody's.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        inflight = _Inflight(job, task, source, computed, origin)
+        inflight = _Inflight(job, task, source, computed, pin_for is not None, origin)
         self._inflight[key] = inflight
         return inflight
 

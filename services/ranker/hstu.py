@@ -35,6 +35,29 @@ def attend(
     out.baddbmm_(scores, values)
 
 
+def attend_self(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """value * SiLU(query . key + bias) per head and row: each row attending to itself alone.
+
+    query/key [H, M, dk], value [H, M, dv]; bias is the distance-0 bias. This is the only
+    diagonal of the candidate-by-candidate block that is ever formed: a candidate attends to
+    itself, never to another candidate.
+    """
+    return value * F.silu((query * key).sum(-1, keepdim=True) + bias)
+
+
+def key_counts(first_row: int, stop_row: int, like: torch.Tensor) -> torch.Tensor:
+    """How many keys the query rows at positions first_row..stop_row-1 attend, as `like`'s dtype.
+
+    The row at position i sees positions 0..i, itself included: i + 1 keys. A candidate sits at
+    position n_history (it sees the whole history and itself), so it counts as that row. Rows
+    are normalised by this count, never by the request length, so a prefix row's output does not
+    depend on what follows it.
+    """
+    return torch.arange(first_row + 1, stop_row + 1, device=like.device, dtype=like.dtype)
+
+
 class HSTULayer(nn.Module):
     """x -> x + W_o(LN(attention(x)) * U(x)) [-> + FFN].
 

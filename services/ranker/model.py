@@ -13,7 +13,7 @@ from relaygr.device import select_device
 from relaygr.errors import InvalidInput
 from relaygr.ranker.digest import PrefixHasher
 from relaygr.ranker.embedding import UNTIMED, TokenEmbedding
-from relaygr.ranker.hstu import HSTULayer, attend
+from relaygr.ranker.hstu import HSTULayer, attend, attend_self, key_counts
 from relaygr.ranker.inputs import (
     Behaviours,
     Int64Array,
@@ -192,7 +192,7 @@ class RankingModel(nn.Module):
             bias = self.bias.block(
                 table, block, first, ts[first : n_past + stop], ts[: n_past + stop]
             )
-            counts = torch.arange(first + 1, n_past + stop + 1, device=x.device, dtype=x.dtype)
+            counts = key_counts(first, n_past + stop, x)
             h = x[start:stop]
             for index, layer in enumerate(self._hstu_layers()):
                 u, v, q, k = layer.project(h)
@@ -230,14 +230,15 @@ class RankingModel(nn.Module):
         row = self.bias.block(table, 0, n_history, ts.new_full((1,), request_ts), ts)[0]
         self_bias = self.bias.position_weight[0] + self.bias.time_weight[0]
         h = self.embedding.candidates(candidates)
+        counts = key_counts(n_history, n_history + 1, h)  # the history and itself
         for index, layer in enumerate(self._hstu_layers()):
             u, v, q, k = layer.project(h)
-            out = v * torch.nn.functional.silu((q * k).sum(-1, keepdim=True) + self_bias)
+            out = attend_self(q, k, v, self_bias)
             if n_past:
                 attend(out, q, past_keys.keys[index], past_keys.values[index], row[:n_past])
             if new.length:
                 attend(out, q, new.keys[index], new.values[index], row[n_past:])
-            h = layer.finish(h, u, out.div_(n_history + 1))
+            h = layer.finish(h, u, out.div_(counts[:, None]))
         return torch.sigmoid(self.task_head(self.final_norm(h))).T.contiguous()
 
     # ----------------------------------------------------------------------------------------

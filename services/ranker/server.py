@@ -16,6 +16,7 @@ from opentelemetry.trace import Tracer
 
 from relaygr.cluster import RankerRecord
 from relaygr.cost import CostModel
+from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.etcd import EtcdClient
@@ -54,6 +55,12 @@ def load_model(cfg: RankerConfig) -> RankingModel:
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"cannot read model_config {cfg.model_config}: {err}") from err
     return RankingModel(model_config, seed=cfg.model_seed, device=device)
+
+
+def intra_op_threads(cfg: RankerConfig, cpus: Callable[[], int] = available_cpus) -> int:
+    """The torch intra-op threads `cfg` asks for: `threads`, or when 0 this process's CPU quota
+    (not the machine's core count: rankers sharing a machine would oversubscribe it)."""
+    return cfg.threads or cpus()
 
 
 def build_engine(
@@ -162,6 +169,8 @@ async def start_ranker(
     """Start serving: health answers NOT_SERVING at once, SERVING when model and cost are ready.
 
     `model` and `cost_model` may be given (tests, benchmarks) to skip loading and calibration.
+    Torch's intra-op threads are the process's, not this server's: `_serve` sets them from
+    `cfg.threads` before calling this; an embedding process sets its own.
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
     is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
     """
@@ -212,6 +221,15 @@ async def start_ranker(
 
 async def _serve(cfg: RankerConfig) -> None:
     torch.set_grad_enabled(False)
+    # Before the model is built and calibrated: threads torch starts later take this count too,
+    # and the calibrated cost model is then the one of the threads that serve.
+    threads = intra_op_threads(cfg)
+    torch.set_num_threads(threads)
+    _log.info(
+        "torch intra-op threads: %d (%s)",
+        threads,
+        "threads option" if cfg.threads else "auto: this process's CPU quota",
+    )
     telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port, cfg.instance_id)
     try:
         ranker = await start_ranker(cfg, telemetry=telemetry)

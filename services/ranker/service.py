@@ -3,6 +3,7 @@
 import time
 
 import grpc
+import torch
 
 from relaygr.errors import Unavailable
 from relaygr.grpc_server import absolute_deadline
@@ -97,6 +98,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             model_version=self.engine.model.model_version,
             server_ms=(time.perf_counter() - start) * 1e3,
             computed_tokens=result.computed_tokens,
+            relayed=result.relayed,
         )
 
     async def Describe(
@@ -141,4 +143,5 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 reload_ms_per_mb=cost.reload_ms_per_mb,
             ),
             relay_enabled=engine.settings.relay_enabled,
+            intra_op_threads=torch.get_num_threads(),
         )

@@ -26,6 +26,7 @@ from tests.helm.chart import (
     VALUES_FILES,
     Rendered,
     expand,
+    flag_values,
     pod_environment,
     render,
     values_of,
@@ -153,6 +154,42 @@ def test_every_config_type_renders_as_a_flag_the_service_parses(tmp_path: Path) 
     router = parse_container("router", rendered.container("router"), "x")
     assert router.load_epsilon == 1e-05 and router.placement.value == "random"
     assert parse_container("trigger", rendered.container("trigger"), "x").mode.value == "all"
+
+
+def test_ranker_threads_are_its_cpu_request(case: tuple[dict[str, Any], Rendered]) -> None:
+    values, rendered = case
+    request = values["ranker"]["resources"]["requests"]["cpu"]  # whole CPUs in these files
+    config = parse_container("ranker", rendered.container("ranker"), "r-0")
+    assert config.threads == int(request)
+
+
+@pytest.mark.parametrize(
+    ("request_cpu", "threads"),
+    [("2", 2), (2, 2), ("1500m", 1), ("500m", 1), ("2500m", 2), ("4000m", 4), (2.5, 2),
+     ("0.5", 1), ("0.1", 1), (16, 16)],
+)  # fmt: skip
+def test_ranker_threads_round_the_cpu_request_down_to_at_least_one(
+    request_cpu: str | float, threads: int, tmp_path: Path
+) -> None:
+    values = {"ranker": {"resources": {"requests": {"cpu": request_cpu}}}}
+    container = render(values=values, tmp=tmp_path).container("ranker")
+    assert flag_values(container["args"], "--threads") == [str(threads)]
+    assert parse_container("ranker", container, "r-0").threads == threads
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_ranker_threads_set_in_config_win(threads: int, tmp_path: Path) -> None:
+    values = {"ranker": {"config": {"threads": threads}, "resources": {"requests": {"cpu": "8"}}}}
+    container = render(values=values, tmp=tmp_path).container("ranker")
+    assert flag_values(container["args"], "--threads") == [str(threads)]
+    assert parse_container("ranker", container, "r-0").threads == threads
+
+
+def test_ranker_without_a_cpu_request_reads_its_own_quota(tmp_path: Path) -> None:
+    values = {"ranker": {"resources": {"requests": None}}}
+    container = render(values=values, tmp=tmp_path).container("ranker")
+    assert flag_values(container["args"], "--threads") == []
+    assert parse_container("ranker", container, "r-0").threads == 0  # auto
 
 
 def test_values_schema_is_generated_from_the_configs() -> None:

@@ -7,6 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
+from relaygr.cpu_quota import available_cpus
 from relaygr.drive import retrieval_event
 from relaygr.mesh import LocalMesh, MeshSpec
 from relaygr.ranker.convert import rank_request_to_proto
@@ -46,6 +47,9 @@ def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
             describe = ranker_pb2.DescribeRequest()
             pinned = lambda: ranker.Describe(describe).hbm.pinned_bytes > 0  # noqa: E731
             asyncio.run(eventually(pinned, "the relay pinned on its ranker", timeout_s=30))
+            # Two rankers split this process's CPUs (tiny_mesh passes no --threads).
+            assert mesh.ranker_threads == max(1, available_cpus() // 2)
+            assert ranker.Describe(describe).intra_op_threads == mesh.ranker_threads
         with grpc.insecure_channel(mesh.router.address) as channel:
             reply = router_pb2_grpc.RouterServiceStub(channel).Rank(
                 rank_request_to_proto(request), timeout=30

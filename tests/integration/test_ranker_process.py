@@ -6,12 +6,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from relaygr.cpu_quota import available_cpus
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
@@ -29,22 +32,38 @@ def wait_for_port(process: subprocess.Popen[str], timeout: float = 60.0) -> int:
     raise AssertionError("service did not report its port in time")
 
 
-def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generator) -> None:
+def ranker_process(
+    tmp_path: Path, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`relaygr ranker` serving the tiny model on a free port, configured by a file (64 MiB
+    device tier, quick calibration), then `env`, then `args`; its output on stdout."""
     model_config = tmp_path / "model.json"
     model_config.write_text(json.dumps(tiny_config().to_dict()))
     config_file = tmp_path / "ranker.toml"
     config_file.write_text("hbm_budget_mb = 64\ncalibration_lengths = [32, 64]\n")
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [
             sys.executable, "-m", "relaygr.cli", "ranker", "--config", str(config_file),
             "--listen", "127.0.0.1:0", "--plaintext", "--model-config", str(model_config),
-            "--device", "cpu", "--instance-id", "ranker-test",
+            "--device", "cpu", *args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={"RELAYGR_RANKER_DRAM_BUDGET_MB": "32", "PATH": "/usr/bin:/bin"},
+        env={**(env or {}), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generator) -> None:
+    process = ranker_process(
+        tmp_path, ["--instance-id", "ranker-test"], {"RELAYGR_RANKER_DRAM_BUDGET_MB": "32"}
+    )
     try:
         port = wait_for_port(process)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -63,9 +82,32 @@ def test_ranker_process_serves_and_drains(tmp_path: Path, rng: np.random.Generat
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop(process)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--threads", "1"], {}, 1),
+        (["--threads", "2"], {}, 2),
+        ([], {"RELAYGR_RANKER_THREADS": "2"}, 2),
+        ([], {}, available_cpus()),  # auto: the CPU quota, as this process sees it too
+    ],
+    ids=["flag-1", "flag-2", "env-2", "auto"],
+)
+def test_ranker_process_runs_the_intra_op_threads_it_is_given(
+    tmp_path: Path, args: list[str], env: dict[str, str], expected: int
+) -> None:
+    process = ranker_process(tmp_path, args, env)
+    try:
+        port = wait_for_port(process)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = ranker_pb2_grpc.RankerServiceStub(channel).Describe(
+                ranker_pb2.DescribeRequest(), timeout=30
+            )
+        assert info.intra_op_threads == expected
+    finally:
+        stop(process)
 
 
 def test_bad_config_is_refused_with_the_field_named(tmp_path: Path) -> None:

@@ -35,10 +35,12 @@ def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.Genera
     async def scenario() -> None:
         async with running_ranker(model, hbm_budget_mb=2.5 * kv_bytes / 2**20) as r:
             seen: dict[int, float] = {}
+            relayed: list[tuple[int, bool]] = []
 
             async def rank(request: RankInput) -> int:
                 reply = await r.stub.Rank(rank_request_to_proto(request))
                 seen[reply.cache_outcome] = rel_err(r.scores(reply), _expected(model, request))
+                relayed.append((reply.cache_outcome, reply.relayed))
                 return reply.cache_outcome
 
             # HBM hit: pre-infer, then rank.
@@ -47,6 +49,8 @@ def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.Genera
             assert reply.outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
             assert reply.prefix_tokens == 305 and reply.kv_bytes == kv_bytes
             assert await rank(a) == Outcome.CACHE_OUTCOME_HBM_HIT
+            # A return visit finds a's prefix still resident: a cross-visit hit, not a relay.
+            assert await rank(rank_input(rng, a.prefix)) == Outcome.CACHE_OUTCOME_HBM_HIT
             # Waited in flight: the Rank arrives while its PreInfer is queued behind a gate.
             f = rank_input(rng, prefix(rng, 200, user_id="f"))
             gate = Gate(r)
@@ -72,6 +76,15 @@ def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.Genera
                 await r.stub.PreInfer(pre_infer_request_to_proto(p))
             assert r.engine.store.tier_of(r.engine._key(b.prefix)) is Tier.DRAM
             assert await rank(b) == Outcome.CACHE_OUTCOME_DRAM_HIT
+        # RankReply.relayed: only what a PreInfer produced for this visit counts as relayed.
+        assert relayed == [
+            (Outcome.CACHE_OUTCOME_HBM_HIT, True),
+            (Outcome.CACHE_OUTCOME_HBM_HIT, False),
+            (Outcome.CACHE_OUTCOME_WAITED_INFLIGHT, True),
+            (Outcome.CACHE_OUTCOME_EXTENDED, False),
+            (Outcome.CACHE_OUTCOME_MISS, False),
+            (Outcome.CACHE_OUTCOME_DRAM_HIT, False),
+        ]
         assert set(seen) == {
             Outcome.CACHE_OUTCOME_HBM_HIT,
             Outcome.CACHE_OUTCOME_MISS,

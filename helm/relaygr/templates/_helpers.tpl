@@ -89,6 +89,21 @@ exponent (YAML numbers arrive as float64, and 1e+06 is no Python int).
 {{- end }}
 {{- end -}}
 
+{{/*
+Whole CPUs in a Kubernetes CPU quantity ("2", 2, "1500m", "0.5"), rounded down, at least 1:
+the compute threads that fit the share a pod is guaranteed.
+*/}}
+{{- define "relaygr.wholeCpus" -}}
+{{- $quantity := toString . -}}
+{{- $cpus := 0.0 -}}
+{{- if hasSuffix "m" $quantity -}}
+{{- $cpus = divf (float64 (trimSuffix "m" $quantity)) 1000 -}}
+{{- else -}}
+{{- $cpus = float64 $quantity -}}
+{{- end -}}
+{{- max 1 (int64 (floor $cpus)) -}}
+{{- end -}}
+
 {{/* Mount points inside the containers. */}}
 {{- define "relaygr.tlsDir" -}}/etc/relaygr/tls{{- end -}}
 {{- define "relaygr.etcdTlsDir" -}}/etc/relaygr/etcd-tls{{- end -}}
