@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                 rng,
                 on_report=lambda r: print(render_table([r]).splitlines()[-1], flush=True),
             )
+            threads = mesh.ranker_threads
     return save_results(
         NAME,
         args,
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
             "flood_settings": dataclasses.asdict(flood_settings),
             "settings": dataclasses.asdict(settings),
         },
+        threads,
     )
 
 

@@ -232,6 +232,21 @@ def split_row(points: Sequence[Point]) -> str:
     )
 
 
+def verdict_line(
+    title: str,
+    figure: dict[str, Spread],
+    per_seed: dict[str, dict[int, float]],
+    pair: tuple[str, str],
+    unit: str,
+) -> str:
+    """A headline bullet: the relay's figure against the baseline's, and their paired ratio."""
+    relay, base = pair
+    return (
+        f"- **{title}: {relay} {figure[relay].text(unit)} vs {base} {figure[base].text(unit)}; "
+        f"per-seed ratio **{paired_ratio(per_seed[relay], per_seed[base])}**."
+    )
+
+
 def render(saved: dict) -> str:
     args = argparse.Namespace(**saved["args"])
     info, pop = saved["machine"], saved["population"]
@@ -256,26 +271,28 @@ def render(saved: dict) -> str:
     headline = []
     if relay and base:
         headline.append(
-            f"- **SLO-compliant throughput** at {args.slo_ms:.0f} ms (paper 3.6x; target >= 3.6x, "
-            f"aim 8x): {relay} {at[args.slo_ms][relay].text(' req/s')} vs {base} "
-            f"{at[args.slo_ms][base].text(' req/s')}; per-seed ratio **"
-            + paired_ratio(
-                per_seed_figure(rates[relay], args.slo_ms),
-                per_seed_figure(rates[base], args.slo_ms),
+            verdict_line(
+                f"SLO-compliant throughput** at {args.slo_ms:.0f} ms (paper 3.6x; target >= 3.6x, "
+                "aim 8x)",
+                at[args.slo_ms],
+                {label: per_seed_figure(rates[label], args.slo_ms) for label in (relay, base)},
+                (relay, base),
+                " req/s",
             )
-            + "**."
         )
     if long_relay and long_base:
         headline.append(
-            f"- **Longest sequence** within {args.slo_ms:.0f} ms at {args.length_rate:g} req/s "
-            f"(paper 1.5x; target >= 1.5x, aim 2x): {long_relay} "
-            f"{longest[long_relay].text(' tokens')} vs {long_base} "
-            f"{longest[long_base].text(' tokens')}; per-seed ratio **"
-            + paired_ratio(
-                per_seed_figure(lengths[long_relay], args.slo_ms),
-                per_seed_figure(lengths[long_base], args.slo_ms),
+            verdict_line(
+                f"Longest sequence** within {args.slo_ms:.0f} ms at {args.length_rate:g} req/s "
+                "(paper 1.5x; target >= 1.5x, aim 2x)",
+                longest,
+                {
+                    label: per_seed_figure(lengths[label], args.slo_ms)
+                    for label in (long_relay, long_base)
+                },
+                (long_relay, long_base),
+                " tokens",
             )
-            + "**."
         )
     if cache_only_points:
         headline.append(

@@ -7,7 +7,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,6 +96,23 @@ def load_result(path: Path) -> dict[str, Any]:
     missing += [f"machine.{k}" for k in RECORDED_MACHINE if k not in saved.get("machine", {})]
     if missing:
         raise SystemExit(f"{path}: the result does not record {', '.join(missing)}")
+    return saved
+
+
+def publish(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    section: Path,
+    name: str,
+) -> dict[str, Any]:
+    """Run the benchmark (or load `--from-json`), print its section and, unless `--no-docs`,
+    write it into `section`'s marked block `name`. Returns the saved result."""
+    saved = load_result(args.from_json) if args.from_json is not None else run(args)
+    text = render(saved)
+    print(text)
+    if not args.no_docs:
+        write_section(section, name, text)
     return saved
 
 

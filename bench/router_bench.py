@@ -25,11 +25,10 @@ import grpc
 import numpy as np
 from report import (
     add_render_arguments,
-    load_result,
     machine_info,
+    publish,
     reproduce_command,
     run_stamp,
-    write_section,
 )
 
 from relaygr.etcd_server import EtcdServer, find_etcd_binary
@@ -209,11 +208,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     add_render_arguments(parser)
     args = parser.parse_args()
-    saved = load_result(args.from_json) if args.from_json is not None else run(args)
-    text = render(saved)
-    print(text)
-    if not args.no_docs:
-        write_section(ROOT / "docs" / "benchmarks.md", "router_bench", text)
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", "router_bench")
     return 0
 
 

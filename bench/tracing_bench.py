@@ -32,11 +32,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from pipeline import BENCH_MODEL, ROOT
 from report import (
     add_render_arguments,
-    load_result,
     machine_info,
+    publish,
     reproduce_command,
     run_stamp,
-    write_section,
 )
 
 from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
@@ -283,11 +282,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     add_render_arguments(parser)
     args = parser.parse_args()
-    saved = load_result(args.from_json) if args.from_json is not None else run(args)
-    text = render(saved)
-    print(text)
-    if not args.no_docs:
-        write_section(ROOT / "docs" / "benchmarks.md", "tracing_bench", text)
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", "tracing_bench")
     return 0
 
 

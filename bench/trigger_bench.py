@@ -196,8 +196,9 @@ def run(args: argparse.Namespace) -> dict:
         with LocalMesh(mesh_spec) as mesh:
             spec = WorkloadSpec(gap_s=args.gap_ms / 1e3)
             points = sweep([Variant(mode, mesh, mode) for mode in MODES], spec, args)
+            threads = mesh.ranker_threads
     results = {"decision_time": decide, "points": [p.summary() for p in points]}
-    return save_results("trigger_bench", args, results)
+    return save_results("trigger_bench", args, results, threads)
 
 
 if __name__ == "__main__":

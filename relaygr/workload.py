@@ -189,12 +189,16 @@ class Population:
 def poisson_arrivals(population: Population, rate: float, duration_s: float) -> list[Arrival]:
     """Open-loop schedule of `rate` visits per second for `duration_s`, fixed before anything
     is sent: sessions start as a Poisson process at rate * (1 - revisit_p) (so that visits,
-    returns included, average `rate`), each visit followed by a return with `revisit_p`."""
+    returns included, average `rate`), each visit followed by a return with `revisit_p`.
+
+    The session process starts `burn_in_s(spec)` before 0, so returns of earlier sessions are
+    due from the first second and the visit rate is `rate` throughout, not only once sessions
+    have built up. Visits before 0 still advance their users' histories."""
     spec, rng = population.spec, population.rng
     start_rate = rate * (1.0 - spec.revisit_p)
     pending: list[tuple[float, int, int]] = []  # (time, tie-breaker, user) of return visits
     arrivals: list[Arrival] = []
-    t = float(rng.exponential(1.0 / start_rate))
+    t = -burn_in_s(spec) + float(rng.exponential(1.0 / start_rate))
     order = 0
     while True:
         if pending and pending[0][0] <= t:
@@ -206,11 +210,22 @@ def poisson_arrivals(population: Population, rate: float, duration_s: float) -> 
             at, _, user = heapq.heappop(pending)
         else:
             break
-        arrivals.append(Arrival(at, population.visit(user, T0 + int(at))))
+        if at >= 0:
+            arrivals.append(Arrival(at, population.visit(user, T0 + int(at))))
+        else:
+            population.history(user, T0 + int(at))
         if rng.random() < spec.revisit_p:
             order += 1
             heapq.heappush(pending, (at + float(rng.exponential(spec.revisit_gap_s)), order, user))
     return arrivals
+
+
+def burn_in_s(spec: WorkloadSpec) -> float:
+    """How long before 0 sessions start: long enough that all but ~1% of the returns due in
+    the window come from sessions it contains (a session of k visits spans k gaps)."""
+    if spec.revisit_p == 0:
+        return 0.0
+    return 5.0 * spec.revisit_gap_s / (1.0 - spec.revisit_p)
 
 
 def distinct_users(arrivals: Iterable[Arrival]) -> int:

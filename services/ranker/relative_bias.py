@@ -9,7 +9,6 @@ from relaygr.ranker.model_config import ModelConfig
 
 _EXACT_POSITIONS = 16
 _POSITION_BUCKETS_PER_OCTAVE = 4
-_TIME_BUCKETS_PER_OCTAVE = 2.0
 
 
 def _log_boundaries(count: int, exact: int, per_octave: int) -> list[int]:
@@ -33,6 +32,7 @@ class RelativeBias(nn.Module):
     """
 
     position_bounds: torch.Tensor
+    time_bounds: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -44,7 +44,12 @@ class RelativeBias(nn.Module):
         self.register_buffer(
             "position_bounds", torch.tensor(pos, dtype=torch.int64), persistent=False
         )
-        self.last_time_bucket = float(cfg.num_time_buckets - 1)
+        # Bucket b = floor(2 log2 gap) = floor(log2 gap^2) starts at the least integer gap with
+        # gap^2 >= 2^b: exact integer thresholds, so no float rounding moves a gap across one.
+        times = [math.isqrt(2**b - 1) + 1 for b in range(1, cfg.num_time_buckets)]
+        self.register_buffer(
+            "time_bounds", torch.tensor(times, dtype=torch.int64), persistent=False
+        )
 
     def position_table(self, max_distance: int, pad: int) -> torch.Tensor:
         """f(d - pad) for d in [0, max_distance + pad]: bias by distance, zero for negative ones."""
@@ -55,11 +60,10 @@ class RelativeBias(nn.Module):
 
     def time(self, query_ts: torch.Tensor, key_ts: torch.Tensor) -> torch.Tensor:
         """[len(query_ts), len(key_ts)] time bias."""
-        # floor(2 * log2(max(gap, 1))), capped: no binary search, a handful of vector passes.
-        # Every op is a deterministic function of the integer gap, so all paths agree exactly.
-        gaps = (query_ts[:, None] - key_ts[None, :]).float().clamp_(min=1.0)
-        buckets = gaps.log2_().mul_(_TIME_BUCKETS_PER_OCTAVE).clamp_(max=self.last_time_bucket)
-        return self.time_weight[buckets.long()]
+        # floor(2 * log2(max(gap, 1))), capped, on the integer gaps: a float32 log2 rounded
+        # gaps just under a half-octave boundary (e.g. 2^21 - 1) one bucket high.
+        gaps = query_ts[:, None] - key_ts[None, :]
+        return self.time_weight[torch.bucketize(gaps, self.time_bounds, right=True)]
 
     def block(
         self,

@@ -116,6 +116,9 @@ def test_sessions_bring_return_visits_at_the_stated_rate(rng: np.random.Generato
     spec = WorkloadSpec(users=10**7, revisit_p=0.3, revisit_gap_s=5.0, max_long_term=256)
     arrivals = poisson_arrivals(Population(spec, rng), 20.0, 200.0)
     assert abs(len(arrivals) / 200.0 - 20.0) < 2.0  # returns included, visits average `rate`
+    # ... from the start: the sessions began before 0, so a short window is not thin.
+    early = sum(a.at < 10.0 for a in arrivals)
+    assert abs(early / 10.0 - 20.0) < 5.0, early
     returns = 1 - distinct_users(arrivals) / len(arrivals)
     assert 0.2 < returns < 0.36  # ~revisit_p of visits are followed by a return in the window
 

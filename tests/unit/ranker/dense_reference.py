@@ -20,10 +20,9 @@ The maths, for tokens t = [user features, long-term, short-term | candidates], T
   out_i = sum_j A_ij v_j / sum_j M_ij; h += W_o(LN(out) * u) + b_o; h += FFN(h).
 - scores = sigmoid(task_head(LN(h of candidates))), [tasks, C].
 
-One deliberate mirror of the implementation: the time bucket is floor(2 * log2(max(gap, 1)))
-*evaluated in float32* (the gap rounded to float32, a float32 log2), because that is what the
-model computes and the float32 result differs from the exact half-octave rule at a few gaps
-(see test_oracle.py's xfail test). It is recomputed here with numpy, not the model's code.
+The time bucket is floor(2 * log2(max(gap, 1))) in exact integer arithmetic: the bit length
+of gap^2 minus one (the model once evaluated it in float32, which put a few gaps just under a
+half-octave boundary one bucket high; test_oracle.py pins those gaps).
 """
 
 import math
@@ -67,13 +66,10 @@ def position_bucket(distance: int, buckets: int) -> int:
 
 
 def time_buckets(gaps: np.ndarray, buckets: int) -> np.ndarray:
-    """floor(2 * log2(max(gap, 1))) in float32 arithmetic, capped at buckets - 1 (int64 array).
-
-    float32 on purpose, to match the model (see the module docstring); numpy's float32 log2
-    agrees with torch's on every integer gap below 2^24 and near every boundary up to the cap.
-    """
-    scaled = 2 * np.log2(np.maximum(gaps.astype(np.float32), np.float32(1)))
-    return np.minimum(np.floor(scaled), buckets - 1).astype(np.int64)
+    """floor(2 * log2(max(gap, 1))) = bit length of max(gap, 1)^2 minus one, in Python integers,
+    capped at buckets - 1 (int64 array of the gaps' shape)."""
+    exact = np.frompyfunc(lambda g: (max(int(g), 1) ** 2).bit_length() - 1, 1, 1)
+    return np.minimum(exact(gaps).astype(np.int64), buckets - 1)
 
 
 def layer_norm(

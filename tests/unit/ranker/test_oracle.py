@@ -192,19 +192,14 @@ def test_oracle_catches_a_candidate_not_attending_to_itself(
     assert attention_err > CAUGHT
 
 
-# -- a divergence the oracle found: time buckets in float32 ---------------------------------------
+# -- a divergence the oracle found (fixed): time buckets once computed in float32 ----------
 
 # Integer gaps (seconds) just below a half-octave boundary 2^(k/2) whose float32 log2 rounds up
-# onto it; an exhaustive scan finds 35 such gaps below 2^24 (above 2^24 the gap itself rounds).
+# onto it, so the model once bucketed them one high; an exhaustive scan finds 35 such gaps below
+# 2^24 (above 2^24 the gap itself rounds).
 FLOAT32_BOUNDARY_GAPS = [741_455, 1_482_910, 2_097_151, 2_965_819, 4_194_303, 8_388_607]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RelativeBias.time evaluates floor(2 log2 gap) in float32: log2(2^21 - 1) rounds to "
-    "21.0, so such gaps fall one half-octave bucket high. Cached and full agree (same code), and "
-    "dense_reference mirrors float32; when fixed, drop this mark and make its time_buckets exact.",
-)
 def test_time_buckets_follow_the_exact_half_octave_rule() -> None:
     cfg = tiny_config()
     bias = RelativeBias(cfg)
