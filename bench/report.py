@@ -43,7 +43,8 @@ def git_commit() -> str:
     without git or outside a repository."""
     try:
         head = _git("rev-parse", "HEAD")
-        dirty = bool(_git("status", "--porcelain"))
+        # Results being written (a benchmark saves after each seed) do not make the code dirty.
+        dirty = bool(_git("status", "--porcelain", "--", ".", ":!bench/results"))
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}-dirty" if dirty else head
