@@ -49,7 +49,9 @@ def _profile(quick: bool) -> tuple[ModelConfig, WorkloadSpec, dict[str, float]]:
     return (
         model,
         WorkloadSpec(gap_s=1.5),
-        {"rate": 1.5, "duration": 60.0, "slo_ms": 1500.0, "margin_ms": 1250.0},
+        # The relay benchmark's regime: at 0.5 req/s the relay met this SLO in 2 of 3 seeds and
+        # cache only in none (docs/benchmarks.md); two single-thread rankers saturate ~2.5 req/s.
+        {"rate": 0.5, "duration": 90.0, "slo_ms": 1500.0, "margin_ms": 1250.0},
     )
 
 
