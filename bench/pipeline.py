@@ -49,22 +49,25 @@ def run_point(
     return point
 
 
-def populations(
-    variants: Sequence[Variant], spec: WorkloadSpec, seed: int
-) -> dict[str, Population]:
-    """Per variant its own copy of the same seeded population (own user ids, own caches)."""
-    return {
-        v.label: Population(
-            replace(spec, user_prefix=v.label.replace(" ", "-")), np.random.default_rng(seed)
-        )
-        for v in variants
-    }
+def population(label: str, spec: WorkloadSpec, seed: int, suffix: str = "") -> Population:
+    """`label`'s copy of the seed's trace: the same draws, user ids of its own (own caches)."""
+    user_prefix = f"{label.replace(' ', '-')}-s{seed}{suffix}"
+    return Population(replace(spec, user_prefix=user_prefix), np.random.default_rng(seed))
 
 
-def sweep(variants: Sequence[Variant], spec: WorkloadSpec, args: argparse.Namespace) -> list[Point]:
+def sweep(
+    variants: Sequence[Variant],
+    spec: WorkloadSpec,
+    args: argparse.Namespace,
+    seed: int | None = None,
+    stop_ms: float | None = None,
+) -> list[Point]:
     """Rates in order, the variants in rotating order at each rate (drift hits all alike); a
-    variant stops once its P99 passes twice the SLO or a request fails."""
-    pops = populations(variants, spec, args.seed)
+    variant stops once its P99 passes `stop_ms` (default twice the SLO) or a request fails.
+    `seed`: the trace's (default args.seed)."""
+    seed = args.seed if seed is None else seed
+    stop_ms = 2 * args.slo_ms if stop_ms is None else stop_ms
+    pops = {v.label: population(v.label, spec, seed) for v in variants}
     points: list[Point] = []
     saturated: set[str] = set()
     for i, rate in enumerate(args.rates):
@@ -74,7 +77,7 @@ def sweep(variants: Sequence[Variant], spec: WorkloadSpec, args: argparse.Namesp
                 continue
             point = run_point(variant, pops[variant.label], rate, args)
             points.append(point)
-            if point.p99_ms > 2 * args.slo_ms or point.errors:
+            if point.p99_ms > stop_ms or point.errors:
                 saturated.add(variant.label)
         if len(saturated) == len(variants):
             break

@@ -29,23 +29,24 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 from pipeline import (
     BENCH_MODEL,
     ROOT,
     Variant,
     add_sweep_arguments,
+    population,
     ranker_args,
     result_name,
     run_point,
     save_results,
+    sweep,
 )
 from report import load_result, max_compliant, run_stamp, write_section
 from verdict import Spread, compliant_throughput, grid_search
 
 from relaygr.drive import Point
 from relaygr.mesh import LocalMesh, MeshSpec
-from relaygr.workload import Population, WorkloadSpec, distinct_users, poisson_arrivals
+from relaygr.workload import WorkloadSpec, distinct_users, poisson_arrivals
 
 NO_CACHE, CACHE_ONLY = "no cache", "cache only"
 RELAY_ALL, RELAY_AWARE = "relay all", "relay sequence-aware"
@@ -78,33 +79,6 @@ def mesh_spec(kind: str, model_path: Path, args: argparse.Namespace) -> MeshSpec
 
 def workload(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(users=args.users, gap_s=args.gap_ms / 1e3)
-
-
-def population(label: str, spec: WorkloadSpec, seed: int, suffix: str = "") -> Population:
-    """`label`'s copy of the seed's trace: the same draws, user ids of its own."""
-    user_prefix = f"{label.replace(' ', '-')}-s{seed}{suffix}"
-    return Population(replace(spec, user_prefix=user_prefix), np.random.default_rng(seed))
-
-
-def rate_sweep(variants: Sequence[Variant], seed: int, args: argparse.Namespace) -> list[Point]:
-    """Rates upwards, variants in rotating order at each rate; a variant stops once its P99
-    passes the largest SLO of the curve or a Rank fails."""
-    spec = workload(args)
-    pops = {v.label: population(v.label, spec, seed) for v in variants}
-    points: list[Point] = []
-    stopped: set[str] = set()
-    for i, rate in enumerate(args.rates):
-        k = i % len(variants)
-        for variant in [*variants[k:], *variants[:k]]:
-            if variant.label in stopped:
-                continue
-            point = run_point(variant, pops[variant.label], rate, args)
-            points.append(point)
-            if point.p99_ms > max(slo_curve(args)) or point.errors:
-                stopped.add(variant.label)
-        if len(stopped) == len(variants):
-            break
-    return points
 
 
 def length_search(variant: Variant, seed: int, args: argparse.Namespace) -> list[Point]:
@@ -168,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
             results["ranker_threads"] = meshes[label].ranker_threads
         chosen = [Variant(label, meshes[label], VARIANTS[label][1]) for label in args.variants]
         for seed in seeds(args):
-            rates = rate_sweep(chosen, seed, args)
+            rates = sweep(chosen, workload(args), args, seed, max(slo_curve(args)))
             lengths: list[Point] = []
             for variant in chosen:
                 if variant.label in args.length_variants:

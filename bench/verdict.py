@@ -37,25 +37,6 @@ def compliant_throughput(per_seed: Mapping[int, Iterable[RatePoint]], slo_ms: fl
     return Spread.of([max_compliant(list(points), slo_ms) for points in per_seed.values()])
 
 
-def ratio(a: float, b: float) -> float | None:
-    """a / b; None when the baseline never met the SLO (the ratio has no finite value)."""
-    return a / b if b > 0 else None
-
-
-def ratio_text(a: float, b: float) -> str:
-    r = ratio(a, b)
-    if r is None:
-        return "baseline never compliant" if a > 0 else "-"
-    return f"{r:.1f}x"
-
-
-def per_seed_ratios(
-    relay: Mapping[int, float], baseline: Mapping[int, float]
-) -> list[float | None]:
-    """The ratio seed by seed (same trace for both, so drift cancels)."""
-    return [ratio(relay[s], baseline[s]) for s in relay if s in baseline]
-
-
 def grid_search(
     lo: int, hi: int, step: int, passes: Callable[[int], bool]
 ) -> tuple[int, list[int]]:

@@ -210,8 +210,9 @@ async def drive(
             else:
                 if counted:
                     latencies.append((loop.time() - intended) * 1e3)
-                    outcomes[OUTCOMES[reply.cache_outcome]] += 1
-                    relayed += reply.relayed and OUTCOMES[reply.cache_outcome] in HIT_OUTCOMES
+                    outcome = OUTCOMES[reply.cache_outcome]
+                    outcomes[outcome] += 1
+                    relayed += reply.relayed and outcome in HIT_OUTCOMES
             if on_done is not None:
                 on_done()
             if pending is not None:
