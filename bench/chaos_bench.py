@@ -26,10 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pipeline import ROOT, result_name, save_results
-from report import add_render_arguments, load_result, run_stamp, write_section
-
-from relaygr.chaos import (
+from chaos import (
     CHAOS_MODEL,
     ChaosSettings,
     FaultReport,
@@ -40,12 +37,15 @@ from relaygr.chaos import (
     run_chaos,
     standard_faults,
 )
-from relaygr.flood import FloodReport, FloodSettings, RankerWatch, memory_flood
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.checkpoint import load_checkpoint, save_checkpoint
-from relaygr.ranker.inputs import RankInput
-from relaygr.ranker.model import RankingModel
-from relaygr.workload import Population
+from flood import FloodReport, FloodSettings, RankerWatch, memory_flood
+from pipeline import ROOT, result_name, save_results
+from report import add_render_arguments, load_result, run_stamp, write_section
+
+from relaygr.behaviours import RankInput
+from relaygr.local.mesh import LocalMesh
+from relaygr.local.workload import Population
+from services.ranker.checkpoint import load_checkpoint, save_checkpoint
+from services.ranker.model import RankingModel
 
 NAME = "chaos_bench"
 

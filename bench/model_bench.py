@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from report import add_render_arguments, load_result, machine_info, write_section
 
-from relaygr.ranker import synthetic
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.model_config import ModelConfig
+from relaygr.behaviours import Behaviours, Prefix, RankInput
+from services.ranker import synthetic
+from services.ranker.model import RankingModel
+from services.ranker.model_config import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ".venv/bin/python bench/model_bench.py"

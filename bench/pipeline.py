@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 from report import add_render_arguments, machine_info, reproduce_command
 
-from relaygr.drive import Point, drive_mesh
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.model_config import ModelConfig
-from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
+from relaygr.local.drive import Point, drive_mesh
+from relaygr.local.mesh import LocalMesh
+from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
+from services.ranker.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,10 +33,10 @@ from report import (
     write_section,
 )
 
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import RankInput
+from relaygr.behaviours import RankInput
+from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
-from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 
 OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
 PRE_INFER_OUTCOMES = {

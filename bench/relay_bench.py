@@ -44,9 +44,9 @@ from pipeline import (
 from report import load_result, max_compliant, run_stamp, write_section
 from verdict import Spread, compliant_throughput, grid_search
 
-from relaygr.drive import Point
-from relaygr.mesh import LocalMesh, MeshSpec
-from relaygr.workload import WorkloadSpec, distinct_users, poisson_arrivals
+from relaygr.local.drive import Point
+from relaygr.local.mesh import LocalMesh, MeshSpec
+from relaygr.local.workload import WorkloadSpec, distinct_users, poisson_arrivals
 
 NO_CACHE, CACHE_ONLY = "no cache", "cache only"
 RELAY_ALL, RELAY_AWARE = "relay all", "relay sequence-aware"

@@ -31,12 +31,12 @@ from report import (
     run_stamp,
 )
 
-from relaygr.etcd_server import EtcdServer, find_etcd_binary
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
-from relaygr.ranker.model_config import ModelConfig
-from relaygr.ranker.synthetic import random_behaviours
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
+from relaygr.local.etcd_server import EtcdServer, find_etcd_binary
 from relaygr.v1 import ranker_pb2_grpc, router_pb2_grpc
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from services.ranker.model_config import ModelConfig
+from services.ranker.synthetic import random_behaviours
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small enough that the Rank's compute does not drown the hop being measured.

@@ -38,10 +38,10 @@ from report import (
     run_stamp,
 )
 
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
-from relaygr.ranker.synthetic import random_behaviours
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from services.ranker.synthetic import random_behaviours
 
 MODES = ("off", "100%", "1%")
 

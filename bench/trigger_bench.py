@@ -31,17 +31,17 @@ from pipeline import (
 )
 from report import load_result, max_compliant, run_stamp, write_section
 
+from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cluster import MemoryCluster, RankerRecord
-from relaygr.drive import Point, retrieval_event
-from relaygr.mesh import LocalMesh, MeshSpec
-from relaygr.ranker.inputs import Prefix, RankInput, UserId
-from relaygr.ranker.synthetic import random_behaviours
-from relaygr.trigger.config import TriggerConfig
-from relaygr.trigger.dispatch import Dispatcher
-from relaygr.trigger.policy import AdmissionPolicy
-from relaygr.trigger.service import TriggerServicer
+from relaygr.local.drive import Point, retrieval_event
+from relaygr.local.mesh import LocalMesh, MeshSpec
+from relaygr.local.workload import WorkloadSpec
 from relaygr.v1 import common_pb2
-from relaygr.workload import WorkloadSpec
+from services.ranker.synthetic import random_behaviours
+from services.trigger.config import TriggerConfig
+from services.trigger.dispatch import Dispatcher
+from services.trigger.policy import AdmissionPolicy
+from services.trigger.service import TriggerServicer
 
 MODES = ("off", "all", "sequence-aware")
 

@@ -7,12 +7,15 @@ from collections.abc import Callable, Sequence
 
 # subcommand -> (module with `main(argv) -> int`, help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "ranker": ("relaygr.ranker.server", "serve RankerService: prefix KV caches and ranking"),
-    "router": ("relaygr.router.server", "serve RouterService: affine placement of relays"),
-    "trigger": ("relaygr.trigger.server", "serve TriggerService: which requests to relay"),
-    "up": ("relaygr.mesh", "run the local mesh (etcd, rankers, router, trigger) until Ctrl-C"),
-    "demo": ("relaygr.demo", "the local mesh driven with and without relays, compared"),
-    "bench": ("relaygr.bench_cli", "run a benchmark from the source tree's bench/"),
+    "ranker": ("services.ranker.server", "serve RankerService: prefix KV caches and ranking"),
+    "router": ("services.router.server", "serve RouterService: affine placement of relays"),
+    "trigger": ("services.trigger.server", "serve TriggerService: which requests to relay"),
+    "up": (
+        "relaygr.local.mesh",
+        "run the local mesh (etcd, rankers, router, trigger) until Ctrl-C",
+    ),
+    "demo": ("relaygr.local.demo", "the local mesh driven with and without relays, compared"),
+    "bench": ("relaygr.local.bench_cli", "run a benchmark from the source tree's bench/"),
 }
 
 

@@ -26,7 +26,7 @@ class RankerRecord:
     Invariants (checked on construction, so a record from the store is usable as is): ids,
     address and model version are non-empty strings; `address` is "host:port" with a port in
     1..65535; budgets and bytes per token are non-negative ints; cost coefficients are finite,
-    non-negative floats (see `relaygr.ranker.cost_model.CostModel` for their meaning).
+    non-negative floats (see `services.ranker.cost_model.CostModel` for their meaning).
     """
 
     instance_id: str

@@ -2,9 +2,15 @@
 
 import os
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+# The benchmarks' modules (bench/: pipeline, verdict, chaos, flood) import each other as top-level
+# scripts do; tests import them the same way.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 _SEED = int(os.environ.get("RELAYGR_SEED", random.SystemRandom().randrange(2**32)))
 

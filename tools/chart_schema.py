@@ -18,9 +18,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from relaygr.ranker.config import RankerConfig
-from relaygr.router.config import RouterConfig
-from relaygr.trigger.config import TriggerConfig
+from services.ranker.config import RankerConfig
+from services.router.config import RouterConfig
+from services.trigger.config import TriggerConfig
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "helm" / "relaygr" / "values.schema.json"
 

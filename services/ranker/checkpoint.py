@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 from relaygr.errors import ConfigError
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.model_config import ModelConfig
+from services.ranker.model import RankingModel
+from services.ranker.model_config import ModelConfig
 
 _CONFIG_FILE = "config.json"
 _WEIGHTS_FILE = "weights.pt"

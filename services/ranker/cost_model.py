@@ -8,10 +8,10 @@ from functools import partial
 import numpy as np
 import torch
 
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.cost import CostModel
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.synthetic import random_behaviours
+from services.ranker.model import RankingModel
+from services.ranker.synthetic import random_behaviours
 
 
 @dataclass(frozen=True, slots=True)

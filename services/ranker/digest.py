@@ -5,7 +5,7 @@ from typing import NewType
 
 import numpy as np
 
-from relaygr.ranker.inputs import Behaviours, Int64Array
+from relaygr.behaviours import Behaviours, Int64Array
 
 PrefixDigest = NewType("PrefixDigest", str)
 

@@ -4,8 +4,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from relaygr.ranker.inputs import Behaviours, Int64Array
-from relaygr.ranker.model_config import ModelConfig
+from relaygr.behaviours import Behaviours, Int64Array
+from services.ranker.model_config import ModelConfig
 
 CANDIDATE_ACTION = 0
 # User-profile tokens carry no time: placed at the earliest representable instant, their time

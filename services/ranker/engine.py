@@ -11,14 +11,9 @@ from typing import Any
 import torch
 from opentelemetry.trace import SpanContext, Tracer
 
+from relaygr.behaviours import Prefix, RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from relaygr.ranker.digest import PrefixHasher
-from relaygr.ranker.inputs import Prefix, RankInput, validate_prefix, validate_rank_input
-from relaygr.ranker.kv_store import CacheKey, KVStore, Tier
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.prefix_kv import PrefixKV
-from relaygr.ranker.scheduler import ComputeScheduler, Job, Priority
 from relaygr.tracing import (
     Attributes,
     annotate,
@@ -28,6 +23,12 @@ from relaygr.tracing import (
     recording,
     sampled_span_context,
 )
+from services.ranker.digest import PrefixHasher
+from services.ranker.kv_store import CacheKey, KVStore, Tier
+from services.ranker.model import RankingModel
+from services.ranker.prefix_kv import PrefixKV
+from services.ranker.scheduler import ComputeScheduler, Job, Priority
+from services.ranker.validation import validate_prefix, validate_rank_input
 
 
 class PreInferOutcome(StrEnum):

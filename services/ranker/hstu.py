@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relaygr.ranker.model_config import ModelConfig
+from services.ranker.model_config import ModelConfig
 
 
 def attend(

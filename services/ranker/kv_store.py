@@ -5,9 +5,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from relaygr.ranker.digest import PrefixDigest
-from relaygr.ranker.inputs import UserId
-from relaygr.ranker.prefix_kv import ModelVersion, PrefixKV
+from relaygr.behaviours import UserId
+from services.ranker.digest import PrefixDigest
+from services.ranker.prefix_kv import ModelVersion, PrefixKV
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics_core import Metric
 
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
-from relaygr.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
-from relaygr.ranker.kv_store import Drop, Tier
-from relaygr.ranker.scheduler import Priority
+from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
+from services.ranker.kv_store import Drop, Tier
+from services.ranker.scheduler import Priority
 
 # Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
 LATENCY_BUCKETS_S = (

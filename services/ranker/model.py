@@ -9,24 +9,21 @@ import numpy as np
 import torch
 from torch import nn
 
+from relaygr.behaviours import Behaviours, Int64Array, Prefix, RankInput
 from relaygr.device import select_device
 from relaygr.errors import InvalidInput
-from relaygr.ranker.digest import PrefixHasher
-from relaygr.ranker.embedding import UNTIMED, TokenEmbedding
-from relaygr.ranker.hstu import HSTULayer, attend, attend_self, key_counts
-from relaygr.ranker.inputs import (
-    Behaviours,
-    Int64Array,
-    Prefix,
-    RankInput,
+from services.ranker.digest import PrefixHasher
+from services.ranker.embedding import UNTIMED, TokenEmbedding
+from services.ranker.hstu import HSTULayer, attend, attend_self, key_counts
+from services.ranker.model_config import ModelConfig
+from services.ranker.prefix_kv import ModelVersion, PrefixKV
+from services.ranker.relative_bias import RelativeBias
+from services.ranker.validation import (
     validate_behaviours,
     validate_prefix,
     validate_rank_input,
     validate_suffix,
 )
-from relaygr.ranker.model_config import ModelConfig
-from relaygr.ranker.prefix_kv import ModelVersion, PrefixKV
-from relaygr.ranker.relative_bias import RelativeBias
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from typing import NewType
 
 import torch
 
-from relaygr.ranker.digest import PrefixDigest, PrefixHasher
+from services.ranker.digest import PrefixDigest, PrefixHasher
 
 ModelVersion = NewType("ModelVersion", str)
 

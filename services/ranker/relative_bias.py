@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from relaygr.ranker.model_config import ModelConfig
+from services.ranker.model_config import ModelConfig
 
 _EXACT_POSITIONS = 16
 _POSITION_BUCKETS_PER_OCTAVE = 4

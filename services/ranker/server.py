@@ -23,24 +23,24 @@ from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, install_drain_handlers
 from relaygr.metrics import MetricsServer
-from relaygr.ranker.checkpoint import load_checkpoint
-from relaygr.ranker.config import ENV_PREFIX, RankerConfig
-from relaygr.ranker.cost_model import calibrate
-from relaygr.ranker.engine import EngineSettings, RankerEngine
-from relaygr.ranker.kv_store import KVStore
-from relaygr.ranker.metrics import RankerMetrics
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.model_config import ModelConfig
-from relaygr.ranker.prefix_kv import PrefixKV
-from relaygr.ranker.scheduler import ComputeScheduler, Priority
-from relaygr.ranker.service import SERVICE_NAME, RankerServicer
 from relaygr.service_main import service_main
 from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
 from relaygr.tracing import Attributes, child_span
 from relaygr.v1 import ranker_pb2_grpc
+from services.ranker.checkpoint import load_checkpoint
+from services.ranker.config import ENV_PREFIX, RankerConfig
+from services.ranker.cost_model import calibrate
+from services.ranker.engine import EngineSettings, RankerEngine
+from services.ranker.kv_store import KVStore
+from services.ranker.metrics import RankerMetrics
+from services.ranker.model import RankingModel
+from services.ranker.model_config import ModelConfig
+from services.ranker.prefix_kv import PrefixKV
+from services.ranker.scheduler import ComputeScheduler, Priority
+from services.ranker.service import SERVICE_NAME, RankerServicer
 
-_log = logging.getLogger("relaygr.ranker")
+_log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
 
 

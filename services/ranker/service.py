@@ -7,11 +7,11 @@ import torch
 
 from relaygr.errors import Unavailable
 from relaygr.grpc_server import absolute_deadline
-from relaygr.ranker.convert import InputLimits, prefix_from_proto, rank_input_from_proto
-from relaygr.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
-from relaygr.ranker.kv_store import Tier
-from relaygr.ranker.metrics import RankerMetrics
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
+from relaygr.wire import InputLimits, prefix_from_proto, rank_input_from_proto
+from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
+from services.ranker.kv_store import Tier
+from services.ranker.metrics import RankerMetrics
 
 SERVICE_NAME = "relaygr.v1.RankerService"
 
@@ -40,7 +40,10 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
 
     def attach(self, engine: RankerEngine) -> None:
         """Start serving with `engine` (the server answers health checks while it warms up)."""
-        self._limits = InputLimits.of(engine.model.cfg)
+        cfg = engine.model.cfg
+        self._limits = InputLimits(
+            cfg.max_user_features, cfg.max_history_tokens, cfg.max_candidates
+        )
         self._engine = engine
 
     @property

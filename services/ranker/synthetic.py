@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from relaygr.ranker.inputs import Behaviours
+from relaygr.behaviours import Behaviours
 
 ITEM_ID_BITS = 50
 DEFAULT_ACTIONS = 16

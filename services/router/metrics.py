@@ -7,8 +7,8 @@ from prometheus_client.metrics_core import Metric
 
 from relaygr.cluster import RankerRecord
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
-from relaygr.router.placement import Reason
-from relaygr.router.service import RouterServicer
+from relaygr.placement import Reason
+from services.router.service import RouterServicer
 
 _METHODS = ("PreInfer", "Rank")
 

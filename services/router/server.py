@@ -14,17 +14,17 @@ from relaygr.etcd import EtcdClient
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, install_drain_handlers
 from relaygr.metrics import MetricsServer
-from relaygr.router.config import ENV_PREFIX, PlacementMode, RouterConfig
-from relaygr.router.limits import RequestLimits
-from relaygr.router.metrics import register_router_metrics
-from relaygr.router.pool import RankerPool
-from relaygr.router.service import SERVICE_NAME, RouterServicer
+from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
 from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
+from services.router.config import ENV_PREFIX, PlacementMode, RouterConfig
+from services.router.limits import RequestLimits
+from services.router.metrics import register_router_metrics
+from services.router.service import SERVICE_NAME, RouterServicer
 
 _CLOSE_GRACE_S = 5.0  # calls in flight to a departed ranker may finish (they have deadlines)
-_log = logging.getLogger("relaygr.router")
+_log = logging.getLogger("services.router")
 SERVICE = "relaygr-router"  # the default OTEL service.name
 
 

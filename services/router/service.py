@@ -17,15 +17,15 @@ from opentelemetry.trace import Tracer
 
 from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
 from relaygr.errors import InvalidInput, ResourceExhausted, Unavailable
-from relaygr.router.limits import RequestLimits, check_limits
-from relaygr.router.load import WindowedLoad
-from relaygr.router.placement import directory_write, place, route_rank, shuffled
-from relaygr.router.pool import RankerPool
+from relaygr.placement import directory_write, place, route_rank, shuffled
+from relaygr.pool import RankerPool
 from relaygr.tracing import annotate, child_span
 from relaygr.v1 import router_pb2
+from services.router.limits import RequestLimits, check_limits
+from services.router.load import WindowedLoad
 
 SERVICE_NAME = "relaygr.v1.RouterService"
-_log = logging.getLogger("relaygr.router")
+_log = logging.getLogger("services.router")
 
 # A ranker answering these cannot serve this request now; another one can (by full inference
 # at worst). Every other status is the caller's answer and passes through unchanged.

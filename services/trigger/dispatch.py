@@ -11,10 +11,10 @@ from opentelemetry.context import Context
 
 from relaygr.aio import cancel_and_wait
 from relaygr.tracing import attached
-from relaygr.trigger.policy import Decision
 from relaygr.v1 import common_pb2, trigger_pb2
+from services.trigger.policy import Decision
 
-_log = logging.getLogger("relaygr.trigger")
+_log = logging.getLogger("services.trigger")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from relaygr.config import override_config
 from relaygr.errors import ConfigError
 from relaygr.etcd import EventKind, WatchEvent
-from relaygr.trigger.config import LIVE_FIELDS, TriggerConfig
+from services.trigger.config import LIVE_FIELDS, TriggerConfig
 
-_log = logging.getLogger("relaygr.trigger")
+_log = logging.getLogger("services.trigger")
 
 
 def live_config_key(etcd_prefix: str) -> str:

@@ -7,9 +7,9 @@ from prometheus_client.metrics_core import Metric
 
 from relaygr.cluster import RankerRecord
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
-from relaygr.trigger.dispatch import Dispatcher
-from relaygr.trigger.policy import Reason
-from relaygr.trigger.service import TriggerServicer
+from services.trigger.dispatch import Dispatcher
+from services.trigger.policy import Reason
+from services.trigger.service import TriggerServicer
 
 # dispatch outcome label -> the servicer's counter (or the dispatcher's, for "cancelled")
 _DISPATCH_OUTCOMES = {

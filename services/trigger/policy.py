@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from relaygr.cluster import RankerRecord
-from relaygr.trigger.config import Mode, TriggerConfig
+from services.trigger.config import Mode, TriggerConfig
 
 
 class Reason(enum.StrEnum):

@@ -17,21 +17,21 @@ from relaygr.etcd import EtcdClient, Watch
 from relaygr.etcd_cluster import EtcdCluster
 from relaygr.grpc_server import GrpcServer, install_drain_handlers
 from relaygr.metrics import MetricsServer
-from relaygr.router.pool import RankerPool
+from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
 from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
 from relaygr.tls import open_channel
 from relaygr.tracing import root_span
-from relaygr.trigger.config import ENV_PREFIX, TriggerConfig
-from relaygr.trigger.dispatch import Dispatcher
-from relaygr.trigger.live_config import LiveConfig, live_config_key
-from relaygr.trigger.metrics import register_trigger_metrics
-from relaygr.trigger.policy import AdmissionPolicy
-from relaygr.trigger.service import SERVICE_NAME, TriggerServicer
 from relaygr.v1 import common_pb2, ranker_pb2, router_pb2_grpc, trigger_pb2_grpc
+from services.trigger.config import ENV_PREFIX, TriggerConfig
+from services.trigger.dispatch import Dispatcher
+from services.trigger.live_config import LiveConfig, live_config_key
+from services.trigger.metrics import register_trigger_metrics
+from services.trigger.policy import AdmissionPolicy
+from services.trigger.service import SERVICE_NAME, TriggerServicer
 
-_log = logging.getLogger("relaygr.trigger")
+_log = logging.getLogger("services.trigger")
 SERVICE = "relaygr-trigger"  # the default OTEL service.name
 
 

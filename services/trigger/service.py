@@ -8,15 +8,15 @@ from collections.abc import Callable
 import grpc
 from opentelemetry.trace import Tracer
 
+from relaygr.behaviours import Prefix
 from relaygr.cluster import Directory, Membership, RankerRecord
 from relaygr.errors import InvalidInput
-from relaygr.ranker.convert import InputLimits, prefix_from_proto
-from relaygr.ranker.inputs import Prefix
-from relaygr.router.placement import route_rank
+from relaygr.placement import route_rank
 from relaygr.tracing import child_span, current_context
-from relaygr.trigger.dispatch import Dispatcher, Failure, Job
-from relaygr.trigger.policy import AdmissionPolicy, Decision, Event, Reason
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
+from relaygr.wire import InputLimits, prefix_from_proto
+from services.trigger.dispatch import Dispatcher, Failure, Job
+from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason
 
 SERVICE_NAME = "relaygr.v1.TriggerService"
 

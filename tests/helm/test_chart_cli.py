@@ -14,10 +14,10 @@ import pytest
 
 from relaygr.cli import COMMANDS
 from relaygr.config import add_config_arguments, load_config
-from relaygr.ranker.config import ENV_PREFIX as RANKER_ENV
-from relaygr.router.config import ENV_PREFIX as ROUTER_ENV
 from relaygr.telemetry import tracing_settings
-from relaygr.trigger.config import ENV_PREFIX as TRIGGER_ENV
+from services.ranker.config import ENV_PREFIX as RANKER_ENV
+from services.router.config import ENV_PREFIX as ROUTER_ENV
+from services.trigger.config import ENV_PREFIX as TRIGGER_ENV
 from tests.helm.chart import (
     NAMESPACE,
     RELEASE,
@@ -286,5 +286,5 @@ def test_build_context_holds_what_the_dockerfile_copies() -> None:
     copied = re.findall(r"^COPY (?!--from)(.+) \S+$", DOCKERFILE, re.MULTILINE)
     sources = {src.rstrip("/") for line in copied for src in line.split()}
     assert sources <= allowed, sources - allowed
-    package_dirs = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
-    assert {d.split("/")[0] for d in package_dirs} | {"protos"} <= sources
+    packages = PYPROJECT["tool"]["setuptools"]["packages"]
+    assert {name.split(".")[0] for name in packages} | {"protos"} <= sources

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from google.protobuf import json_format
 
-from relaygr.ranker.model_config import ModelConfig
 from relaygr.v1 import common_pb2
+from services.ranker.model_config import ModelConfig
 from tests.helm.chart import (
     CHART,
     NAMESPACE,

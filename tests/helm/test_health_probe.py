@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 
-from relaygr.certs import Pki, make_pki
 from relaygr.grpc_server import GrpcServer, start_server
+from relaygr.local.certs import Pki, make_pki
 from tests.helm.chart import CHART
 
 PROBE = CHART / "files" / "grpc_health_probe.py"

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
+from relaygr.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 
 __all__ = ["EtcdServer", "etcd_server", "started_etcd"]
 

@@ -7,15 +7,15 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from relaygr.certs import Pki
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.server import RankerServer, start_ranker
-from relaygr.router.config import RouterConfig
-from relaygr.router.server import RouterServer, start_router
+from relaygr.local.certs import Pki
 from relaygr.tls import PLAINTEXT, ClientTls, open_channel
-from relaygr.trigger.config import TriggerConfig
-from relaygr.trigger.server import TriggerServer, start_trigger
 from relaygr.v1 import router_pb2_grpc, trigger_pb2_grpc
+from services.ranker.model import RankingModel
+from services.ranker.server import RankerServer, start_ranker
+from services.router.config import RouterConfig
+from services.router.server import RouterServer, start_router
+from services.trigger.config import TriggerConfig
+from services.trigger.server import TriggerServer, start_trigger
 from tests.integration.ranker_harness import BASE, COST, poll
 
 

@@ -6,8 +6,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from relaygr.mesh import MeshSpec
-from relaygr.ranker.model import RankingModel
+from relaygr.local.mesh import MeshSpec
+from services.ranker.model import RankingModel
 from tests.unit.ranker.factories import tiny_config
 
 

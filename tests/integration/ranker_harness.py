@@ -9,11 +9,11 @@ import grpc
 import numpy as np
 
 from relaygr.cost import CostModel
-from relaygr.ranker.config import RankerConfig
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.scheduler import Priority
-from relaygr.ranker.server import RankerServer, start_ranker
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
+from services.ranker.config import RankerConfig
+from services.ranker.model import RankingModel
+from services.ranker.scheduler import Priority
+from services.ranker.server import RankerServer, start_ranker
 from tests.polling import eventually
 from tests.unit.ranker.factories import tiny_config
 

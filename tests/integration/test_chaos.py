@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-
-from relaygr.chaos import (
+from chaos import (
     CHAOS_MODEL,
     ChaosSettings,
     chaos_mesh_spec,
@@ -22,23 +21,24 @@ from relaygr.chaos import (
     run_chaos,
     standard_faults,
 )
+from flood import FloodSettings, memory_flood
+
+from relaygr.behaviours import RankInput
 from relaygr.etcd import EtcdClient
-from relaygr.etcd_server import find_etcd_binary
-from relaygr.flood import FloodSettings, memory_flood
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.checkpoint import load_checkpoint, save_checkpoint
-from relaygr.ranker.convert import rank_request_to_proto
-from relaygr.ranker.inputs import RankInput
-from relaygr.ranker.model import RankingModel
+from relaygr.local.etcd_server import find_etcd_binary
+from relaygr.local.mesh import LocalMesh
+from relaygr.local.workload import Population
 from relaygr.tls import open_blocking_channel
 from relaygr.v1 import router_pb2_grpc
-from relaygr.workload import Population
+from relaygr.wire import rank_request_to_proto
+from services.ranker.checkpoint import load_checkpoint, save_checkpoint
+from services.ranker.model import RankingModel
 from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 pytestmark = pytest.mark.chaos
 
-# The stated overhead over baseline RSS + both tier budgets (relaygr/flood.py says what it
+# The stated overhead over baseline RSS + both tier budgets (bench/flood.py says what it
 # covers); docs/reliability.md states it too.
 OVERHEAD_MB = 128.0
 

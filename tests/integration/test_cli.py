@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from relaygr.bench_cli import BENCH_DIR, benchmarks
+from relaygr.local.bench_cli import BENCH_DIR, benchmarks
 
 
 def relaygr(*args: str) -> subprocess.CompletedProcess[str]:

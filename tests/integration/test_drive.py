@@ -5,8 +5,8 @@ import asyncio
 import grpc
 import numpy as np
 
-from relaygr.drive import drive
-from relaygr.workload import Arrival
+from relaygr.local.drive import drive
+from relaygr.local.workload import Arrival
 from tests.unit.ranker.factories import prefix, rank_input
 
 SERVER_DELAY_S = 0.3

@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.model import RankingModel
 from relaygr.v1 import common_pb2, ranker_pb2, trigger_pb2
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from services.ranker.model import RankingModel
 from tests.conftest import _SEED as RUN_SEED
 from tests.integration.etcd_server import EtcdServer, started_etcd
 from tests.integration.mesh_harness import Mesh

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from relaygr.cpu_quota import available_cpus
-from relaygr.drive import retrieval_event
-from relaygr.mesh import LocalMesh, MeshSpec
-from relaygr.ranker.convert import rank_request_to_proto
+from relaygr.local.drive import retrieval_event
+from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.wire import rank_request_to_proto
 from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
 from tests.integration.ranker_harness import reply_scores
 from tests.polling import eventually

@@ -27,21 +27,21 @@ import pytest
 from opentelemetry import trace
 from prometheus_client.parser import text_string_to_metric_families
 
-from relaygr.drive import retrieval_event
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.convert import (
+from relaygr.behaviours import Prefix
+from relaygr.local.drive import retrieval_event
+from relaygr.local.mesh import LocalMesh
+from relaygr.telemetry import Telemetry
+from relaygr.v1 import common_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
+from relaygr.wire import (
     behaviours_to_proto,
     pre_infer_request_to_proto,
     rank_request_to_proto,
 )
-from relaygr.ranker.inputs import Prefix
-from relaygr.ranker.server import RankerServer, start_ranker
-from relaygr.router.config import RouterConfig
-from relaygr.router.server import RouterServer, start_router
-from relaygr.telemetry import Telemetry
-from relaygr.trigger.config import TriggerConfig
-from relaygr.trigger.server import TriggerServer, start_trigger
-from relaygr.v1 import common_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
+from services.ranker.server import RankerServer, start_ranker
+from services.router.config import RouterConfig
+from services.router.server import RouterServer, start_router
+from services.trigger.config import TriggerConfig
+from services.trigger.server import TriggerServer, start_trigger
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver, ReceivedSpan
 from tests.integration.process_mesh import tiny_mesh

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.cpu_quota import available_cpus
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import Prefix, RankInput
-from relaygr.ranker.kv_store import Tier
-from relaygr.ranker.scheduler import Priority
+from relaygr.behaviours import Prefix, RankInput
 from relaygr.v1 import common_pb2, ranker_pb2
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from services.ranker.kv_store import Tier
+from services.ranker.scheduler import Priority
 from tests.integration.ranker_harness import Gate, poll, running_ranker, tiny_model
 from tests.unit.ranker.factories import behaviours, prefix, rank_input, rel_err
 

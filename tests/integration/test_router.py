@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from relaygr.etcd import EtcdClient
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.model import RankingModel
-from relaygr.router.placement import ranking
+from relaygr.placement import ranking
 from relaygr.v1 import common_pb2
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from services.ranker.model import RankingModel
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.ranker_harness import poll, tiny_model

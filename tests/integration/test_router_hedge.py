@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.convert import rank_request_to_proto
+from relaygr.local.mesh import LocalMesh
 from relaygr.v1 import common_pb2, router_pb2_grpc
+from relaygr.wire import rank_request_to_proto
 from tests.integration.process_mesh import tiny_mesh
 from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err

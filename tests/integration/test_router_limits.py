@@ -10,18 +10,18 @@ import grpc
 import numpy as np
 import pytest
 
+from relaygr.behaviours import Prefix, RankInput
 from relaygr.cluster import PlacementRecord
-from relaygr.ranker.convert import pre_infer_request_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import Prefix, RankInput
-from relaygr.router.placement import ranking
+from relaygr.placement import ranking
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
+from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.ranker_harness import BASE, poll, tiny_model
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
-REASONS = ("hash", "spilled", "directory")  # services/router/placement.py Reason
+REASONS = ("hash", "spilled", "directory")  # relaygr/placement.py Reason
 
 
 def _scores(reply: common_pb2.RankReply) -> np.ndarray:

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from relaygr.certs import Pki, make_pki
-from relaygr.drive import retrieval_event
 from relaygr.errors import Unavailable
 from relaygr.etcd import EtcdAuthFailed, EtcdClient, EtcdRejected, EtcdSecurity
-from relaygr.etcd_server import EtcdServer, EtcdTls
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.convert import rank_request_to_proto
+from relaygr.local.certs import Pki, make_pki
+from relaygr.local.drive import retrieval_event
+from relaygr.local.etcd_server import EtcdServer, EtcdTls
+from relaygr.local.mesh import LocalMesh
 from relaygr.tls import PLAINTEXT, ClientTls, TlsSettings, open_blocking_channel, open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.wire import rank_request_to_proto
 from tests.integration.etcd_server import started_etcd
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.process_mesh import mesh_workdirs, tiny_mesh

@@ -6,14 +6,14 @@ import grpc
 import numpy as np
 import pytest
 
-from relaygr.ranker.convert import (
+from relaygr.tls import PLAINTEXT, open_channel
+from relaygr.v1 import ranker_pb2_grpc, trigger_pb2
+from relaygr.wire import (
     behaviours_to_proto,
     pre_infer_request_to_proto,
     rank_request_to_proto,
 )
-from relaygr.ranker.scheduler import Priority
-from relaygr.tls import PLAINTEXT, open_channel
-from relaygr.v1 import ranker_pb2_grpc, trigger_pb2
+from services.ranker.scheduler import Priority
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.ranker_harness import Gate, poll, reply_scores, running_ranker, tiny_model

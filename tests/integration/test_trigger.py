@@ -8,11 +8,11 @@ import grpc
 import numpy as np
 import pytest
 
+from relaygr.behaviours import Prefix
 from relaygr.etcd import EtcdClient
-from relaygr.ranker.convert import behaviours_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import Prefix
-from relaygr.ranker.kv_store import Tier
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
+from relaygr.wire import behaviours_to_proto, rank_request_to_proto
+from services.ranker.kv_store import Tier
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import tiny_model
@@ -239,7 +239,7 @@ def test_bad_input_and_bad_live_config_are_refused(
                 assert (await trigger.OnRetrieval(late)).reason == (
                     Reason.ADMISSION_REASON_NOT_AT_RISK
                 )
-                with caplog.at_level(logging.WARNING, logger="relaygr.trigger"):
+                with caplog.at_level(logging.WARNING, logger="services.trigger"):
                     bad_values = (b'{"slo_ms": -1}', b'{"listen": "0.0.0.0:1"}', b"[1]", b"{")
                     for count, value in enumerate(bad_values, start=1):
                         await client.put(live.key, value)

@@ -1,13 +1,8 @@
 """The relay benchmark's verdicts: grid search, compliant throughput over seeds, paired ratios."""
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
 from verdict import Spread, compliant_throughput, grid_search
 
 

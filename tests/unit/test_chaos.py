@@ -1,8 +1,7 @@
 """The chaos books, pure: recovery time, score checks, the report table."""
 
 import numpy as np
-
-from relaygr.chaos import (
+from chaos import (
     ChaosSettings,
     FaultReport,
     RankRecord,
@@ -10,7 +9,8 @@ from relaygr.chaos import (
     render_table,
     wrong_scores,
 )
-from relaygr.workload import Arrival
+
+from relaygr.local.workload import Arrival
 from tests.unit.ranker.factories import prefix, rank_input
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from relaygr.mesh import ranker_thread_share
+from relaygr.local.mesh import ranker_thread_share
 
 BASE = ("--device", "cpu")
 

@@ -9,18 +9,18 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from relaygr.certs import make_pki
 from relaygr.config import add_config_arguments, load_config
 from relaygr.errors import ConfigError, InvalidInput
 from relaygr.etcd import EtcdSecurity
-from relaygr.ranker.config import RankerConfig
-from relaygr.ranker.convert import InputLimits, check_lengths
-from relaygr.router.config import RouterConfig
-from relaygr.router.limits import RequestLimits, check_limits, packed_count
+from relaygr.local.certs import make_pki
 from relaygr.tls import ClientTls, log_transport
-from relaygr.trigger.config import ENV_PREFIX as TRIGGER_ENV
-from relaygr.trigger.config import TriggerConfig
 from relaygr.v1 import common_pb2, router_pb2
+from relaygr.wire import InputLimits, check_lengths
+from services.ranker.config import RankerConfig
+from services.router.config import RouterConfig
+from services.router.limits import RequestLimits, check_limits, packed_count
+from services.trigger.config import ENV_PREFIX as TRIGGER_ENV
+from services.trigger.config import TriggerConfig
 
 CONFIGS = (RankerConfig, RouterConfig, TriggerConfig)
 

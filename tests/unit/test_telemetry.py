@@ -7,9 +7,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from relaygr.errors import ConfigError
-from relaygr.router.config import RouterConfig
 from relaygr.telemetry import Telemetry, tracing_settings
-from relaygr.trigger.config import TriggerConfig
+from services.router.config import RouterConfig
+from services.trigger.config import TriggerConfig
 
 ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
 

@@ -3,7 +3,7 @@
 It reads only the model's config, its weights (`state_dict`) and its LayerNorm epsilon, and
 recomputes everything else with plain torch ops in float64: id hashing and bucketing, embedding
 sums, the whole [T, T] attention mask and relative bias, pointwise SiLU attention normalised by
-each row's key count, gating, FFN, norms and the task heads. Nothing from relaygr.ranker's
+each row's key count, gating, FFN, norms and the task heads. Nothing from services.ranker's
 embedding, bias, attention, layer or scoring code is called; the only things shared with the
 model are the weight layout (parameter names, the u|v|q|k split order and head-major columns,
 which a checkpoint fixes) and the input dataclasses.
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from relaygr.ranker.inputs import Behaviours, RankInput
-from relaygr.ranker.model import RankingModel
+from relaygr.behaviours import Behaviours, RankInput
+from services.ranker.model import RankingModel
 
 # The input spec's constants, restated rather than imported so that a change to them shows up.
 UNTIMED = -(1 << 62)  # user-profile tokens' timestamp: the earliest representable instant

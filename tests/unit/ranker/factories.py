@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
-from relaygr.ranker.model_config import ModelConfig
-from relaygr.ranker.synthetic import random_behaviours
+from relaygr.behaviours import Behaviours, Prefix, RankInput
+from services.ranker.model_config import ModelConfig
+from services.ranker.synthetic import random_behaviours
 
 T0 = 1_700_000_000
 

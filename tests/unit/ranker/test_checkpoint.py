@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from relaygr.errors import ConfigError
-from relaygr.ranker.checkpoint import load_checkpoint, save_checkpoint
-from relaygr.ranker.model import RankingModel
+from services.ranker.checkpoint import load_checkpoint, save_checkpoint
+from services.ranker.model import RankingModel
 
 from .factories import prefix, rank_input, tiny_config
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from relaygr.cost import CostModel
-from relaygr.ranker.cost_model import Sample, calibrate, fit_cost_model
-from relaygr.ranker.model import RankingModel
+from services.ranker.cost_model import Sample, calibrate, fit_cost_model
+from services.ranker.model import RankingModel
 
 from .factories import tiny_config
 

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from relaygr.ranker.digest import PrefixHasher, prefix_digest
-from relaygr.ranker.inputs import Behaviours
+from relaygr.behaviours import Behaviours
+from services.ranker.digest import PrefixHasher, prefix_digest
 
 from .factories import prefix
 

@@ -15,13 +15,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Tracer
 
 from relaygr.cost import CostModel
-from relaygr.ranker.config import MIB, RankerConfig
-from relaygr.ranker.engine import CacheOutcome, RankerEngine
-from relaygr.ranker.kv_store import Tier
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.prefix_kv import PrefixKV
-from relaygr.ranker.scheduler import Priority
-from relaygr.ranker.server import build_engine
+from services.ranker.config import MIB, RankerConfig
+from services.ranker.engine import CacheOutcome, RankerEngine
+from services.ranker.kv_store import Tier
+from services.ranker.model import RankingModel
+from services.ranker.prefix_kv import PrefixKV
+from services.ranker.scheduler import Priority
+from services.ranker.server import build_engine
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.model_config import KVDtype
+from services.ranker.model import RankingModel
+from services.ranker.model_config import KVDtype
 
 from .factories import prefix, rank_input, rel_err, tiny_config
 

@@ -3,10 +3,10 @@
 import numpy as np
 import torch
 
-from relaygr.ranker.digest import PrefixDigest, PrefixHasher
-from relaygr.ranker.inputs import UserId
-from relaygr.ranker.kv_store import CacheKey, KVStore, Tier
-from relaygr.ranker.prefix_kv import ModelVersion, PrefixKV
+from relaygr.behaviours import UserId
+from services.ranker.digest import PrefixDigest, PrefixHasher
+from services.ranker.kv_store import CacheKey, KVStore, Tier
+from services.ranker.prefix_kv import ModelVersion, PrefixKV
 
 VERSION = ModelVersion("hstu-test")
 

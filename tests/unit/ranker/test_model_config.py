@@ -3,7 +3,7 @@
 import pytest
 
 from relaygr.errors import ConfigError
-from relaygr.ranker.model_config import KVDtype, ModelConfig
+from services.ranker.model_config import KVDtype, ModelConfig
 
 
 def test_defaults_round_trip_through_a_dict() -> None:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.ranker.inputs import Prefix, RankInput
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.model_config import ModelConfig
+from relaygr.behaviours import Prefix, RankInput
+from services.ranker.model import RankingModel
+from services.ranker.model_config import ModelConfig
 
 from .factories import T0, behaviours, prefix, rank_input, rel_err, tiny_config
 

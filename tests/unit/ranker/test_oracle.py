@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import relaygr.ranker.model as model_module
-from relaygr.ranker.hstu import HSTULayer
-from relaygr.ranker.inputs import RankInput
-from relaygr.ranker.model import RankingModel
-from relaygr.ranker.relative_bias import RelativeBias
+import services.ranker.model as model_module
+from relaygr.behaviours import RankInput
+from services.ranker.hstu import HSTULayer
+from services.ranker.model import RankingModel
+from services.ranker.relative_bias import RelativeBias
 
 from .dense_reference import DenseReference, ReferenceOutput
 from .factories import prefix, rank_input, rel_err, tiny_config

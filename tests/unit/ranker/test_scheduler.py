@@ -7,7 +7,7 @@ from concurrent.futures import CancelledError
 import pytest
 
 from relaygr.errors import DeadlineExceeded, ResourceExhausted
-from relaygr.ranker.scheduler import ComputeScheduler, Priority
+from services.ranker.scheduler import ComputeScheduler, Priority
 
 
 def steps(n: int, log: list[str], name: str) -> Generator[None, None, str]:

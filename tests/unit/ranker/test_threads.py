@@ -6,8 +6,8 @@ import pytest
 
 from relaygr.config import add_config_arguments, load_config
 from relaygr.errors import ConfigError
-from relaygr.ranker.config import ENV_PREFIX, RankerConfig
-from relaygr.ranker.server import intra_op_threads
+from services.ranker.config import ENV_PREFIX, RankerConfig
+from services.ranker.server import intra_op_threads
 
 
 def config(**fields: int) -> RankerConfig:

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from relaygr.behaviours import Behaviours, Prefix, RankInput
 from relaygr.errors import InvalidInput
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput
-from relaygr.ranker.model import RankingModel
+from services.ranker.model import RankingModel
 
 from .factories import behaviours, prefix, rank_input, tiny_config
 

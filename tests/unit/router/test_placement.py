@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from relaygr.router.placement import (
+from relaygr.placement import (
     Placement,
     Reason,
     directory_write,

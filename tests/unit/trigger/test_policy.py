@@ -10,8 +10,8 @@ import pytest
 from relaygr.cluster import RankerRecord
 from relaygr.config import override_config
 from relaygr.errors import ConfigError
-from relaygr.trigger.config import LIVE_FIELDS, Mode, TriggerConfig
-from relaygr.trigger.policy import AdmissionPolicy, Decision, Event, Reason, TokenBucket
+from services.trigger.config import LIVE_FIELDS, Mode, TriggerConfig
+from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason, TokenBucket
 
 # A cost model of powers of two, so every prediction below is exact in binary:
 #   full(t, c) = 1 + t/8 + c/8 + t^2/2048 + c*t/256      prefill(t) = 1 + t/8 + t^2/2048

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 SUFFIX = "_bench"
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId, as_int64
 from relaygr.errors import InvalidInput
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId, as_int64
-from relaygr.ranker.synthetic import DEFAULT_ACTIONS, ITEM_ID_BITS
+from services.ranker.synthetic import DEFAULT_ACTIONS, ITEM_ID_BITS
 
 T0 = 1_700_000_000
 HISTORY_SPAN_S = 10**7  # a first-seen user's long-term behaviours lie in the ~4 months before T0

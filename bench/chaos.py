@@ -4,8 +4,8 @@ Every Rank of a phase is accounted for: it succeeded (and, sampled, its scores e
 inference of the same checkpoint), or failed with a status, or hung (no answer by its deadline
 plus a grace). A phase is steady traffic, then the fault (which returns when it is over: the
 service is back and SERVING), then more traffic in which recovery is measured. The schedule is
-open loop (fixed before anything is sent), as in `relaygr.drive`, so a stalled mesh cannot slow
-the clock. Faults run on the calling thread: restarted children die with the thread that
+open loop (fixed before anything is sent), as in `relaygr.local.drive`, so a stalled mesh cannot
+slow the clock. Faults run on the calling thread: restarted children die with the thread that
 started them, so call from the thread that started the mesh.
 """
 
@@ -23,14 +23,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from relaygr.drive import HIT_OUTCOMES, OUTCOMES, REASONS, retrieval_event
-from relaygr.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
-from relaygr.ranker.convert import rank_request_to_proto
-from relaygr.ranker.inputs import RankInput
-from relaygr.ranker.model_config import ModelConfig
+from relaygr.behaviours import RankInput
+from relaygr.local.drive import HIT_OUTCOMES, OUTCOMES, REASONS, retrieval_event
+from relaygr.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
+from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
-from relaygr.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
+from relaygr.wire import rank_request_to_proto
+from services.ranker.model_config import ModelConfig
 
 # A client may retry these: the request was not served, and another try can be.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})

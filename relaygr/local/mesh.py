@@ -23,11 +23,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from relaygr.certs import Pki, make_pki
 from relaygr.cpu_quota import available_cpus
 from relaygr.etcd import EtcdSecurity
-from relaygr.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
-from relaygr.processes import dying_with_parent, terminate
+from relaygr.local.certs import Pki, make_pki
+from relaygr.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
+from relaygr.local.processes import dying_with_parent, terminate
 from relaygr.tls import PLAINTEXT, ClientTls, open_blocking_channel
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
@@ -50,7 +50,7 @@ class MeshSpec:
     start_timeout_s: float = 300.0  # rankers load their model and calibrate first
     log_dir: Path | None = None  # keep the services' logs here (default: removed with the mesh)
     # Mutual TLS on every hop and to etcd, with a throwaway CA in the mesh's temporary
-    # directory (relaygr.certs); otherwise every service runs with --plaintext.
+    # directory (relaygr.local.certs); otherwise every service runs with --plaintext.
     tls: bool = False
     # Prometheus /metrics of each service on consecutive ports from this one, in start order
     # (rankers, routers, trigger); 0: none.

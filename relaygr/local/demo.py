@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from relaygr.drive import Point, drive_mesh
-from relaygr.mesh import LocalMesh, MeshSpec
-from relaygr.ranker.model_config import ModelConfig
-from relaygr.workload import Population, WorkloadSpec, poisson_arrivals
+from relaygr.local.drive import Point, drive_mesh
+from relaygr.local.mesh import LocalMesh, MeshSpec
+from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
+from services.ranker.model_config import ModelConfig
 
 # (label, trigger mode, mesh): the phases, in the order they run.
 PHASES = (("cache only", "off", "cached"), ("relay", "sequence-aware", "cached"),

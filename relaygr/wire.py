@@ -1,12 +1,11 @@
-"""Translation between relaygr.v1 messages and the ranker's domain inputs, both ways."""
+"""Translation between relaygr.v1 messages and the shared domain inputs, both ways."""
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.errors import InvalidInput
-from relaygr.ranker.inputs import Behaviours, Prefix, RankInput, UserId
-from relaygr.ranker.model_config import ModelConfig
 from relaygr.v1 import common_pb2, trigger_pb2
 
 MAX_ID_BYTES = 256
@@ -22,10 +21,6 @@ class InputLimits:
     max_user_features: int
     max_tokens: int  # history tokens: user features + long-term (+ short-term) behaviours
     max_candidates: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> "InputLimits":
-        return cls(cfg.max_user_features, cfg.max_history_tokens, cfg.max_candidates)
 
 
 def check_lengths(request: _Request, limits: InputLimits) -> None:

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from relaygr.behaviours import RankInput
 from relaygr.etcd import EtcdClient, EtcdSecurity
-from relaygr.mesh import LocalMesh
-from relaygr.ranker.convert import behaviours_to_proto, rank_request_to_proto
-from relaygr.ranker.inputs import RankInput
+from relaygr.local.mesh import LocalMesh
+from relaygr.local.workload import Arrival
 from relaygr.tls import PLAINTEXT, TlsSettings, open_channel
-from relaygr.trigger.live_config import live_config_key
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
-from relaygr.workload import Arrival
+from relaygr.wire import behaviours_to_proto, rank_request_to_proto
+from services.trigger.live_config import live_config_key
 
 OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
 REASONS = {

@@ -1,0 +1,1 @@
+"""The RelayGR services (trigger, router, ranker); each imports the shared base only."""

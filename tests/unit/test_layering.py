@@ -1,0 +1,135 @@
+"""The import rules of DESIGN.md §10, read from the source (AST, no imports executed).
+
+- the base (`relaygr`, minus the local tooling in `relaygr.local` and the `relaygr` command line)
+  never imports a service or the local tooling;
+- a service never imports another service, nor the local tooling;
+- the cores (model, KV store, scheduler, engine, placement, admission policy, cost model) reach no
+  transport and no tracing library, directly or through the project modules they import.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("ranker", "router", "trigger")
+# The `relaygr` command dispatches to every service and to the local tooling by module name: the
+# entry point sits above everything and is the one base-level module allowed to reach up.
+ENTRY_POINT = "relaygr.cli"
+CORES = (
+    "services.ranker.engine",
+    "services.ranker.kv_store",
+    "services.ranker.scheduler",
+    "services.ranker.model",
+    "services.ranker.cost_model",
+    "services.trigger.policy",
+    "relaygr.placement",
+)
+FORBIDDEN_IN_CORES = ("grpc", "opentelemetry", "aetcd")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    files = [*ROOT.glob("relaygr/**/*.py"), *ROOT.glob("services/**/*.py")]
+    return {module_name(p): p for p in files if "relaygr/v1" not in p.as_posix()}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` names in an import statement (absolute; the project uses no relative
+    imports), at any depth: a lazy import inside a function counts."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            assert node.module is not None
+            found.add(node.module)
+            # `from pkg import module` imports pkg.module.
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+MODULES = project_modules()
+IMPORTS = {name: imports_of(path) for name, path in MODULES.items()}
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer(name: str) -> str:
+    """'local' (tooling and entry point), 'service:<name>', or 'base'."""
+    if within(name, "relaygr.local") or name == ENTRY_POINT:
+        return "local"
+    if within(name, "services"):
+        parts = name.split(".")
+        return f"service:{parts[1]}" if len(parts) > 1 else "services"
+    return "base"
+
+
+def violations(name: str) -> list[str]:
+    here = layer(name)
+    bad = []
+    for target in IMPORTS[name]:
+        there = layer(target) if within(target, "relaygr") or within(target, "services") else ""
+        if not there or there in (here, "base"):
+            continue
+        if here == "local":
+            continue  # the top floor may import every floor below it
+        if there == "services" and here.startswith("service:"):
+            continue  # the `services` package docstring module
+        bad.append(f"{name} ({here}) imports {target} ({there})")
+    return bad
+
+
+def test_the_rules_see_every_package() -> None:
+    layers = {layer(name) for name in MODULES}
+    assert {"base", "local", *(f"service:{s}" for s in SERVICES)} <= layers
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_only_downwards(name: str) -> None:
+    assert violations(name) == []
+
+
+def test_a_cross_service_import_is_caught() -> None:
+    IMPORTS["services.trigger.__probe__"] = {"services.ranker.engine"}
+    IMPORTS["relaygr.__probe__"] = {"relaygr.local.mesh"}
+    try:
+        assert violations("services.trigger.__probe__")
+        assert violations("relaygr.__probe__")
+    finally:
+        del IMPORTS["services.trigger.__probe__"], IMPORTS["relaygr.__probe__"]
+
+
+def reach(name: str) -> set[str]:
+    """Every module `name` imports, following project modules transitively."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        for target in IMPORTS.get(current, ()):
+            if target not in seen:
+                seen.add(target)
+                if target in MODULES:
+                    todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_cores_reach_no_transport_or_tracing(core: str) -> None:
+    assert core in MODULES, f"{core} moved: update CORES"
+    reached = sorted(
+        target
+        for target in reach(core)
+        if any(within(target, lib) for lib in FORBIDDEN_IN_CORES) or target.startswith("relaygr.v1")
+    )
+    assert reached == [], f"{core} reaches {reached}"
