@@ -2,50 +2,24 @@
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import torch
-from opentelemetry.trace import SpanContext, Tracer
 
 from relaygr.behaviours import Prefix, RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from relaygr.tracing import (
-    Attributes,
-    annotate,
-    child_span,
-    link_current,
-    record_span,
-    recording,
-    sampled_span_context,
-)
 from services.ranker.digest import PrefixHasher
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.model import RankingModel
+from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
+from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Job, Priority
 from services.ranker.validation import validate_prefix, validate_rank_input
-
-
-class PreInferOutcome(StrEnum):
-    COMPUTED = "computed"
-    ALREADY_RESIDENT = "already_resident"
-    JOINED_INFLIGHT = "joined_inflight"
-    EXTENDED = "extended"
-    RELOADED = "reloaded"
-
-
-class CacheOutcome(StrEnum):
-    HBM_HIT = "hbm_hit"
-    DRAM_HIT = "dram_hit"
-    WAITED_INFLIGHT = "waited_inflight"
-    EXTENDED = "extended"
-    MISS = "miss"
-    BYPASS = "bypass"
 
 
 class _Source(StrEnum):
@@ -65,6 +39,11 @@ _RANK_OUTCOME = {
     _Source.RELOAD: CacheOutcome.DRAM_HIT,
     _Source.EXTEND: CacheOutcome.EXTENDED,
     _Source.PREFILL: CacheOutcome.MISS,
+}
+_WORK = {
+    _Source.RELOAD: Work.RELOAD,
+    _Source.EXTEND: Work.EXTEND,
+    _Source.PREFILL: Work.PREFILL,
 }
 
 
@@ -94,21 +73,6 @@ class RankResult:
     relayed: bool = False
 
 
-_SPAN_OF_SOURCE = {
-    _Source.RELOAD: "ranker.reload",
-    _Source.EXTEND: "ranker.extend",
-    _Source.PREFILL: "ranker.prefill",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Who produced or last relayed a prefix cache: the span a consuming Rank links to."""
-
-    span_context: SpanContext
-    operation: str  # "pre_infer" or "rank"
-
-
 @dataclass(eq=False, slots=True)
 class _Inflight:
     job: Job
@@ -130,6 +94,7 @@ class RankerEngine:
     background work promotes it to rank priority. A finished prefix is stored before it leaves
     the in-flight table, so no request ever sees neither. A miss is served by full inference,
     computed as prefill + rank (the same work), which leaves the prefix cached for return visits.
+    Waits, jobs and the origin of each cache go to the observer; what it does changes nothing.
     """
 
     def __init__(
@@ -139,15 +104,15 @@ class RankerEngine:
         scheduler: ComputeScheduler,
         cost_model: CostModel,
         settings: EngineSettings,
-        tracer: Tracer | None = None,
+        observer: EngineObserver | None = None,
     ) -> None:
-        """`tracer` None: tracing off (no span work at all)."""
+        """`observer` None: nothing observed (a no-op observer)."""
         self.model = model
         self.store = store
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.settings = settings
-        self._tracer = tracer
+        self._observer: EngineObserver = observer or NoopObserver()
         self._inflight: dict[CacheKey, _Inflight] = {}
         self.draining = False
 
@@ -172,11 +137,11 @@ class RankerEngine:
                 f"{self.settings.max_relay_window_s * 1e3:.0f} ms (max_relay_window_ms)"
             )
         key = self._key(prefix)
-        origin = self._origin("pre_infer")
+        origin = self._observer.origin(Operation.PRE_INFER)
         if self.store.get(key, Tier.HBM) is not None:
             outcome = PreInferOutcome.ALREADY_RESIDENT
         elif key in self._inflight:
-            with child_span(self._tracer, "ranker.wait_inflight"):
+            with self._observer.waiting_inflight():
                 await asyncio.shield(self._inflight[key].task)
             outcome = PreInferOutcome.JOINED_INFLIGHT
         else:
@@ -192,16 +157,7 @@ class RankerEngine:
         kv = self.store.get(key, Tier.HBM)
         if kv is None or not self.store.put_device(key, kv, pin_for=window, origin=origin):
             raise ResourceExhausted("the device tier cannot hold this prefix beside pinned relays")
-        if origin is not None:
-            annotate(
-                {
-                    "relaygr.user_id": prefix.user_id,
-                    "relaygr.pre_infer.outcome": outcome.value,
-                    "relaygr.tokens.prefix": kv.num_tokens,
-                    "relaygr.kv.bytes": kv.nbytes,
-                    "relaygr.relay.window_ms": window * 1e3,
-                }
-            )
+        self._observer.pre_infer_served(prefix, outcome, kv, window)
         return PreInferResult(outcome, key, kv.num_tokens, kv.nbytes)
 
     # -- Rank ------------------------------------------------------------------------------
@@ -211,16 +167,19 @@ class RankerEngine:
         candidates = len(request.candidates)
         if not self.settings.relay_enabled:
             scores = await self._run(
-                "full", self._once(lambda: self.model.full_forward(request)), deadline
+                "full",
+                Work.FULL_FORWARD,
+                self._once(lambda: self.model.full_forward(request)),
+                deadline,
             )
             computed = request.history_tokens + candidates
-            self._annotate_rank(request, CacheOutcome.BYPASS, computed, None)
+            self._observer.rank_served(request, CacheOutcome.BYPASS, computed, None)
             return RankResult(scores, CacheOutcome.BYPASS, computed)
         key = self._key(request.prefix)
         kv = self.store.get(key, Tier.HBM)
         held = self.store.peek(key, Tier.HBM)
         relayed = held is not None and held.pinned
-        own = self._origin("rank")
+        own = self._observer.origin(Operation.RANK)
         consumed = self._entry_origin(key, Tier.HBM) if kv is not None else None
         computed = len(request.short_term) + candidates
         outcome = CacheOutcome.HBM_HIT
@@ -231,7 +190,7 @@ class RankerEngine:
             consumed = inflight.origin
             relayed = inflight.relay
             with (
-                child_span(self._tracer, "ranker.wait_inflight"),
+                self._observer.waiting_inflight(),
                 contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
             ):
                 kv = await asyncio.shield(inflight.task)
@@ -244,6 +203,7 @@ class RankerEngine:
             consumed = inflight.origin if inflight.source is _Source.RELOAD else None
         scores = await self._run(
             "rank",
+            Work.RANK,
             self._once(
                 lambda: self.model.rank(
                     kv, request.short_term, request.candidates, request.request_ts
@@ -252,7 +212,9 @@ class RankerEngine:
             deadline,
         )
         self.store.consume(key)
-        self._annotate_rank(request, outcome, computed, consumed if consumed != own else None)
+        self._observer.rank_served(
+            request, outcome, computed, consumed if consumed != own else None
+        )
         return RankResult(scores, outcome, computed, relayed)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -307,24 +269,15 @@ class RankerEngine:
 
     async def _land(self, key: CacheKey, job: Job, pin_for: float | None) -> PrefixKV:
         inflight = self._inflight[key]
-        span = _SPAN_OF_SOURCE[inflight.source]
+        work = _WORK[inflight.source]
         try:
             kv: PrefixKV = await asyncio.wrap_future(job.future)
             # may not fit; the waiters still use it
             self.store.put_device(key, kv, pin_for=pin_for, origin=inflight.origin)
-            if recording(self._tracer):
-                attributes: Attributes = {
-                    "relaygr.tokens.computed": inflight.computed_tokens,
-                    "relaygr.tokens.prefix": kv.num_tokens,
-                    "relaygr.kv.bytes": kv.nbytes,
-                    "relaygr.job.chunks": max(job.steps_run, 1),
-                }
-                if inflight.source is _Source.RELOAD:
-                    attributes = {**attributes, "relaygr.kv.from": "dram", "relaygr.kv.to": "hbm"}
-                self._record_job(job, span, attributes)
+            self._observer.prefix_landed(job, work, inflight.computed_tokens, kv)
             return kv
         except BaseException:
-            self._record_job(job, span, {"error": True})
+            self._observer.prefix_failed(job, work)
             raise
         finally:
             del self._inflight[key]
@@ -386,7 +339,7 @@ class RankerEngine:
         yield  # a one-step job
 
     async def _run(
-        self, name: str, steps: Generator[None, None, Any], deadline: float | None
+        self, name: str, work: Work, steps: Generator[None, None, Any], deadline: float | None
     ) -> Any:
         job = self.scheduler.submit(name, steps, Priority.RANK, deadline)
         try:
@@ -395,56 +348,8 @@ class RankerEngine:
             job.future.cancel()  # not started yet: never run it
             raise
         finally:
-            self._record_job(job, "ranker.full_forward" if name == "full" else f"ranker.{name}")
-
-    # -- tracing ---------------------------------------------------------------------------
-
-    def _origin(self, operation: str) -> Origin | None:
-        """The current request as the origin of a prefix it produces; None when not traced."""
-        if self._tracer is None:
-            return None
-        span_context = sampled_span_context()
-        return None if span_context is None else Origin(span_context, operation)
+            self._observer.ranked(job, work)
 
     def _entry_origin(self, key: CacheKey, tier: Tier) -> Origin | None:
-        if self._tracer is None:
-            return None
         entry = self.store.peek(key, tier)
-        origin = None if entry is None else entry.origin
-        return origin if isinstance(origin, Origin) else None
-
-    def _record_job(self, job: Job, name: str, attributes: Attributes | None = None) -> None:
-        """Spans for a job's wait in the queue and its compute, timed by the worker."""
-        if not recording(self._tracer):
-            return
-        now = time.time_ns()
-        queue_attributes: Attributes = {
-            "relaygr.job": job.name,
-            "relaygr.priority": job.priority.name.lower(),
-        }
-        record_span(
-            self._tracer, "ranker.queue", job.submitted_ns, job.started_ns or now, queue_attributes
-        )
-        if job.started_ns:
-            record_span(self._tracer, name, job.started_ns, job.finished_ns or now, attributes)
-
-    def _annotate_rank(
-        self, request: RankInput, outcome: CacheOutcome, computed: int, consumed: Origin | None
-    ) -> None:
-        """The Rank's decision on its span, and its link to the span whose cache it used."""
-        if not recording(self._tracer):
-            return
-        annotate(
-            {
-                "relaygr.user_id": request.prefix.user_id,
-                "relaygr.cache.outcome": outcome.value,
-                "relaygr.tokens.prefix": request.prefix.num_tokens,
-                "relaygr.tokens.computed": computed,
-                "relaygr.candidates": len(request.candidates),
-            }
-        )
-        if consumed is not None:
-            link_current(
-                consumed.span_context,
-                {"relaygr.link": "relay", "relaygr.relay.producer": consumed.operation},
-            )
+        return None if entry is None else entry.origin

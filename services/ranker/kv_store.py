@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from relaygr.behaviours import UserId
 from services.ranker.digest import PrefixDigest
+from services.ranker.observer import Origin
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
 
 
@@ -41,9 +42,9 @@ class Entry:
     nbytes: int
     stored_at: float
     pinned_until: float | None = None  # relay window end while awaiting its Rank
-    # Opaque to the store: who produced or last relayed this prefix (the engine keeps the
-    # producing span's trace context here). Kept when the entry is demoted to DRAM.
-    origin: object | None = None
+    # Opaque to the store: who produced or last relayed this prefix, as the engine's observer
+    # sees it (a relay link's target). Kept when the entry is demoted to DRAM.
+    origin: Origin | None = None
 
     @property
     def pinned(self) -> bool:
@@ -143,7 +144,7 @@ class KVStore:
     # -- changes ---------------------------------------------------------------------------
 
     def put_device(
-        self, key: CacheKey, kv: PrefixKV, pin_for: float | None, origin: object | None = None
+        self, key: CacheKey, kv: PrefixKV, pin_for: float | None, origin: Origin | None = None
     ) -> bool:
         """Store `kv` in HBM, pinned for `pin_for` seconds (None: unpinned, LRU from the start).
 
@@ -184,7 +185,7 @@ class KVStore:
             self.counters["relays_consumed"] += 1
         entry.pinned_until = None
 
-    def put_host(self, key: CacheKey, kv: PrefixKV, origin: object | None = None) -> bool:
+    def put_host(self, key: CacheKey, kv: PrefixKV, origin: Origin | None = None) -> bool:
         """Store a host copy in DRAM (evicting LRU DRAM entries); False if too large.
 
         A demotion, not a new prefix: it supersedes nothing.

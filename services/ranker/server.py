@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from opentelemetry.trace import Tracer
 
 from relaygr.cluster import RankerRecord
 from relaygr.cost import CostModel
@@ -26,7 +25,6 @@ from relaygr.metrics import MetricsServer
 from relaygr.service_main import service_main
 from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
-from relaygr.tracing import Attributes, child_span
 from relaygr.v1 import ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint
 from services.ranker.config import ENV_PREFIX, RankerConfig
@@ -36,9 +34,11 @@ from services.ranker.kv_store import KVStore
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
 from services.ranker.model_config import ModelConfig
+from services.ranker.observer import EngineObserver, NoopObserver
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Priority
 from services.ranker.service import SERVICE_NAME, RankerServicer
+from services.ranker.tracing_observer import engine_observer
 
 _log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
@@ -68,18 +68,14 @@ def build_engine(
     model: RankingModel,
     cost_model: CostModel,
     clock: Callable[[], float] = time.monotonic,
-    tracer: Tracer | None = None,
+    observer: EngineObserver | None = None,
 ) -> RankerEngine:
+    """`observer` None: nothing observed."""
+    observer = observer or NoopObserver()
     pin = model.device.type != "cpu"
 
     def to_host(kv: PrefixKV) -> PrefixKV:
-        # A tier move (HBM eviction keeping a host copy), traced under the request causing it.
-        attributes: Attributes = {
-            "relaygr.kv.bytes": kv.nbytes,
-            "relaygr.tokens.prefix": kv.num_tokens,
-            "relaygr.kv.to": "dram",
-        }
-        with child_span(tracer, "ranker.demote", attributes):
+        with observer.demoting(kv):
             return kv.to("cpu", pin_memory=pin)
 
     store = KVStore(cfg.hbm_budget_bytes, cfg.dram_budget_bytes, cfg.dram_ttl_s, clock, to_host)
@@ -94,7 +90,7 @@ def build_engine(
         prefill_chunk_tokens=cfg.prefill_chunk_tokens,
         max_relay_window_s=cfg.max_relay_window_ms / 1e3,
     )
-    return RankerEngine(model, store, scheduler, cost_model, settings, tracer)
+    return RankerEngine(model, store, scheduler, cost_model, settings, observer)
 
 
 def ranker_record(
@@ -195,7 +191,7 @@ async def start_ranker(
             calibrate, model, cfg.calibration_lengths, cfg.calibration_candidates
         )
         _log.info("calibrated %s: %s", model.device, cost_model)
-    ranker.engine = build_engine(cfg, model, cost_model, tracer=telemetry.tracer)
+    ranker.engine = build_engine(cfg, model, cost_model, observer=engine_observer(telemetry.tracer))
     metrics.engine = ranker.engine
     servicer.configure(instance_id, str(model.device))
     servicer.attach(ranker.engine)

@@ -22,6 +22,7 @@ from services.ranker.model import RankingModel
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import Priority
 from services.ranker.server import build_engine
+from services.ranker.tracing_observer import TracingObserver
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
 
@@ -55,13 +56,15 @@ def traced() -> Traced:
 
 
 def _engine(tracer: Tracer | None, hbm_entries: float) -> Iterator[RankerEngine]:
-    """The engine as the ranker server builds it (its host copies traced as tier moves)."""
+    """The engine as the ranker server builds it (its host copies traced as tier moves), observed
+    through OpenTelemetry when there is a tracer."""
     mib = (TOKENS + 4) * MODEL.cfg.cache_bytes_per_token / MIB
     cfg = RankerConfig(
         plaintext=True, hbm_budget_mb=hbm_entries * mib, dram_budget_mb=8 * mib,
         relay_window_ms=60_000, prefill_chunk_tokens=64,
     )  # fmt: skip
-    engine = build_engine(cfg, MODEL, COST, tracer=tracer)
+    observer = None if tracer is None else TracingObserver(tracer)
+    engine = build_engine(cfg, MODEL, COST, observer=observer)
     try:
         yield engine
     finally:

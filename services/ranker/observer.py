@@ -1,0 +1,122 @@
+"""What the ranker engine reports as it serves (waits, compute, relay links): port and no-op."""
+
+from contextlib import AbstractContextManager, nullcontext
+from enum import StrEnum
+from typing import NewType, Protocol
+
+from relaygr.behaviours import Prefix, RankInput
+from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.prefix_kv import PrefixKV
+from services.ranker.scheduler import Job
+
+# Who produced or last relayed a prefix cache, as the observer that made it sees it: opaque to the
+# engine and the KV store, which only carry it from the producing request to the consuming Rank
+# (and compare two for equality: the same producer gives equal origins).
+Origin = NewType("Origin", object)
+
+
+class Operation(StrEnum):
+    """The request that produces a prefix: the `operation` of its origin."""
+
+    PRE_INFER = "pre_infer"
+    RANK = "rank"
+
+
+class Work(StrEnum):
+    """A job the engine runs on the compute scheduler."""
+
+    PREFILL = "prefill"
+    EXTEND = "extend"
+    RELOAD = "reload"  # a host (DRAM) copy brought back to the device
+    RANK = "rank"  # scoring against a device-resident prefix
+    FULL_FORWARD = "full_forward"  # a bypass Rank: full inference, nothing cached
+
+
+class EngineObserver(Protocol):
+    """The engine's hooks, called on its event loop in the context of the request concerned.
+
+    A job hook runs once per job, when it finished, failed or was cancelled; the job's times
+    (`submitted_ns`, `started_ns`, `finished_ns`; 0: not reached) say how far it got.
+    """
+
+    def origin(self, operation: Operation) -> Origin | None:
+        """The current request as the origin of a prefix it stores; None: nothing to link to."""
+        ...
+
+    def waiting_inflight(self) -> AbstractContextManager[object]:
+        """Held while a request waits for the in-flight computation of its prefix."""
+        ...
+
+    def ranked(self, job: Job, work: Work) -> None:
+        """A scoring job (RANK or FULL_FORWARD) ended."""
+        ...
+
+    def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
+        """A PREFILL, EXTEND or RELOAD job made `kv` device-resident (`computed_tokens` of its
+        tokens were computed: 0 for a reload). One call per computation, however many requests
+        waited for it."""
+        ...
+
+    def prefix_failed(self, job: Job, work: Work) -> None:
+        """A PREFILL, EXTEND or RELOAD job failed or was cancelled."""
+        ...
+
+    def pre_infer_served(
+        self, prefix: Prefix, outcome: PreInferOutcome, kv: PrefixKV, window_s: float
+    ) -> None:
+        """A PreInfer left `kv` pinned on the device for `window_s`."""
+        ...
+
+    def rank_served(
+        self,
+        request: RankInput,
+        outcome: CacheOutcome,
+        computed_tokens: int,
+        consumed: Origin | None,
+    ) -> None:
+        """A Rank scored its candidates; `consumed`: the origin of the prefix cache it used, when
+        another request produced it."""
+        ...
+
+    def demoting(self, kv: PrefixKV) -> AbstractContextManager[object]:
+        """Held while an evicted device prefix is copied to host memory."""
+        ...
+
+
+_NOTHING: nullcontext[None] = nullcontext(None)
+
+
+class NoopObserver:
+    """Observes nothing, allocates nothing: origins are None, so caches carry no origin."""
+
+    def origin(self, operation: Operation) -> Origin | None:
+        return None
+
+    def waiting_inflight(self) -> AbstractContextManager[object]:
+        return _NOTHING
+
+    def ranked(self, job: Job, work: Work) -> None:
+        pass
+
+    def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
+        pass
+
+    def prefix_failed(self, job: Job, work: Work) -> None:
+        pass
+
+    def pre_infer_served(
+        self, prefix: Prefix, outcome: PreInferOutcome, kv: PrefixKV, window_s: float
+    ) -> None:
+        pass
+
+    def rank_served(
+        self,
+        request: RankInput,
+        outcome: CacheOutcome,
+        computed_tokens: int,
+        consumed: Origin | None,
+    ) -> None:
+        pass
+
+    def demoting(self, kv: PrefixKV) -> AbstractContextManager[object]:
+        return _NOTHING

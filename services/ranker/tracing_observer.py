@@ -1,0 +1,137 @@
+"""The engine's observer over OpenTelemetry: its spans, their attributes and the relay links."""
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from opentelemetry.trace import SpanContext, Tracer
+
+from relaygr.behaviours import Prefix, RankInput
+from relaygr.tracing import (
+    Attributes,
+    annotate,
+    child_span,
+    link_current,
+    record_span,
+    recording,
+    sampled_span_context,
+)
+from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
+from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.prefix_kv import PrefixKV
+from services.ranker.scheduler import Job
+
+
+@dataclass(frozen=True, slots=True)
+class SpanOrigin:
+    """The origin this observer makes: the span of the producing request, for a Rank to link."""
+
+    span_context: SpanContext
+    operation: Operation
+
+
+def engine_observer(tracer: Tracer | None) -> EngineObserver:
+    """The observer for a service's tracer: spans with one, nothing at all without (None)."""
+    return NoopObserver() if tracer is None else TracingObserver(tracer)
+
+
+class TracingObserver:
+    """Spans under the current (sampled) request span; nothing for an unsampled request.
+
+    A job's queue wait is a `ranker.queue` span and its compute a `ranker.<work>` span, both
+    timed by the compute worker. A Rank links to the span whose prefix cache it consumed.
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+
+    def origin(self, operation: Operation) -> Origin | None:
+        span_context = sampled_span_context()
+        return None if span_context is None else Origin(SpanOrigin(span_context, operation))
+
+    def waiting_inflight(self) -> AbstractContextManager[object]:
+        return child_span(self._tracer, "ranker.wait_inflight")
+
+    def ranked(self, job: Job, work: Work) -> None:
+        self._record_job(job, work)
+
+    def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
+        if not recording(self._tracer):
+            return
+        attributes: Attributes = {
+            "relaygr.tokens.computed": computed_tokens,
+            "relaygr.tokens.prefix": kv.num_tokens,
+            "relaygr.kv.bytes": kv.nbytes,
+            "relaygr.job.chunks": max(job.steps_run, 1),
+        }
+        if work is Work.RELOAD:
+            attributes = {**attributes, "relaygr.kv.from": "dram", "relaygr.kv.to": "hbm"}
+        self._record_job(job, work, attributes)
+
+    def prefix_failed(self, job: Job, work: Work) -> None:
+        self._record_job(job, work, {"error": True})
+
+    def pre_infer_served(
+        self, prefix: Prefix, outcome: PreInferOutcome, kv: PrefixKV, window_s: float
+    ) -> None:
+        if sampled_span_context() is None:
+            return
+        annotate(
+            {
+                "relaygr.user_id": prefix.user_id,
+                "relaygr.pre_infer.outcome": outcome.value,
+                "relaygr.tokens.prefix": kv.num_tokens,
+                "relaygr.kv.bytes": kv.nbytes,
+                "relaygr.relay.window_ms": window_s * 1e3,
+            }
+        )
+
+    def rank_served(
+        self,
+        request: RankInput,
+        outcome: CacheOutcome,
+        computed_tokens: int,
+        consumed: Origin | None,
+    ) -> None:
+        if not recording(self._tracer):
+            return
+        annotate(
+            {
+                "relaygr.user_id": request.prefix.user_id,
+                "relaygr.cache.outcome": outcome.value,
+                "relaygr.tokens.prefix": request.prefix.num_tokens,
+                "relaygr.tokens.computed": computed_tokens,
+                "relaygr.candidates": len(request.candidates),
+            }
+        )
+        if isinstance(consumed, SpanOrigin):
+            link_current(
+                consumed.span_context,
+                {"relaygr.link": "relay", "relaygr.relay.producer": consumed.operation.value},
+            )
+
+    def demoting(self, kv: PrefixKV) -> AbstractContextManager[object]:
+        # A tier move (HBM eviction keeping a host copy), traced under the request causing it.
+        attributes: Attributes = {
+            "relaygr.kv.bytes": kv.nbytes,
+            "relaygr.tokens.prefix": kv.num_tokens,
+            "relaygr.kv.to": "dram",
+        }
+        return child_span(self._tracer, "ranker.demote", attributes)
+
+    def _record_job(self, job: Job, work: Work, attributes: Attributes | None = None) -> None:
+        """Spans for a job's wait in the queue and its compute, timed by the worker."""
+        if not recording(self._tracer):
+            return
+        now = time.time_ns()
+        queue_attributes: Attributes = {
+            "relaygr.job": job.name,
+            "relaygr.priority": job.priority.name.lower(),
+        }
+        record_span(
+            self._tracer, "ranker.queue", job.submitted_ns, job.started_ns or now, queue_attributes
+        )
+        if job.started_ns:
+            record_span(
+                self._tracer, f"ranker.{work}", job.started_ns, job.finished_ns or now, attributes
+            )
