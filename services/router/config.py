@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions
+from services.router.forward import ForwardSettings
 
 ENV_PREFIX = "RELAYGR_ROUTER_"
 
@@ -65,3 +66,13 @@ class RouterConfig(ServiceOptions):
         if not self.etcd_endpoints:
             raise ConfigError("router etcd_endpoints must name at least one host:port")
         self.check_service("router")  # last: a field's own error is named first
+
+    def forward_settings(self) -> ForwardSettings:
+        """The forwarder's settings: windows and delays in seconds, a hedge delay of 0 as None."""
+        return ForwardSettings(
+            load_epsilon=self.load_epsilon,
+            load_floor=self.load_floor,
+            relay_window_s=self.relay_window_ms / 1e3,
+            rank_hedge_s=self.rank_hedge_ms / 1e3 or None,
+            random_placement=self.placement is PlacementMode.RANDOM,
+        )

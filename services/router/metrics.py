@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics, read from its own counters and views when scraped."""
+"""The router's Prometheus metrics, read from its own stats and views when scraped."""
 
 from collections.abc import Callable, Iterator, Mapping
 
@@ -8,9 +8,8 @@ from prometheus_client.metrics_core import Metric
 from relaygr.cluster import RankerRecord
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
 from relaygr.placement import Reason
+from services.router.forward import Method, RankRoute
 from services.router.service import RouterServicer
-
-_METHODS = ("PreInfer", "Rank")
 
 
 def register_router_metrics(
@@ -19,23 +18,19 @@ def register_router_metrics(
     view: Callable[[], Mapping[str, RankerRecord]],
     etcd_connected: Callable[[], bool],
 ) -> None:
-    """Expose `servicer`'s counters, the membership `view` and etcd reachability in `registry`."""
+    """Expose `servicer`'s stats, the membership `view` and etcd reachability in `registry`."""
 
     def collect() -> Iterator[Metric]:
         yield from connectivity(etcd_connected(), len(view()))
-        counts = servicer.counters
+        stats = servicer.stats
         placements: dict[tuple[str, str], float] = {
-            ("PreInfer", reason.value): counts[f"placed_{reason}"] for reason in Reason
+            (Method.PRE_INFER.value, reason.value): stats.placed[reason] for reason in Reason
         }
         placements.update(
-            {("Rank", route): servicer.rank_routes[route] for route in ("directory", "hash")}
+            {(Method.RANK.value, route.value): stats.rank_routes[route] for route in RankRoute}
         )
         placements.update(
-            {
-                (m, "random"): counts[f"placed_random_{m}"]
-                for m in _METHODS
-                if counts[f"placed_random_{m}"]
-            }
+            {(m.value, "random"): stats.placed_random[m] for m in Method if stats.placed_random[m]}
         )
         yield counter(
             "relaygr_router_placements",
@@ -49,27 +44,27 @@ def register_router_metrics(
             "relaygr_router_forwarded",
             "Calls to rankers by method and the ranker's status code (failed-over attempts too)",
             ["method", "code"],
-            dict(servicer.forwarded),
+            {(m.value, code.value): n for (m, code), n in stats.forwarded.items()},
         )
         yield counter(
             "relaygr_router_failovers",
             "Requests served by a ranker after an earlier one could not (fallback: a miss)",
             ["method"],
-            {(m,): counts[f"{m}_failed_over"] for m in _METHODS},
+            {(m.value,): stats.failed_over[m] for m in Method},
         )
         yield counter(
             "relaygr_router_hedges",
             "Ranks also sent to the next ranker after rank_hedge_ms without an answer",
             ["method"],
-            {(m,): counts[f"{m}_hedged"] for m in _METHODS},
+            {(m.value,): stats.hedged[m] for m in Method},
         )
         yield counter(
             "relaygr_router_directory_writes",
             "Placements written to the etcd directory (failed: etcd unreachable)",
             ["result"],
             {
-                ("written",): counts["directory_writes"],
-                ("failed",): counts["directory_write_failures"],
+                ("written",): stats.directory_writes,
+                ("failed",): stats.directory_write_failures,
             },
         )
         yield gauge(

@@ -3,7 +3,6 @@
 import asyncio
 import logging
 import os
-import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
 from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
-from services.router.config import ENV_PREFIX, PlacementMode, RouterConfig
+from services.router.config import ENV_PREFIX, RouterConfig
 from services.router.limits import RequestLimits
 from services.router.metrics import register_router_metrics
 from services.router.service import SERVICE_NAME, RouterServicer
@@ -72,14 +71,11 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
     cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
     pool = RankerPool(options.channel_args()[:2], cfg, telemetry.client_interceptors())
-    randomly = random.Random().randrange if cfg.placement is PlacementMode.RANDOM else None
-    servicer = RouterServicer(
-        cluster, cluster, pool, cfg.load_epsilon, cfg.load_floor, cfg.relay_window_ms / 1e3,
-        randomly=randomly, limits=RequestLimits(cfg.max_tokens, cfg.max_candidates),
-        tracer=telemetry.tracer, rank_hedge_s=cfg.rank_hedge_ms / 1e3 or None,
-    )  # fmt: skip
+    settings = cfg.forward_settings()
+    limits = RequestLimits(cfg.max_tokens, cfg.max_candidates)
+    servicer = RouterServicer(cluster, cluster, pool, settings, limits, telemetry.tracer)
     register_router_metrics(telemetry.registry, servicer, cluster.view, lambda: etcd.connected)
-    if randomly is not None:
+    if settings.random_placement:
         _log.warning("placement is RANDOM: PreInfer and Rank ignore affinity (ablation only)")
     server, metrics_server = await start_service_servers(
         cfg,

@@ -4,7 +4,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.context import Context
@@ -57,6 +57,16 @@ class Failure:
     details: str
 
 
+@dataclass(slots=True)
+class DispatchStats:
+    """What the dispatcher's workers saw end: `failed` jobs by the status they failed with, and
+    jobs `cancelled` at shutdown (still queued or in flight). Successes are the outcome
+    handler's to count (the trigger's `stats.relayed`)."""
+
+    failed: Counter[grpc.StatusCode] = field(default_factory=Counter)
+    cancelled: int = 0
+
+
 class Dispatcher:
     """A bounded queue of admitted PreInfers and `concurrency` workers sending them.
 
@@ -64,8 +74,7 @@ class Dispatcher:
     tasks stay bounded whatever the event rate; `submit` never blocks and answers False when the
     queue is full (the caller counts the drop). Every job submitted reaches `on_outcome` exactly
     once, with the reply or the failure (deadline included), unless `stop` cancels it;
-    `counters` tallies "failed_<STATUS>" and "cancelled" (successes are the outcome handler's
-    to count: the trigger's `counters["relayed"]`).
+    `stats` tallies failures by status and cancellations.
     """
 
     def __init__(self, send: Send, capacity: int, concurrency: int) -> None:
@@ -75,7 +84,7 @@ class Dispatcher:
         self._concurrency = concurrency
         self._workers: list[asyncio.Task[None]] = []
         self._in_flight = 0
-        self.counters: Counter[str] = Counter()
+        self.stats = DispatchStats()
 
     def start(self, on_outcome: Outcome) -> None:
         self._on_outcome = on_outcome
@@ -115,7 +124,7 @@ class Dispatcher:
         """Cancel the workers; jobs still queued or in flight are counted as cancelled."""
         workers, self._workers = self._workers, []
         await cancel_and_wait(*workers)
-        self.counters["cancelled"] += self._queue.qsize()
+        self.stats.cancelled += self._queue.qsize()
 
     async def _work(self) -> None:
         while True:
@@ -125,7 +134,7 @@ class Dispatcher:
                 with attached(job.trace_context):
                     reply = await self._send(job.pre_infer(), job.relay_window_ms / 1e3)
             except asyncio.CancelledError:
-                self.counters["cancelled"] += 1
+                self.stats.cancelled += 1
                 raise
             except grpc.aio.AioRpcError as err:
                 self._fail(job, Failure(err.code(), err.details() or ""))
@@ -139,7 +148,7 @@ class Dispatcher:
                 self._queue.task_done()
 
     def _fail(self, job: Job, failure: Failure) -> None:
-        self.counters[f"failed_{failure.code.name}"] += 1
+        self.stats.failed[failure.code] += 1
         self._report(job, None, failure)
 
     def _report(

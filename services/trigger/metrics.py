@@ -1,4 +1,4 @@
-"""The trigger's Prometheus metrics, read from its own counters and views when scraped."""
+"""The trigger's Prometheus metrics, read from its own stats and views when scraped."""
 
 from collections.abc import Callable, Iterator, Mapping
 
@@ -11,15 +11,6 @@ from services.trigger.dispatch import Dispatcher
 from services.trigger.policy import Reason
 from services.trigger.service import TriggerServicer
 
-# dispatch outcome label -> the servicer's counter (or the dispatcher's, for "cancelled")
-_DISPATCH_OUTCOMES = {
-    "relayed": "relayed",
-    "refused": "refused",
-    "failed": "dispatch_failed",
-    "dropped": "dispatch_dropped",
-}
-_FAILED = "failed_"
-
 
 def register_trigger_metrics(
     registry: CollectorRegistry,
@@ -28,20 +19,25 @@ def register_trigger_metrics(
     view: Callable[[], Mapping[str, RankerRecord]],
     etcd_connected: Callable[[], bool],
 ) -> None:
-    """Expose the servicer's and dispatcher's counters, the membership `view` and etcd
+    """Expose the servicer's and dispatcher's stats, the membership `view` and etcd
     reachability in `registry`."""
 
     def collect() -> Iterator[Metric]:
         yield from connectivity(etcd_connected(), len(view()))
-        counts = servicer.counters
+        stats = servicer.stats
         yield counter(
             "relaygr_trigger_admissions",
             "Retrieval events decided, by admission reason (admitted: relayed)",
             ["reason"],
-            {(reason.value,): counts[reason] for reason in Reason},
+            {(reason.value,): stats.decisions[reason] for reason in Reason},
         )
-        outcomes = {(label,): counts[key] for label, key in _DISPATCH_OUTCOMES.items()}
-        outcomes["cancelled",] = dispatcher.counters["cancelled"]
+        outcomes = {
+            ("relayed",): stats.relayed,
+            ("refused",): stats.refused,
+            ("failed",): stats.dispatch_failed,
+            ("dropped",): stats.dispatch_dropped,
+            ("cancelled",): dispatcher.stats.cancelled,
+        }
         yield counter(
             "relaygr_trigger_dispatches",
             "Admitted PreInfers by outcome (relayed: resident on a ranker; refused: no room; "
@@ -54,11 +50,7 @@ def register_trigger_metrics(
             "relaygr_trigger_dispatch_failures",
             "PreInfers the router answered with an error, by status code",
             ["code"],
-            {
-                (key.removeprefix(_FAILED),): value
-                for key, value in dispatcher.counters.items()
-                if key.startswith(_FAILED)
-            },
+            {(code.name,): n for code, n in dispatcher.stats.failed.items()},
         )
         yield gauge(
             "relaygr_trigger_dispatch_queue_depth",

@@ -4,6 +4,7 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.trace import Tracer
@@ -26,13 +27,27 @@ _REASON = {
 }
 
 
+@dataclass(slots=True)
+class TriggerStats:
+    """The trigger's tallies: `decisions` answered, by reason (after a dropped dispatch turned
+    ADMITTED into LOAD_LIMIT); admitted relays by outcome: `relayed` (resident on a ranker),
+    `refused` (no room), `dispatch_failed` (any other error), `dispatch_dropped` (the dispatch
+    queue was full)."""
+
+    decisions: Counter[Reason] = field(default_factory=Counter)
+    relayed: int = 0
+    refused: int = 0
+    dispatch_failed: int = 0
+    dispatch_dropped: int = 0
+
+
 class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
     """Validates a retrieval event, asks the policy, queues an admitted relay, answers.
 
     OnRetrieval does no I/O: the membership and directory are local watched views and the
     PreInfer goes through `dispatcher`. An admitted relay the dispatch queue cannot take is
-    answered LOAD_LIMIT and counted in `counters["dispatch_dropped"]`. `counters` also tallies
-    decisions by reason and dispatch outcomes ("relayed", "refused", "dispatch_failed").
+    answered LOAD_LIMIT and counted in `stats.dispatch_dropped`; `stats` also tallies decisions
+    by reason and dispatch outcomes.
     """
 
     def __init__(
@@ -56,7 +71,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         self._directory = directory
         self._dispatcher = dispatcher
         self._clock = clock
-        self.counters: Counter[str] = Counter()
+        self.stats = TriggerStats()
 
     async def OnRetrieval(
         self, request: trigger_pb2.RetrievalEvent, context: grpc.aio.ServicerContext
@@ -66,7 +81,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
             decision = self.policy.decide(event, self._target(request.user_id), self._clock())
             if decision.admitted and not self._dispatch(request, decision):
                 self.policy.ledger.fail(request.user_id, decision.digest)
-                self.counters["dispatch_dropped"] += 1
+                self.stats.dispatch_dropped += 1
                 decision = Decision(Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target)
             if span is not None:
                 span.set_attributes(
@@ -81,7 +96,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
                         "relaygr.admission.prefill_ms": decision.prefill_ms,
                     }
                 )
-        self.counters[decision.reason] += 1
+        self.stats.decisions[decision.reason] += 1
         return trigger_pb2.TriggerDecision(
             request_id=request.request_id,
             admitted=decision.admitted,
@@ -133,13 +148,13 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         now = self._clock()
         ledger = self.policy.ledger
         if reply is not None:
-            self.counters["relayed"] += 1
+            self.stats.relayed += 1
             ledger.settle(job.user_id, job.decision.digest, reply.instance_id, reply.kv_bytes, now)
         elif failure is not None and _refused_for_room(failure):
-            self.counters["refused"] += 1
+            self.stats.refused += 1
             self.policy.refused(job.decision, job.user_id, now)
         else:
-            self.counters["dispatch_failed"] += 1
+            self.stats.dispatch_failed += 1
             ledger.fail(job.user_id, job.decision.digest)
 
 

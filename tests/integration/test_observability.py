@@ -165,7 +165,7 @@ def test_a_relay_is_two_traces_linked_at_the_ranker(
             decision = await mesh.trigger_stub.OnRetrieval(_event(user))
             assert decision.admitted and decision.target_instance == "r0"
             servicer = mesh.trigger.servicer
-            await eventually(lambda: servicer.counters["relayed"] == 1, "relay landed", 60)
+            await eventually(lambda: servicer.stats.relayed == 1, "relay landed", 60)
             request = rank_request_to_proto(rank_input(rng, user, n_short=16, n_candidates=16))
             reply = await mesh.router_stub.Rank(request)
             assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
@@ -298,7 +298,7 @@ def test_metrics_move_with_a_known_sequence(
             for p in [*longs, short]:
                 await mesh.trigger_stub.OnRetrieval(_event(p))
             servicer = mesh.trigger.servicer
-            await eventually(lambda: servicer.counters["relayed"] == 2, "relays landed", 60)
+            await eventually(lambda: servicer.stats.relayed == 2, "relays landed", 60)
             again = await mesh.trigger_stub.OnRetrieval(_event(longs[0]))
             assert again.reason == trigger_pb2.ADMISSION_REASON_ALREADY_CACHED
             outcomes = []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from relaygr.etcd import EtcdClient
-from relaygr.placement import ranking
+from relaygr.placement import Reason, ranking
 from relaygr.v1 import common_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.model import RankingModel
@@ -93,7 +93,7 @@ def test_spilled_users_still_meet_their_cache(
                 ranked = await b.Rank(rank_request_to_proto(request))
                 assert ranked.cache_outcome == HIT and ranked.instance_id != "r0"
                 assert rel_err(_scores(ranked), model.full_forward(request).numpy()) <= 1e-5
-            assert router_a.servicer.counters["placed_spilled"] == len(owned)
+            assert router_a.servicer.stats.placed[Reason.SPILLED] == len(owned)
 
     asyncio.run(scenario())
 

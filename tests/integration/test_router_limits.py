@@ -12,25 +12,37 @@ import pytest
 
 from relaygr.behaviours import Prefix, RankInput
 from relaygr.cluster import PlacementRecord
-from relaygr.placement import ranking
+from relaygr.placement import Reason, ranking
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from services.router.forward import RouterStats
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.ranker_harness import BASE, poll, tiny_model
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
-REASONS = ("hash", "spilled", "directory")  # relaygr/placement.py Reason
 
 
 def _scores(reply: common_pb2.RankReply) -> np.ndarray:
     return np.array([list(t.scores) for t in reply.scores])
 
 
-def _placements(counters: Counter[str]) -> Counter[str]:
-    """The router's placement counters by reason."""
-    return Counter({reason: counters[f"placed_{reason}"] for reason in REASONS})
+def _placements(stats: RouterStats) -> Counter[str]:
+    """The router's PreInfer placements by reason."""
+    return Counter({reason.value: stats.placed[reason] for reason in Reason})
+
+
+def _placed_nothing(stats: RouterStats) -> bool:
+    """No request placed, failed over or hedged, no directory write (Ranks may be routed)."""
+    return not (
+        stats.placed
+        or stats.placed_random
+        or stats.failed_over
+        or stats.hedged
+        or stats.directory_writes
+        or stats.directory_write_failures
+    )
 
 
 def _bound(total: int, n: int, epsilon: float, floor: float) -> int:
@@ -92,7 +104,7 @@ def test_zipf_traffic_never_pushes_a_ranker_past_the_load_bound(
             writes_due = pinned = pinned_writes = yielded = yielded_to_owner = 0
             for step, user in enumerate(users):
                 before = Counter(servicer.load.loads())
-                placed = _placements(servicer.counters)
+                placed = _placements(servicer.stats)
                 puts = cluster.writes["put"]
                 entry = cluster.entry(user)
                 assert (None if entry is None else entry.instance_id) == directory.get(user)
@@ -104,7 +116,7 @@ def test_zipf_traffic_never_pushes_a_ranker_past_the_load_bound(
                 last[user] = (chosen, p)
                 after = Counter(servicer.load.loads())
                 assert after == before + Counter([chosen]), (step, before, after, chosen)
-                reasons = list((_placements(servicer.counters) - placed).elements())
+                reasons = list((_placements(servicer.stats) - placed).elements())
                 order = ranking(user, names)
                 bound = _bound(before.total() + 1, len(names), epsilon, floor)
                 where = (step, user, order, entry, dict(before), bound)
@@ -127,19 +139,19 @@ def test_zipf_traffic_never_pushes_a_ranker_past_the_load_bound(
                 writes_due += due
                 pinned += entry is not None
                 pinned_writes += entry is not None and due
-            counters = servicer.counters
+            stats = servicer.stats
             writes = cluster.writes["put"]
             print(
-                f"placements {dict(counters)}; {writes} directory writes for {len(users)} "
+                f"placements {dict(stats.placed)}; {writes} directory writes for {len(users)} "
                 f"PreInfers, {pinned} of them pinned by the directory ({yielded} of those "
                 f"found their instance full, {pinned_writes} wrote)"
             )
-            assert counters["placed_spilled"] > 0 and counters["placed_directory"] > 0
-            assert writes == writes_due == counters["directory_writes"]
+            assert stats.placed[Reason.SPILLED] > 0 and stats.placed[Reason.DIRECTORY] > 0
+            assert writes == writes_due == stats.directory_writes
             # A PreInfer that followed the directory wrote nothing; one whose entry's instance
             # was full moved its user, and wrote. The other writes are the spills.
             assert pinned_writes == yielded
-            assert writes == counters["placed_spilled"] + yielded_to_owner
+            assert writes == stats.placed[Reason.SPILLED] + yielded_to_owner
             # So hot users' repeated PreInfers do not each write: in 20,000 simulated draws
             # pinned PreInfers outnumbered writes at least 1.5 to 1 (7.6 to 1 at the median).
             assert writes < pinned, (writes, pinned)
@@ -211,7 +223,7 @@ def test_bad_input_gets_the_rankers_status_through_the_router(
                         assert status == (own.value.code(), own.value.details()), method
             finally:
                 await channel.close()
-            assert not servicer.load.loads() and not servicer.counters  # nothing placed
+            assert not servicer.load.loads() and _placed_nothing(servicer.stats)  # nothing placed
             # Over the router's 1 MiB limit (the ranker's is 16): refused before any ranker.
             huge_rank = rank_request_to_proto(good)
             huge_rank.candidate_ids[:] = range(2**60, 2**60 + 300_000)  # 2.7 MB
@@ -260,7 +272,7 @@ def test_a_request_every_ranker_refuses_as_too_large_is_resource_exhausted(
                 for name in ("r0", "r1"):
                     assert f"{name}: RESOURCE_EXHAUSTED" in details, details
             assert not servicer.load.loads()
-            assert not any(key.startswith("placed_") for key in servicer.counters)
+            assert not servicer.stats.placed and not servicer.stats.placed_random
             await router.PreInfer(pre_infer_request_to_proto(good.prefix))
             reply = await router.Rank(rank_request_to_proto(good))
             assert reply.cache_outcome == HIT

@@ -18,6 +18,7 @@ from relaygr.local.mesh import LocalMesh
 from relaygr.tls import PLAINTEXT, ClientTls, TlsSettings, open_blocking_channel, open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.wire import rank_request_to_proto
+from services.router.forward import RouterStats
 from tests.integration.etcd_server import started_etcd
 from tests.integration.mesh_harness import running_mesh
 from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
@@ -101,12 +102,12 @@ def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_relay_ru
                         rank_request_to_proto(request), timeout=10
                     )
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert not mesh.routers[0].servicer.counters  # nothing reached the router
+            assert mesh.routers[0].servicer.stats == RouterStats()  # nothing reached the router
 
             decision = await trigger.OnRetrieval(retrieval_event(request, "r1"))
             assert decision.admitted, decision
             servicer = mesh.triggers[0].servicer
-            await eventually(lambda: servicer.counters["relayed"] == 1, "relayed over TLS")
+            await eventually(lambda: servicer.stats.relayed == 1, "relayed over TLS")
             reply = await router.Rank(rank_request_to_proto(request))
             assert reply.instance_id == decision.target_instance
             assert reply.cache_outcome == HIT

@@ -13,6 +13,7 @@ from relaygr.etcd import EtcdClient
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
+from services.trigger.policy import Reason as Decided
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import tiny_model
@@ -73,7 +74,7 @@ def test_long_sequences_are_relayed_and_short_ones_ranked_in_full(
                 assert not decision.admitted
                 assert decision.reason == Reason.ADMISSION_REASON_NOT_AT_RISK
                 assert 0 < decision.predicted_full_ms <= SLO["slo_ms"] - SLO["margin_ms"]
-            await eventually(lambda: servicer.counters["relayed"] == len(longs), "relays done")
+            await eventually(lambda: servicer.stats.relayed == len(longs), "relays done")
             again = await trigger.OnRetrieval(_event(longs[0]))
             assert again.reason == Reason.ADMISSION_REASON_ALREADY_CACHED
             router = mesh.stubs[0]
@@ -85,9 +86,9 @@ def test_long_sequences_are_relayed_and_short_ones_ranked_in_full(
                 reply = await router.Rank(rank_request_to_proto(request))
                 assert reply.cache_outcome == outcome, p.user_id
                 assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-            assert servicer.counters["admitted"] == len(longs)
-            assert servicer.counters["not_at_risk"] == len(shorts)
-            assert servicer.counters["already_cached"] == 1
+            assert servicer.stats.decisions[Decided.ADMITTED] == len(longs)
+            assert servicer.stats.decisions[Decided.NOT_AT_RISK] == len(shorts)
+            assert servicer.stats.decisions[Decided.ALREADY_CACHED] == 1
 
     asyncio.run(scenario())
 
@@ -118,9 +119,9 @@ def test_a_burst_never_overfills_a_ranker(
             assert all(1 <= n <= 3 for n in per_ranker.values()), per_ranker
             assert {d.reason for d in decisions if not d.admitted} == {expected}
             await eventually(
-                lambda: servicer.counters["relayed"] == len(admitted), "admitted relays done"
+                lambda: servicer.stats.relayed == len(admitted), "admitted relays done"
             )
-            assert servicer.counters["refused"] == servicer.counters["dispatch_failed"] == 0
+            assert servicer.stats.refused == servicer.stats.dispatch_failed == 0
             for name, ranker_server in mesh.rankers.items():
                 assert ranker_server.engine is not None
                 usage = ranker_server.engine.store.usage(Tier.HBM)
@@ -166,12 +167,12 @@ def test_ranking_is_unaffected_when_the_trigger_cannot_relay(
                 # 2 in flight + 4 queued; the rest are answered LOAD_LIMIT, never silently lost
                 assert reasons.count(Reason.ADMISSION_REASON_ADMITTED) == 6, reasons
                 assert reasons.count(Reason.ADMISSION_REASON_LOAD_LIMIT) == 4, reasons
-                assert servicer.counters["dispatch_dropped"] == 4
+                assert servicer.stats.dispatch_dropped == 4
                 await eventually(
-                    lambda: servicer.counters["dispatch_failed"] == 6, "dispatches timed out"
+                    lambda: servicer.stats.dispatch_failed == 6, "dispatches timed out"
                 )
                 dispatcher = mesh.triggers[0].dispatcher
-                assert dispatcher.counters["failed_DEADLINE_EXCEEDED"] == 6
+                assert dispatcher.stats.failed[grpc.StatusCode.DEADLINE_EXCEEDED] == 6
                 assert dispatcher.pending() == 0
                 for p in users:
                     request = rank_input(rng, p, n_short=16, n_candidates=16)

@@ -1,0 +1,364 @@
+"""The router's forwarding engine: route a request, call rankers in turn (retry, hedge), keep books.
+
+No transport and no tracing here: the calls to rankers are injected (`Connect`), their failures
+come back as values (`CallFailed`), and a request ends `Served` or `Refused` with a status the
+servicer turns into the gRPC answer.
+"""
+
+import asyncio
+import enum
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
+from relaygr.errors import Unavailable
+from relaygr.placement import Placement, Reason, directory_write, place, route_rank, shuffled
+from services.router.load import WindowedLoad
+
+_log = logging.getLogger("services.router")
+
+NO_RANKER = "no live ranker: none is registered in the membership view"
+
+
+class Method(enum.StrEnum):
+    """The RouterService methods, each forwarded to the RankerService method of the same name."""
+
+    PRE_INFER = "PreInfer"
+    RANK = "Rank"
+
+
+class RankRoute(enum.StrEnum):
+    """Where a Rank's order came from: the directory's entry for the user, or the plain hash."""
+
+    DIRECTORY = "directory"
+    HASH = "hash"
+
+
+class Status(enum.StrEnum):
+    """A call's status, by gRPC status code name (this module stays free of grpc)."""
+
+    OK = "OK"
+    CANCELLED = "CANCELLED"
+    UNKNOWN = "UNKNOWN"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+    UNAVAILABLE = "UNAVAILABLE"
+    DATA_LOSS = "DATA_LOSS"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+
+# A ranker answering these cannot serve this request now; another one can (by full inference
+# at worst). Every other status is the caller's answer and passes through unchanged.
+TRY_NEXT = frozenset({Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
+
+
+@dataclass(frozen=True, slots=True)
+class CallFailed:
+    """A ranker's error answer to one call."""
+
+    status: Status
+    details: str | None
+
+
+# One call to a ranker: (serialized request, timeout in seconds or None) -> the serialized reply,
+# or the ranker's error. Any other exception is a bug or a shutdown and propagates.
+RankerCall = Callable[[bytes, float | None], Awaitable[bytes | CallFailed]]
+# The call of `method` on the ranker at an address.
+Connect = Callable[[str, Method], RankerCall]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardSettings:
+    """The router's forwarding settings (`RouterConfig.forward_settings` builds them).
+
+    `load_epsilon` and `load_floor` bound a ranker's load (`relaygr.placement.load_bound`);
+    `relay_window_s` is the load window and a directory entry's lifetime; `rank_hedge_s` (None:
+    never) sends a Rank unanswered that long to the next ranker too; `random_placement` turns
+    affinity off (the ablation: PreInfer and Rank each go to a ranker drawn at random).
+    """
+
+    load_epsilon: float
+    load_floor: float
+    relay_window_s: float
+    rank_hedge_s: float | None = None
+    random_placement: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The rankers a request tries, in `order`, and why the first was chosen.
+
+    `reason` is None under random placement. A PreInfer placed by affinity also carries its
+    `placement` (the owner among it) and `known`, the user's directory entry when it was routed
+    as (instance, expires_at), which decide whether the directory must be written once served.
+    """
+
+    method: Method
+    user: str
+    order: tuple[str, ...]
+    view: Mapping[str, RankerRecord]
+    reason: Reason | RankRoute | None
+    placement: Placement | None = None
+    known: tuple[str, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A ranker's reply: from `instance` after `attempts` calls; `fallback` when it is not the
+    first ranker of the route (the prefix cache, if any, was elsewhere)."""
+
+    reply: bytes
+    instance: str
+    attempts: int
+    fallback: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """No ranker served the request: the caller's answer is `status` with `message`."""
+
+    status: Status
+    message: str
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """What the router did, by typed key; metrics read it by attribute.
+
+    `placed`: PreInfers served after affinity placement, by why their first ranker was chosen.
+    `rank_routes`: Ranks routed by affinity (served or not), by where their order came from.
+    `placed_random`: requests served under random placement, by method.
+    `failed_over`: requests served by a ranker after the first one of their route could not.
+    `hedged`: Ranks also sent to the next ranker after the hedge delay.
+    `forwarded`: every answered call to a ranker by (method, status), failed-over ones included.
+    `directory_writes`, `directory_write_failures`: placements written to the directory, and
+    those lost to an unreachable store.
+    """
+
+    placed: Counter[Reason] = field(default_factory=Counter)
+    rank_routes: Counter[RankRoute] = field(default_factory=Counter)
+    placed_random: Counter[Method] = field(default_factory=Counter)
+    failed_over: Counter[Method] = field(default_factory=Counter)
+    hedged: Counter[Method] = field(default_factory=Counter)
+    forwarded: Counter[tuple[Method, Status]] = field(default_factory=Counter)
+    directory_writes: int = 0
+    directory_write_failures: int = 0
+
+
+class Forwarder:
+    """Places PreInfers by rendezvous hashing with bounded load and sends Ranks after them.
+
+    A request goes `route` -> `forward` -> `settle` (served ones only); `serve` runs all three.
+    Routing reads only local views (membership and directory are watched), never the store. A
+    placement is written to the directory only when the serving ranker is not the user's hash
+    owner and the directory does not already say so for at least half a relay window (see
+    `directory_write`), so store writes follow spill-overs and membership changes, not the
+    request rate. The load of a ranker is the PreInfers this forwarder placed on it within the
+    relay window (`load`).
+    """
+
+    def __init__(
+        self,
+        settings: ForwardSettings,
+        membership: Membership,
+        directory: Directory,
+        connect: Connect,
+        clock: Callable[[], float] = time.time,
+        draw: Callable[[int], int] | None = None,
+    ) -> None:
+        """`clock`: wall-clock seconds (directory expiry, load window). `draw` (an int in
+        [0, n) per call; default a fresh `random.Random`) orders rankers under random
+        placement."""
+        self.settings = settings
+        self._membership = membership
+        self._directory = directory
+        self._connect = connect
+        self._clock = clock
+        self._draw = draw if draw is not None else random.Random().randrange
+        self.load = WindowedLoad(settings.relay_window_s, clock)
+        self.stats = RouterStats()
+
+    async def serve(
+        self,
+        method: Method,
+        user: str,
+        request: bytes,
+        time_remaining: Callable[[], float | None] = lambda: None,
+    ) -> Served | Refused:
+        """Route, forward and settle one request (what the servicer does around its span)."""
+        route = self.route(method, user)
+        if isinstance(route, Refused):
+            return route
+        outcome = await self.forward(route, request, time_remaining)
+        if isinstance(outcome, Served):
+            await self.settle(route, outcome)
+        return outcome
+
+    def route(self, method: Method, user: str) -> Route | Refused:
+        """The rankers to try for `user`'s request, in order; a PreInfer with no live ranker to
+        place it on is refused at once (an empty route is refused by `forward`)."""
+        view = self._membership.view()
+        if self.settings.random_placement:
+            return Route(method, user, tuple(shuffled(view, self._draw)), view, None)
+        if method is Method.RANK:
+            instance = self._directory.lookup(user)
+            order = route_rank(user, view, {} if instance is None else {user: instance})
+            reason = RankRoute.DIRECTORY if order and order[0] == instance else RankRoute.HASH
+            self.stats.rank_routes[reason] += 1
+            return Route(method, user, tuple(order), view, reason)
+        entry = self._directory.entry(user)
+        hint = {} if entry is None else {user: entry.instance_id}
+        s = self.settings
+        placement = place(user, view, self.load.loads(), s.load_epsilon, hint, s.load_floor)
+        if placement is None:
+            return Refused(Status.UNAVAILABLE, NO_RANKER)
+        known = None if entry is None else (entry.instance_id, entry.expires_at)
+        return Route(method, user, placement.order, view, placement.reason, placement, known)
+
+    async def forward(
+        self,
+        route: Route,
+        request: bytes,
+        time_remaining: Callable[[], float | None] = lambda: None,
+    ) -> Served | Refused:
+        """Call the first ranker of `route` that can serve `request`; each call's timeout is
+        `time_remaining()` (None: none) when it starts.
+
+        An affinity-routed Rank unanswered for `rank_hedge_s` is also sent to the next ranker
+        (once); the first reply wins and the other call is cancelled, so a frozen ranker costs
+        a miss rather than the caller's deadline. A ranker's status outside `TRY_NEXT` is the
+        answer at once. When none can serve: RESOURCE_EXHAUSTED if every ranker refused for
+        want of room (the request is too large or too heavy for all of them), else
+        UNAVAILABLE; the message lists each ranker's answer. An empty route is UNAVAILABLE.
+        """
+        if not route.order:
+            return Refused(Status.UNAVAILABLE, NO_RANKER)
+        hedge_s = self.settings.rank_hedge_s
+        if hedge_s is None or route.method is not Method.RANK or route.reason is None:
+            # One call at a time: no task or timer on the common path.
+            failures: list[tuple[str, CallFailed]] = []
+            for attempt, instance in enumerate(route.order, 1):
+                call = self._connect(route.view[instance].address, route.method)
+                answer = await call(request, time_remaining())
+                if not isinstance(answer, CallFailed):
+                    return self._served(route, answer, instance, attempt)
+                if (refused := self._failed(route.method, answer)) is not None:
+                    return refused
+                failures.append((instance, answer))
+        else:
+            hedged = await self._hedged(route, request, time_remaining, hedge_s)
+            if not isinstance(hedged, list):
+                return hedged
+            failures = hedged
+        return _refusal(route.method, failures)
+
+    async def settle(self, route: Route, served: Served) -> None:
+        """Book a served request: its placement's load and count, and the directory write a
+        PreInfer placed off its hash owner needs."""
+        if route.reason is None:
+            self.stats.placed_random[route.method] += 1
+            return
+        if route.placement is None:
+            return  # a Rank: counted when routed
+        self.load.add(served.instance)
+        self.stats.placed[route.placement.reason] += 1
+        window_s = self.settings.relay_window_s
+        owner = route.placement.owner
+        if directory_write(served.instance, owner, route.known, self._clock(), window_s):
+            await self._record(route.user, served.instance)
+
+    async def _hedged(
+        self,
+        route: Route,
+        request: bytes,
+        time_remaining: Callable[[], float | None],
+        hedge_s: float,
+    ) -> Served | Refused | list[tuple[str, CallFailed]]:
+        """`forward` with one hedge: the first reply or passed-through refusal, else the
+        failures of every ranker tried. Calls still running when it returns are cancelled."""
+        waiting = list(route.order)
+        calls: dict[asyncio.Future[bytes | CallFailed], str] = {}
+
+        def launch() -> None:
+            instance = waiting.pop(0)
+            call = self._connect(route.view[instance].address, route.method)
+            calls[asyncio.ensure_future(call(request, time_remaining()))] = instance
+
+        failures: list[tuple[str, CallFailed]] = []
+        hedged = False
+        launch()
+        try:
+            while calls:
+                hedge_now = not hedged and bool(waiting)
+                done, _ = await asyncio.wait(
+                    calls,
+                    timeout=hedge_s if hedge_now else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:  # the call outlived the hedge delay: ask the next ranker too
+                    hedged = True
+                    self.stats.hedged[route.method] += 1
+                    launch()
+                    continue
+                for finished in done:
+                    instance = calls.pop(finished)
+                    answer = finished.result()
+                    if not isinstance(answer, CallFailed):
+                        attempts = len(route.order) - len(waiting)
+                        return self._served(route, answer, instance, attempts)
+                    if (refused := self._failed(route.method, answer)) is not None:
+                        return refused
+                    failures.append((instance, answer))
+                if not calls and waiting:
+                    launch()
+        finally:
+            for call in calls:
+                call.cancel()
+        return failures
+
+    def _failed(self, method: Method, failed: CallFailed) -> Refused | None:
+        """Count a ranker's error; the caller's answer unless another ranker may serve."""
+        self.stats.forwarded[method, failed.status] += 1
+        if failed.status in TRY_NEXT:
+            return None
+        return Refused(failed.status, failed.details or failed.status.value)
+
+    def _served(self, route: Route, reply: bytes, instance: str, attempts: int) -> Served:
+        """Count a reply from `instance` after `attempts` calls."""
+        self.stats.forwarded[route.method, Status.OK] += 1
+        fallback = instance != route.order[0]
+        if fallback:
+            self.stats.failed_over[route.method] += 1
+        return Served(reply, instance, attempts, fallback)
+
+    async def _record(self, user: str, instance: str) -> None:
+        placement = PlacementRecord(user, instance, self._clock() + self.settings.relay_window_s)
+        try:
+            if await self._directory.record(placement, instance):
+                self.stats.directory_writes += 1
+        except Unavailable as err:  # the store is down: affinity may degrade, serving goes on
+            self.stats.directory_write_failures += 1
+            _log.warning("placement of %s on %s not recorded: %s", user, instance, err)
+
+
+def _refusal(method: Method, failures: Sequence[tuple[str, CallFailed]]) -> Refused:
+    """The answer when every ranker tried failed with a status in `TRY_NEXT`."""
+    message = f"no ranker could serve {method}: " + "; ".join(
+        f"{instance}: {failed.status} {failed.details}" for instance, failed in failures
+    )
+    if {failed.status for _, failed in failures} == {Status.RESOURCE_EXHAUSTED}:
+        return Refused(Status.RESOURCE_EXHAUSTED, message)
+    return Refused(Status.UNAVAILABLE, message)
