@@ -5,7 +5,6 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,6 +21,7 @@ from relaygr.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from relaygr.service_options import ServerOptions
 
 _log = logging.getLogger(__name__)
 
@@ -113,35 +113,6 @@ def _guarded(
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__})")
 
     return guarded
-
-
-@dataclass(frozen=True, slots=True)
-class ServerOptions:
-    """Transport limits for one gRPC server; every value must be positive."""
-
-    max_receive_message_bytes: int = 16 * 1024 * 1024
-    max_send_message_bytes: int = 16 * 1024 * 1024
-    max_concurrent_streams: int = 1024
-    # RPCs in progress on the whole server; past it gRPC answers RESOURCE_EXHAUSTED at once.
-    max_concurrent_rpcs: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be a positive number of bytes")
-        if self.max_concurrent_streams <= 0:
-            raise ConfigError("max_concurrent_streams must be a positive integer")
-        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs <= 0:
-            raise ConfigError("max_concurrent_rpcs must be a positive integer")
-
-    def channel_args(self) -> list[tuple[str, int]]:
-        return [
-            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
-            ("grpc.max_send_message_length", self.max_send_message_bytes),
-            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
-            # Without this a second server on the same explicit port would silently share it.
-            ("grpc.so_reuseport", 0),
-        ]
 
 
 class GrpcServer:

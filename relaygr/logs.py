@@ -8,10 +8,8 @@ from typing import Any, TextIO
 
 from opentelemetry import trace
 
-from relaygr.errors import ConfigError
+from relaygr.log_options import check_log_options
 
-LOG_FORMATS = ("json", "text")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is logged.
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
@@ -19,16 +17,6 @@ _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) 
     "asctime",
     "taskName",
 }
-
-
-def check_log_options(level: str, log_format: str, what: str) -> None:
-    """Raise ConfigError naming the valid values when `level` or `log_format` is not one."""
-    if level.upper() not in LOG_LEVELS:
-        raise ConfigError(f"{what} log_level must be one of {list(LOG_LEVELS)}, got {level!r}")
-    if log_format not in LOG_FORMATS:
-        raise ConfigError(
-            f"{what} log_format must be one of {list(LOG_FORMATS)}, got {log_format!r}"
-        )
 
 
 class JsonFormatter(logging.Formatter):

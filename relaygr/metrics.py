@@ -21,12 +21,6 @@ _READ_TIMEOUT_S = 10.0
 _MAX_HEAD_BYTES = 16 * 1024
 
 
-def check_metrics_port(port: int, what: str) -> None:
-    """Config validation of a `metrics_port` field (0: no metrics server)."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{what} metrics_port must be in [0, 65535] (0: none), got {port}")
-
-
 class LiveCollector(Collector):
     """Metric families built by `collect` when scraped: counters the service keeps anyway
     (dicts of counts, queue lengths, tier usage) are read, not counted a second time."""

@@ -5,7 +5,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from relaygr.tls import ChannelOption, TlsSettings, open_channel
+from relaygr.tls import ChannelOption, open_channel
+from relaygr.tls_settings import TlsSettings
 
 # A ranker method taking and returning serialized messages: (request bytes, timeout) -> reply.
 RawCall = Callable[..., Awaitable[bytes]]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from relaygr.config import helped
 from relaygr.errors import ConfigError
-from relaygr.etcd import EtcdSecurity
-from relaygr.tls import check_tls
+from relaygr.etcd.security import EtcdSecurity
+from relaygr.tls_settings import check_tls
 
 
 @dataclass(frozen=True, slots=True)

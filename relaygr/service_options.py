@@ -1,30 +1,72 @@
-"""What every service's config shares (gRPC limits, drain, metrics, logs, transport security)
-and the servers those settings describe: the gRPC server and, when configured, `/metrics`."""
+"""What every service's config shares: where it listens, the mesh's etcd, gRPC limits, drain,
+metrics, logs and transport security. Settings and their validation only: `relaygr.lifecycle`
+starts what they describe."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import grpc
 
 from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
-from relaygr.grpc_server import GrpcServer, ServerOptions, start_server
-from relaygr.logs import check_log_options
-from relaygr.metrics import MetricsServer, check_metrics_port, start_metrics_server
+from relaygr.log_options import check_log_options
 from relaygr.security import SecurityOptions
-from relaygr.telemetry import Telemetry
-from relaygr.tls import log_transport, server_credentials
 
 MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceOptions(SecurityOptions):
-    """The serving fields of every service config; `check_service` validates them."""
+class ServerOptions:
+    """Transport limits for one gRPC server; every value must be positive."""
 
+    max_receive_message_bytes: int = 16 * 1024 * 1024
+    max_send_message_bytes: int = 16 * 1024 * 1024
+    max_concurrent_streams: int = 1024
+    # RPCs in progress on the whole server; past it gRPC answers RESOURCE_EXHAUSTED at once.
+    max_concurrent_rpcs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive number of bytes")
+        if self.max_concurrent_streams <= 0:
+            raise ConfigError("max_concurrent_streams must be a positive integer")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs <= 0:
+            raise ConfigError("max_concurrent_rpcs must be a positive integer")
+
+    def channel_args(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.max_send_message_length", self.max_send_message_bytes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            # Without this a second server on the same explicit port would silently share it.
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+def check_metrics_port(port: int, what: str) -> None:
+    """Config validation of a `metrics_port` field (0: no metrics server)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{what} metrics_port must be in [0, 65535] (0: none), got {port}")
+
+
+def listen_field(default: str) -> str:
+    """The `listen` field of a service config, with that service's default address."""
+    return field(default=default, metadata=helped("gRPC listen address"))
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOptions(SecurityOptions):
+    """The fields every service config extends; `check_service` validates them.
+
+    A service redeclares `listen` (with `listen_field`) for its own default port, and may
+    redeclare `etcd_endpoints` (the ranker: none, standalone).
+    """
+
+    listen: str = listen_field("127.0.0.1:0")
+    etcd_endpoints: tuple[str, ...] = field(
+        default=("127.0.0.1:2379",), metadata=helped("etcd endpoints, host:port[,...]")
+    )
+    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
     max_message_mb: int = field(default=16, metadata=helped("largest gRPC message, MiB"))
     max_concurrent_streams: int = field(
         default=1024, metadata=helped("concurrent RPCs on one client connection (HTTP/2 streams)")
@@ -44,9 +86,12 @@ class ServiceOptions(SecurityOptions):
         default="json", metadata=helped("json (one object per line, with trace ids) or text")
     )
 
-    def check_service(self, service: str) -> None:
+    def check_service(self, service: str, *, etcd_required: bool = True) -> None:
         """Raise ConfigError naming `service` and the field; call last from `__post_init__`
-        (a service's own fields are named first, transport security last)."""
+        (a service's own fields are named first, transport security last). `etcd_required`
+        False lets a service run standalone, with no etcd endpoints."""
+        if etcd_required and not self.etcd_endpoints:
+            raise ConfigError(f"{service} etcd_endpoints must name at least one host:port")
         check_metrics_port(self.metrics_port, service)
         check_log_options(self.log_level, self.log_format, service)
         require_positive(
@@ -63,32 +108,3 @@ class ServiceOptions(SecurityOptions):
             max_concurrent_streams=self.max_concurrent_streams,
             max_concurrent_rpcs=self.max_concurrent_rpcs,
         )
-
-
-async def start_service_servers(
-    cfg: ServiceOptions,
-    service: str,
-    listen: str,
-    register: Callable[[grpc.aio.Server], None],
-    service_names: Sequence[str],
-    telemetry: Telemetry,
-    log: logging.Logger,
-) -> tuple[GrpcServer, MetricsServer | None]:
-    """The service's gRPC server on `listen` (health NOT_SERVING until the caller says) and its
-    `/metrics` server where `telemetry` names one; neither is left running if one fails."""
-    log_transport(cfg, service, log)
-    server = await start_server(
-        listen,
-        register,
-        service_names,
-        cfg.server_options(),
-        server_credentials(cfg),
-        interceptors=telemetry.server_interceptors(),
-    )
-    if telemetry.metrics_address is None:
-        return server, None
-    try:
-        return server, await start_metrics_server(telemetry.registry, telemetry.metrics_address)
-    except ConfigError:
-        await server.stop(0)
-        raise

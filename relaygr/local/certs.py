@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from relaygr.tls import ClientTls
+from relaygr.tls_settings import ClientTls
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1")
 _VALID_FOR = datetime.timedelta(days=7)

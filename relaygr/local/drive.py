@@ -19,10 +19,12 @@ import grpc
 import numpy as np
 
 from relaygr.behaviours import RankInput
-from relaygr.etcd import EtcdClient, EtcdSecurity
+from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.mesh import LocalMesh
 from relaygr.local.workload import Arrival
-from relaygr.tls import PLAINTEXT, TlsSettings, open_channel
+from relaygr.tls import open_channel
+from relaygr.tls_settings import PLAINTEXT, TlsSettings
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
 from services.trigger.live_config import live_config_key

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from relaygr.etcd import EtcdSecurity
+from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.processes import dying_with_parent, terminate
 
 _READY_TIMEOUT_S = 20.0

@@ -24,11 +24,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.cpu_quota import available_cpus
-from relaygr.etcd import EtcdSecurity
+from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.certs import Pki, make_pki
 from relaygr.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 from relaygr.local.processes import dying_with_parent, terminate
-from relaygr.tls import PLAINTEXT, ClientTls, open_blocking_channel
+from relaygr.tls import open_blocking_channel
+from relaygr.tls_settings import PLAINTEXT, ClientTls
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
 _STOP_TIMEOUT_S = 30.0

@@ -6,7 +6,7 @@ from pathlib import Path
 from relaygr.config import helped, require_positive
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
-from relaygr.service_options import ServiceOptions
+from relaygr.service_options import ServiceOptions, listen_field
 
 ENV_PREFIX = "RELAYGR_RANKER_"
 MIB = 1 << 20
@@ -14,7 +14,7 @@ MIB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class RankerConfig(ServiceOptions):
-    listen: str = field(default="127.0.0.1:50061", metadata=helped("gRPC listen address"))
+    listen: str = listen_field("127.0.0.1:50061")
     instance_id: str = field(default="", metadata=helped("instance id (default: host:port)"))
     device: str = field(default="auto", metadata=helped("auto, cpu, cuda or npu"))
     checkpoint: Path | None = field(
@@ -67,7 +67,6 @@ class RankerConfig(ServiceOptions):
     etcd_endpoints: tuple[str, ...] = field(
         default=(), metadata=helped("etcd endpoints to register in (none: standalone)")
     )
-    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
     lease_ttl_s: float = field(
         default=5.0, metadata=helped("membership lease: a dead ranker leaves within this")
     )
@@ -95,7 +94,8 @@ class RankerConfig(ServiceOptions):
             raise ConfigError("ranker relay_window_ms must be <= max_relay_window_ms")
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:
             raise ConfigError("ranker calibration_lengths must be positive token counts")
-        self.check_service("ranker")  # last: a field's own error is named first
+        # Last, so a field's own error is named first; no etcd endpoints: standalone.
+        self.check_service("ranker", etcd_required=False)
 
     @property
     def hbm_budget_bytes(self) -> int:

@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -18,12 +17,10 @@ from relaygr.cost import CostModel
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
-from relaygr.etcd import EtcdClient
-from relaygr.etcd_cluster import EtcdCluster
-from relaygr.grpc_server import GrpcServer, install_drain_handlers
+from relaygr.grpc_server import GrpcServer
+from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
 from relaygr.service_main import service_main
-from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
 from relaygr.v1 import ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint
@@ -114,14 +111,14 @@ def ranker_record(
 
 @dataclass(slots=True)
 class RankerServer:
-    """A running ranker: its gRPC server, (once warm) its engine, and its mesh registration."""
+    """A running ranker (a `RunningService`): its gRPC server, (once warm) its engine, and
+    (with etcd endpoints configured) its mesh link, which holds its registration until drained."""
 
     server: GrpcServer
     servicer: RankerServicer
     instance_id: str
     engine: RankerEngine | None = None
-    cluster: EtcdCluster | None = None
-    etcd: EtcdClient | None = None
+    mesh: MeshLink | None = None
     metrics_server: MetricsServer | None = None
 
     @property
@@ -133,27 +130,28 @@ class RankerServer:
         """The bound `/metrics` port; None when metrics are not served."""
         return None if self.metrics_server is None else self.metrics_server.port
 
-    async def close_metrics(self) -> None:
-        if self.metrics_server is not None:
-            await self.metrics_server.close()
-            self.metrics_server = None
+    async def drain(self, grace_s: float) -> None:
+        """Leave the mesh, stop taking pre-inference, land in-flight prefixes, finish compute.
 
-    async def drain(self) -> None:
-        """Leave the mesh, stop taking pre-inference, land in-flight prefixes, finish compute."""
-        if self.cluster is not None and self.etcd is not None:
+        Not bounded by `grace_s`: queued compute is finished, then the server's stop bounds
+        the RPCs still waiting on it.
+        """
+        if self.mesh is not None:
             with contextlib.suppress(Unavailable):  # etcd down: the lease lapses by itself
-                await self.cluster.deregister(self.instance_id)
-            await self.etcd.close()
-            self.cluster = self.etcd = None
+                await self.mesh.cluster.deregister(self.instance_id)
+            await self.mesh.close()
+            self.mesh = None
         if self.engine is not None:
             await self.engine.drain()
             await asyncio.to_thread(self.engine.scheduler.stop)
 
+    async def close(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
+
     async def stop(self, grace: float = 5.0) -> None:
-        await self.server.enter_graceful_shutdown()
-        await self.drain()
-        await self.server.stop(grace)
-        await self.close_metrics()
+        await stop_service(self, grace)
 
 
 async def start_ranker(
@@ -176,7 +174,6 @@ async def start_ranker(
     server, metrics_server = await start_service_servers(
         cfg,
         "ranker",
-        cfg.listen,
         lambda s: ranker_pb2_grpc.add_RankerServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],
         telemetry,
@@ -197,11 +194,10 @@ async def start_ranker(
     servicer.attach(ranker.engine)
     await server.set_serving(True)
     if cfg.etcd_endpoints:
-        ranker.etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
-        ranker.cluster = EtcdCluster(ranker.etcd, prefix=cfg.etcd_prefix)
-        metrics.etcd_connected = lambda: ranker.etcd is not None and ranker.etcd.connected
+        mesh = ranker.mesh = connect_mesh(cfg)
+        metrics.etcd_connected = lambda: ranker.mesh is not None and ranker.mesh.etcd.connected
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
-        await ranker.cluster.register(
+        await mesh.cluster.register(
             ranker_record(instance_id, address, model, cost_model, cfg), cfg.lease_ttl_s
         )
     _log.info(
@@ -226,17 +222,9 @@ async def _serve(cfg: RankerConfig) -> None:
         threads,
         "threads option" if cfg.threads else "auto: this process's CPU quota",
     )
-    telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port, cfg.instance_id)
-    try:
-        ranker = await start_ranker(cfg, telemetry=telemetry)
-        print(f"relaygr ranker listening on port {ranker.port}", flush=True)
-        done = install_drain_handlers(
-            asyncio.get_running_loop(), ranker.server, cfg.drain_grace_s, ranker.drain
-        )
-        await done
-        await ranker.close_metrics()
-    finally:
-        await asyncio.to_thread(telemetry.shutdown)  # the spans still batched go out
+    await serve(
+        cfg, "ranker", lambda telemetry: start_ranker(cfg, telemetry=telemetry), cfg.instance_id
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
-from relaygr.service_options import ServiceOptions
+from relaygr.service_options import ServiceOptions, listen_field
 from services.router.forward import ForwardSettings
 
 ENV_PREFIX = "RELAYGR_ROUTER_"
@@ -21,11 +21,7 @@ class PlacementMode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig(ServiceOptions):
-    listen: str = field(default="127.0.0.1:50051", metadata=helped("gRPC listen address"))
-    etcd_endpoints: tuple[str, ...] = field(
-        default=("127.0.0.1:2379",), metadata=helped("etcd endpoints, host:port[,...]")
-    )
-    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
+    listen: str = listen_field("127.0.0.1:50051")
     load_epsilon: float = field(
         default=0.25, metadata=helped("a ranker over (1+eps) x mean load passes users on")
     )
@@ -63,8 +59,6 @@ class RouterConfig(ServiceOptions):
             raise ConfigError(
                 f"router rank_hedge_ms must be >= 0 (0: never), got {self.rank_hedge_ms}"
             )
-        if not self.etcd_endpoints:
-            raise ConfigError("router etcd_endpoints must name at least one host:port")
         self.check_service("router")  # last: a field's own error is named first
 
     def forward_settings(self) -> ForwardSettings:

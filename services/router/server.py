@@ -2,20 +2,18 @@
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import Unavailable
-from relaygr.etcd import EtcdClient
-from relaygr.etcd_cluster import EtcdCluster
-from relaygr.grpc_server import GrpcServer, install_drain_handlers
+from relaygr.etcd.membership_directory import EtcdMembershipDirectory
+from relaygr.grpc_server import GrpcServer
+from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
-from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
 from services.router.config import ENV_PREFIX, RouterConfig
 from services.router.limits import RequestLimits
@@ -29,10 +27,11 @@ SERVICE = "relaygr-router"  # the default OTEL service.name
 
 @dataclass(slots=True)
 class RouterServer:
+    """A running router (a `RunningService`): nothing to drain, its RPCs end with the server."""
+
     server: GrpcServer
     servicer: RouterServicer
-    cluster: EtcdCluster
-    etcd: EtcdClient
+    mesh: MeshLink
     pool: RankerPool
     maintenance: asyncio.Task[None]
     metrics_server: MetricsServer | None = None
@@ -42,22 +41,27 @@ class RouterServer:
         return self.server.port
 
     @property
+    def cluster(self) -> EtcdMembershipDirectory:
+        return self.mesh.cluster
+
+    @property
     def metrics_port(self) -> int | None:
         """The bound `/metrics` port; None when metrics are not served."""
         return None if self.metrics_server is None else self.metrics_server.port
+
+    async def drain(self, grace_s: float) -> None:
+        """Nothing queued here: the RPCs in flight finish as the server stops."""
 
     async def close(self) -> None:
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
         await cancel_and_wait(self.maintenance)
-        await self.cluster.stop()
-        await self.etcd.close()
+        await self.mesh.close()
         await self.pool.close()
 
     async def stop(self, grace: float = 5.0) -> None:
-        await self.server.stop(grace)
-        await self.close()
+        await stop_service(self, grace)
 
 
 async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) -> RouterServer:
@@ -68,19 +72,18 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     """
     telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
     options = cfg.server_options()
-    etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
-    cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
+    mesh = connect_mesh(cfg)
+    cluster = mesh.cluster
     pool = RankerPool(options.channel_args()[:2], cfg, telemetry.client_interceptors())
     settings = cfg.forward_settings()
     limits = RequestLimits(cfg.max_tokens, cfg.max_candidates)
     servicer = RouterServicer(cluster, cluster, pool, settings, limits, telemetry.tracer)
-    register_router_metrics(telemetry.registry, servicer, cluster.view, lambda: etcd.connected)
+    register_router_metrics(telemetry.registry, servicer, cluster.view, lambda: mesh.etcd.connected)
     if settings.random_placement:
         _log.warning("placement is RANDOM: PreInfer and Rank ignore affinity (ablation only)")
     server, metrics_server = await start_service_servers(
         cfg,
         "router",
-        cfg.listen,
         lambda s: s.add_generic_rpc_handlers((servicer.handler(),)),
         [SERVICE_NAME],
         telemetry,
@@ -91,10 +94,10 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     _log.info("router serving on port %d, %d rankers in view", server.port, len(cluster.view()))
     window_s = cfg.relay_window_ms / 1e3
     maintenance = asyncio.create_task(_maintain(cluster, pool, window_s), name="router-maintenance")
-    return RouterServer(server, servicer, cluster, etcd, pool, maintenance, metrics_server)
+    return RouterServer(server, servicer, mesh, pool, maintenance, metrics_server)
 
 
-async def _maintain(cluster: EtcdCluster, pool: RankerPool, window_s: float) -> None:
+async def _maintain(cluster: EtcdMembershipDirectory, pool: RankerPool, window_s: float) -> None:
     """Every relay window: delete expired directory entries, close departed rankers' channels.
 
     Entries this router wrote are purged once expired; others' once expired for ten windows
@@ -111,14 +114,7 @@ async def _maintain(cluster: EtcdCluster, pool: RankerPool, window_s: float) -> 
 
 
 async def _serve(cfg: RouterConfig) -> None:
-    telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port)
-    try:
-        router = await start_router(cfg, telemetry)
-        print(f"relaygr router listening on port {router.port}", flush=True)
-        await install_drain_handlers(asyncio.get_running_loop(), router.server, cfg.drain_grace_s)
-        await router.close()
-    finally:
-        await asyncio.to_thread(telemetry.shutdown)  # the spans still batched go out
+    await serve(cfg, "router", lambda telemetry: start_router(cfg, telemetry))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

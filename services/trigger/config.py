@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from relaygr.config import helped, require_positive
 from relaygr.errors import ConfigError
-from relaygr.service_options import ServiceOptions
+from relaygr.service_options import ServiceOptions, listen_field
 
 ENV_PREFIX = "RELAYGR_TRIGGER_"
 
@@ -20,11 +20,7 @@ class Mode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class TriggerConfig(ServiceOptions):
-    listen: str = field(default="127.0.0.1:50041", metadata=helped("gRPC listen address"))
-    etcd_endpoints: tuple[str, ...] = field(
-        default=("127.0.0.1:2379",), metadata=helped("etcd endpoints, host:port[,...]")
-    )
-    etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
+    listen: str = listen_field("127.0.0.1:50041")
     router_address: str = field(
         default="127.0.0.1:50051", metadata=helped("router that admitted PreInfers are sent to")
     )
@@ -81,8 +77,6 @@ class TriggerConfig(ServiceOptions):
         for name in ("prefill_share", "relay_budget_share"):
             if getattr(self, name) > 1:
                 raise ConfigError(f"trigger {name} must be in (0, 1], got {getattr(self, name)}")
-        if not self.etcd_endpoints:
-            raise ConfigError("trigger etcd_endpoints must name at least one host:port")
         self.check_service("trigger")  # last: a field's own error is named first
 
     @property

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from relaygr.config import override_config
 from relaygr.errors import ConfigError
-from relaygr.etcd import EventKind, WatchEvent
+from relaygr.etcd.watch import EventKind, WatchEvent
 from services.trigger.config import LIVE_FIELDS, TriggerConfig
 
 _log = logging.getLogger("services.trigger")

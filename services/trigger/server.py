@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -13,13 +12,13 @@ from google.protobuf.message import DecodeError
 from opentelemetry.trace import Tracer
 
 from relaygr.aio import cancel_and_wait
-from relaygr.etcd import EtcdClient, Watch
-from relaygr.etcd_cluster import EtcdCluster
-from relaygr.grpc_server import GrpcServer, install_drain_handlers
+from relaygr.etcd.membership_directory import EtcdMembershipDirectory
+from relaygr.etcd.watch import Watch
+from relaygr.grpc_server import GrpcServer
+from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
-from relaygr.service_options import start_service_servers
 from relaygr.telemetry import Telemetry, metrics_address
 from relaygr.tls import open_channel
 from relaygr.tracing import root_span
@@ -37,12 +36,13 @@ SERVICE = "relaygr-trigger"  # the default OTEL service.name
 
 @dataclass(slots=True)
 class TriggerServer:
+    """A running trigger (a `RunningService`): draining sends the admitted relays still queued."""
+
     server: GrpcServer
     servicer: TriggerServicer
     dispatcher: Dispatcher
     live_config: LiveConfig
-    cluster: EtcdCluster
-    etcd: EtcdClient
+    mesh: MeshLink
     pool: RankerPool
     router_channel: grpc.aio.Channel
     tasks: list[asyncio.Task[None]]
@@ -54,13 +54,16 @@ class TriggerServer:
         return self.server.port
 
     @property
+    def cluster(self) -> EtcdMembershipDirectory:
+        return self.mesh.cluster
+
+    @property
     def metrics_port(self) -> int | None:
         """The bound `/metrics` port; None when metrics are not served."""
         return None if self.metrics_server is None else self.metrics_server.port
 
     async def drain(self, grace_s: float) -> None:
-        """Stop answering (health NOT_SERVING) and let queued relays go out within `grace_s`."""
-        await self.server.enter_graceful_shutdown()
+        """Let the relays queued when health turned NOT_SERVING go out within `grace_s`."""
         if not await self.dispatcher.drain(grace_s):
             _log.warning(
                 "drain: %d relays still pending after %.1fs", self.dispatcher.pending(), grace_s
@@ -73,15 +76,12 @@ class TriggerServer:
         await cancel_and_wait(*self.tasks)
         await self.dispatcher.stop()
         await self.watch.cancel()
-        await self.cluster.stop()
-        await self.etcd.close()
+        await self.mesh.close()
         await self.pool.close()
         await self.router_channel.close()
 
     async def stop(self, grace: float = 5.0) -> None:
-        await self.drain(grace)
-        await self.server.stop(grace)
-        await self.close()
+        await stop_service(self, grace)
 
 
 async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) -> TriggerServer:
@@ -92,8 +92,8 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     """
     telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
     options = cfg.server_options()
-    etcd = EtcdClient(cfg.etcd_endpoints, security=cfg.etcd_security())
-    cluster = EtcdCluster(etcd, prefix=cfg.etcd_prefix)
+    mesh = connect_mesh(cfg)
+    cluster = mesh.cluster
     interceptors = telemetry.client_interceptors()
     pool = RankerPool(options.channel_args()[:2], cfg, interceptors)
     router_channel = open_channel(cfg.router_address, cfg, options.channel_args()[:2], interceptors)
@@ -109,20 +109,19 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     dispatcher = Dispatcher(send, cfg.dispatch_queue, cfg.dispatch_concurrency)
     servicer = TriggerServicer(policy, cluster, cluster, dispatcher, tracer=telemetry.tracer)
     register_trigger_metrics(
-        telemetry.registry, servicer, dispatcher, cluster.view, lambda: etcd.connected
+        telemetry.registry, servicer, dispatcher, cluster.view, lambda: mesh.etcd.connected
     )
     live = LiveConfig(cfg, live_config_key(cfg.etcd_prefix), policy.reconfigure)
     server, metrics_server = await start_service_servers(
         cfg,
         "trigger",
-        cfg.listen,
         lambda s: trigger_pb2_grpc.add_TriggerServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],
         telemetry,
         _log,
     )
     await cluster.start()
-    watch = await etcd.watch_prefix(live.key, live.on_event)
+    watch = await mesh.etcd.watch_prefix(live.key, live.on_event)
     dispatcher.start(servicer.on_outcome)
     observe = asyncio.create_task(
         _observe(cfg, policy, cluster, pool, telemetry.tracer), name="trigger-observe"
@@ -135,7 +134,7 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
         len(cluster.view()),
     )
     return TriggerServer(
-        server, servicer, dispatcher, live, cluster, etcd, pool, router_channel, [observe], watch,
+        server, servicer, dispatcher, live, mesh, pool, router_channel, [observe], watch,
         metrics_server,
     )  # fmt: skip
 
@@ -143,7 +142,7 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
 async def _observe(
     cfg: TriggerConfig,
     policy: AdmissionPolicy,
-    cluster: EtcdCluster,
+    cluster: EtcdMembershipDirectory,
     pool: RankerPool,
     tracer: Tracer | None = None,
 ) -> None:
@@ -176,20 +175,7 @@ async def _observe(
 
 
 async def _serve(cfg: TriggerConfig) -> None:
-    telemetry = Telemetry.from_env(SERVICE, os.environ, cfg.metrics_port)
-    try:
-        trigger = await start_trigger(cfg, telemetry)
-        print(f"relaygr trigger listening on port {trigger.port}", flush=True)
-
-        async def on_drain() -> None:
-            await trigger.drain(cfg.drain_grace_s)
-
-        await install_drain_handlers(
-            asyncio.get_running_loop(), trigger.server, cfg.drain_grace_s, on_drain
-        )
-        await trigger.close()
-    finally:
-        await asyncio.to_thread(telemetry.shutdown)  # the spans still batched go out
+    await serve(cfg, "trigger", lambda telemetry: start_trigger(cfg, telemetry))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from relaygr.local.certs import Pki
-from relaygr.tls import PLAINTEXT, ClientTls, open_channel
+from relaygr.tls import open_channel
+from relaygr.tls_settings import PLAINTEXT, ClientTls
 from relaygr.v1 import router_pb2_grpc, trigger_pb2_grpc
 from services.ranker.model import RankingModel
 from services.ranker.server import RankerServer, start_ranker

@@ -24,7 +24,7 @@ from chaos import (
 from flood import FloodSettings, memory_flood
 
 from relaygr.behaviours import RankInput
-from relaygr.etcd import EtcdClient
+from relaygr.etcd.client import EtcdClient
 from relaygr.local.etcd_server import find_etcd_binary
 from relaygr.local.mesh import LocalMesh
 from relaygr.local.workload import Population

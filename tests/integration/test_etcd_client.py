@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from relaygr.errors import ConfigError, Unavailable
-from relaygr.etcd import EtcdClient, EventKind, Lease, WatchEvent
+from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.lease import Lease
+from relaygr.etcd.watch import EventKind, WatchEvent
 from tests.integration.etcd_server import EtcdServer
 from tests.polling import eventually
 

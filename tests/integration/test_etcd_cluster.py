@@ -1,4 +1,4 @@
-"""EtcdCluster against a real etcd: two processes' views, lease expiry, an outage, write counts."""
+"""EtcdMembershipDirectory on a real etcd: two processes' views, lease expiry, an outage, writes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from relaygr.cluster import PlacementRecord, RankerRecord
 from relaygr.errors import Unavailable
-from relaygr.etcd import EtcdClient
-from relaygr.etcd_cluster import EtcdCluster
+from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.membership_directory import EtcdMembershipDirectory
 from tests.integration.etcd_server import EtcdServer
 from tests.polling import eventually
 
@@ -50,8 +50,8 @@ def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) ->
         clock = Clock(1000.0)
         endpoints = [etcd_server.endpoint]
         ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-        ranker_side = EtcdCluster(ranker_client, clock=clock)
-        router_side = EtcdCluster(router_client, clock=clock)
+        ranker_side = EtcdMembershipDirectory(ranker_client, clock=clock)
+        router_side = EtcdMembershipDirectory(router_client, clock=clock)
         try:
             # Malformed values are skipped, before and after the watches start.
             await router_client.put("/relaygr/rankers/bad", b"{not json")
@@ -95,7 +95,8 @@ def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(etcd_server: Et
     async def scenario() -> None:
         endpoints = [etcd_server.endpoint]
         ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-        ranker_side, router_side = EtcdCluster(ranker_client), EtcdCluster(router_client)
+        ranker_side = EtcdMembershipDirectory(ranker_client)
+        router_side = EtcdMembershipDirectory(router_client)
         try:
             await router_side.start()
             await ranker_side.register(ranker("r0"), TTL_S)
@@ -126,7 +127,8 @@ def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) ->
     async def scenario() -> None:
         endpoints = [etcd_server.endpoint]
         ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-        ranker_side, router_side = EtcdCluster(ranker_client), EtcdCluster(router_client)
+        ranker_side = EtcdMembershipDirectory(ranker_client)
+        router_side = EtcdMembershipDirectory(router_client)
         try:
             await ranker_side.start()
             await router_side.start()
@@ -185,7 +187,7 @@ def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServe
     async def scenario() -> None:
         clock = Clock(1000.0)
         client = EtcdClient([etcd_server.endpoint])
-        cluster = EtcdCluster(client, prefix="/other/", clock=clock)
+        cluster = EtcdMembershipDirectory(client, prefix="/other/", clock=clock)
         try:
             await cluster.start()
             await cluster.register(ranker("r0"), TTL_S)

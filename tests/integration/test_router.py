@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from relaygr.etcd import EtcdClient
+from relaygr.etcd.client import EtcdClient
 from relaygr.placement import Reason, ranking
 from relaygr.v1 import common_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto

@@ -10,12 +10,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.errors import Unavailable
-from relaygr.etcd import EtcdAuthFailed, EtcdClient, EtcdRejected, EtcdSecurity
+from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.errors import EtcdAuthFailed, EtcdRejected
+from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.certs import Pki, make_pki
 from relaygr.local.drive import retrieval_event
 from relaygr.local.etcd_server import EtcdServer, EtcdTls
 from relaygr.local.mesh import LocalMesh
-from relaygr.tls import PLAINTEXT, ClientTls, TlsSettings, open_blocking_channel, open_channel
+from relaygr.tls import open_blocking_channel, open_channel
+from relaygr.tls_settings import PLAINTEXT, ClientTls, TlsSettings
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from services.router.forward import RouterStats

@@ -6,7 +6,8 @@ import grpc
 import numpy as np
 import pytest
 
-from relaygr.tls import PLAINTEXT, open_channel
+from relaygr.tls import open_channel
+from relaygr.tls_settings import PLAINTEXT
 from relaygr.v1 import ranker_pb2_grpc, trigger_pb2
 from relaygr.wire import (
     behaviours_to_proto,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from relaygr.behaviours import Prefix
-from relaygr.etcd import EtcdClient
+from relaygr.etcd.client import EtcdClient
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier

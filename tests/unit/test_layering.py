@@ -135,3 +135,20 @@ def test_cores_reach_no_transport_or_tracing(core: str) -> None:
         if any(within(target, lib) for lib in FORBIDDEN_IN_CORES) or target.startswith("relaygr.v1")
     )
     assert reached == [], f"{core} reaches {reached}"
+
+
+# Service configs are plain option dataclasses, read by the cores (the admission policy takes
+# its TriggerConfig): what starts servers, telemetry and etcd clients from them lives elsewhere.
+OPTIONS = (
+    "relaygr.service_options",
+    "services.ranker.config",
+    "services.router.config",
+    "services.trigger.config",
+)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_configs_reach_no_transport_or_tracing(options: str) -> None:
+    assert options in MODULES, f"{options} moved: update OPTIONS"
+    forbidden = [t for t in reach(options) if any(within(t, lib) for lib in FORBIDDEN_IN_CORES)]
+    assert sorted(forbidden) == [], f"{options} reaches {sorted(forbidden)}"

@@ -11,7 +11,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from relaygr.errors import ConfigError
-from relaygr.logs import JsonFormatter, check_log_options, configure_logging
+from relaygr.log_options import check_log_options
+from relaygr.logs import JsonFormatter, configure_logging
 
 
 def _record(message: str = "hello %s", args: tuple[object, ...] = ("world",)) -> logging.LogRecord:

@@ -11,9 +11,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from relaygr.config import add_config_arguments, load_config
 from relaygr.errors import ConfigError, InvalidInput
-from relaygr.etcd import EtcdSecurity
+from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.certs import make_pki
-from relaygr.tls import ClientTls, log_transport
+from relaygr.tls import log_transport
+from relaygr.tls_settings import ClientTls
 from relaygr.v1 import common_pb2, router_pb2
 from relaygr.wire import InputLimits, check_lengths
 from services.ranker.config import RankerConfig

@@ -1,4 +1,4 @@
-"""Ranker membership and the placement directory in etcd, served from locally watched views."""
+"""The etcd implementation of the Membership and Directory ports, served from watched views."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 from relaygr.cluster import PlacementRecord, RankerRecord
 from relaygr.errors import InvalidInput
-from relaygr.etcd import EtcdClient, EtcdRejected, EventKind, KeptLease, Lease, Watch, WatchEvent
+from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.errors import EtcdRejected
+from relaygr.etcd.lease import KeptLease, Lease
+from relaygr.etcd.watch import EventKind, Watch, WatchEvent
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +30,11 @@ class _Entry:
     revision: int
 
 
-class EtcdCluster:
-    """Membership and directory (see `relaygr.cluster`) kept in etcd under `prefix`.
+class EtcdMembershipDirectory:
+    """The `Membership` and `Directory` ports (see `relaygr.cluster`) kept in etcd under `prefix`.
+
+    One class for both ports: a directory entry lives under its holder's membership lease and
+    dies with it, so the two share the rankers view and the leases seen in it.
 
     Keys: `{prefix}/rankers/{instance_id}` holds the RankerRecord JSON plus `"lease"`, the id of
     the lease it is put under (kept alive by the registering process); `{prefix}/directory/{user}`

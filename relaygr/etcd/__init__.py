@@ -1,0 +1,1 @@
+"""etcd: security settings, the failover client, kept leases, watches, membership and directory."""

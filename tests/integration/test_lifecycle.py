@@ -1,0 +1,93 @@
+"""The shared service lifecycle on a real server: shutdown order, and the serve loop's signals."""
+
+import asyncio
+import logging
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from relaygr.grpc_server import GrpcServer, start_server
+from relaygr.lifecycle import serve, start_service_servers, stop_service
+from relaygr.service_options import ServiceOptions
+from relaygr.telemetry import Telemetry
+from tests.polling import eventually
+
+SERVICE = "relaygr.v1.FakeService"
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class FakeService:
+    """A `RunningService` that records, at each lifecycle step, what a caller would see."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        self.steps: list[tuple[str, object]] = []
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def health(self) -> object:
+        """The health status, or the RPC's status code once the server no longer answers."""
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(request, timeout=5)
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        return reply.status
+
+    async def drain(self, grace_s: float) -> None:
+        self.steps.append((f"drain {grace_s}", await self.health()))
+
+    async def close(self) -> None:
+        self.steps.append(("close", await self.health()))
+        await self.channel.close()
+
+
+def _no_services(server: grpc.aio.Server) -> None:
+    """Health and reflection only: the lifecycle is what is under test."""
+
+
+def test_stop_service_turns_not_serving_then_drains_stops_and_closes() -> None:
+    async def scenario() -> list[tuple[str, object]]:
+        service = FakeService(await start_server("127.0.0.1:0", _no_services, [SERVICE]))
+        await service.server.set_serving(True)
+        await stop_service(service, 0.5)
+        return service.steps
+
+    steps = asyncio.run(scenario())
+    # Draining, the server still answers (NOT_SERVING); closing, it has stopped.
+    assert steps == [("drain 0.5", NOT_SERVING), ("close", grpc.StatusCode.UNAVAILABLE)]
+
+
+def test_serve_runs_until_sigterm_then_shuts_down_in_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = ServiceOptions(plaintext=True, listen="127.0.0.1:0", drain_grace_s=0.5)
+    started: list[FakeService] = []
+
+    async def start(telemetry: Telemetry) -> FakeService:
+        server, metrics_server = await start_service_servers(
+            cfg, "fake", _no_services, [SERVICE], telemetry, logging.getLogger("fake")
+        )
+        assert metrics_server is None  # metrics_port 0
+        await server.set_serving(True)
+        started.append(FakeService(server))
+        return started[0]
+
+    async def scenario() -> None:
+        before = signal.getsignal(signal.SIGTERM)
+        serving = asyncio.create_task(serve(cfg, "fake", start))
+        # The handler replaces the default once the service is up; a SIGTERM before would kill.
+        await eventually(lambda: signal.getsignal(signal.SIGTERM) != before, "SIGTERM handled")
+        assert await started[0].health() == health_pb2.HealthCheckResponse.SERVING
+        signal.raise_signal(signal.SIGTERM)
+        await asyncio.wait_for(serving, timeout=10)
+
+    asyncio.run(scenario())
+    port = started[0].port
+    assert f"relaygr fake listening on port {port}\n" in capsys.readouterr().out
+    assert started[0].steps == [("drain 0.5", NOT_SERVING), ("close", grpc.StatusCode.UNAVAILABLE)]
