@@ -149,7 +149,3 @@ async def running_mesh(
         mesh = Mesh(endpoint, model, pki, telemetry_env, serve_metrics)
         stack.push_async_callback(mesh.close)
         yield mesh
-
-
-def run(coro: object) -> None:
-    asyncio.run(coro)  # type: ignore[arg-type]
