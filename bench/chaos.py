@@ -3,10 +3,10 @@
 Every Rank of a phase is accounted for: it succeeded (and, sampled, its scores equal full
 inference of the same checkpoint), or failed with a status, or hung (no answer by its deadline
 plus a grace). A phase is steady traffic, then the fault (which returns when it is over: the
-service is back and SERVING), then more traffic in which recovery is measured. The schedule is
-open loop (fixed before anything is sent), as in `relaygr.local.drive`, so a stalled mesh cannot
-slow the clock. Faults run on the calling thread: restarted children die with the thread that
-started them, so call from the thread that started the mesh.
+service is back and SERVING), then more traffic in which recovery is measured. The traffic is
+`relaygr.local.drive`'s open-loop driver (schedule fixed before anything is sent), so a stalled
+mesh cannot slow the clock. Faults run on the calling thread: restarted children die with the
+thread that started them, so call from the thread that started the mesh.
 """
 
 from __future__ import annotations
@@ -17,24 +17,19 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from relaygr.behaviours import RankInput
-from relaygr.local.drive import HIT_OUTCOMES, OUTCOMES, REASONS, retrieval_event
+from relaygr.local.drive import HUNG, OK, OpenLoopDriver, RequestRecord
 from relaygr.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
 from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
-from relaygr.tls import open_channel
-from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
-from relaygr.wire import rank_request_to_proto
 from services.ranker.model_config import ModelConfig
 
 # A client may retry these: the request was not served, and another try can be.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
-HUNG = "HUNG"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,22 +176,6 @@ def chaos_workload(users: int = 80) -> WorkloadSpec:
     )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class RankRecord:
-    index: int
-    at: float  # the Rank's intended send time, seconds from the phase start
-    elapsed_s: float
-    status: str  # "OK", a gRPC status name, or HUNG
-    outcome: str = ""  # cache outcome of an answered Rank
-    instance: str = ""  # the ranker that served it
-    model_version: str = ""
-    scores: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def hit(self) -> bool:
-        return self.status == "OK" and self.outcome in HIT_OUTCOMES
-
-
 @dataclass(slots=True)
 class FaultReport:
     fault: str
@@ -225,7 +204,7 @@ class FaultReport:
         )
 
 
-def recovery_s(records: Sequence[RankRecord], fault_end_s: float, tail: int) -> float | None:
+def recovery_s(records: Sequence[RequestRecord], fault_end_s: float, tail: int) -> float | None:
     """Seconds from the fault's end to the first Rank after which every Rank of the phase is a
     hit (0 when no Rank missed after the fault ended); None unless `tail` Ranks follow."""
     ordered = sorted(records, key=lambda r: r.at)
@@ -243,7 +222,7 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
 
 
 def wrong_scores(
-    records: Sequence[RankRecord],
+    records: Sequence[RequestRecord],
     arrivals: Sequence[Arrival],
     reference: Callable[[RankInput], np.ndarray],
     model_version: str,
@@ -269,7 +248,8 @@ def wrong_scores(
 
 
 class _Traffic:
-    """Sends one phase's arrivals on its own thread and loop; `stop_after` ends the schedule."""
+    """One phase's arrivals, sent by an `OpenLoopDriver` on a thread and loop of their own (the
+    fault runs on the calling thread); `stop_after` ends the schedule."""
 
     def __init__(self, mesh: LocalMesh, arrivals: Sequence[Arrival], settings: ChaosSettings):
         assert mesh.trigger is not None and mesh.routers, "mesh not started"
@@ -278,86 +258,47 @@ class _Traffic:
         self._tls = mesh.client_tls
         self._arrivals = arrivals
         self._settings = settings
-        # Built before the clock starts, as drive() does: building must not delay a send.
-        self._events = [retrieval_event(a.request, f"chaos-{i}") for i, a in enumerate(arrivals)]
-        self._ranks = [rank_request_to_proto(a.request) for a in arrivals]
-        self.records: list[RankRecord] = []
-        self.trigger_errors: Counter[str] = Counter()
-        self.decisions: dict[int, str] = {}  # arrival -> the trigger's admission reason
-        self.sent = 0
-        self.stop_after: float | None = None  # seconds from `start`; set by the fault's thread
+        self._driver = OpenLoopDriver(
+            arrivals,
+            label="chaos",
+            gap_s=settings.gap_s,
+            timeout_s=settings.timeout_s,
+            hang_grace_s=settings.hang_grace_s,
+            keep_scores=True,
+        )
+        self.records: list[RequestRecord] = []
+        self._error: BaseException | None = None
         self.start = time.monotonic() + 0.2
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def begin(self) -> None:
         self._thread.start()
+
+    def stop_after(self, seconds: float) -> None:
+        """Send no arrival later than `seconds` from the start."""
+        self._driver.stop_after = seconds
 
     def join(self) -> None:
         timeout = self._settings.timeout_s + self._settings.hang_grace_s + 30.0
         self._thread.join(timeout=self._arrivals[-1].at + timeout if self._arrivals else timeout)
         if self._thread.is_alive():
             raise RuntimeError("chaos traffic did not finish: the driver itself hung")
+        if self._error is not None:
+            raise RuntimeError("chaos traffic failed") from self._error
 
-    async def _run(self) -> None:
-        s = self._settings
-        async with (
-            open_channel(self._router_target, self._tls, ROUND_ROBIN) as routers,
-            open_channel(self._trigger_address, self._tls) as trigger_channel,
-        ):
-            router = router_pb2_grpc.RouterServiceStub(routers)
-            trigger = trigger_pb2_grpc.TriggerServiceStub(trigger_channel)
-
-            async def retrieve(i: int) -> None:
-                try:
-                    decision = await asyncio.wait_for(
-                        trigger.OnRetrieval(self._events[i], timeout=s.timeout_s),
-                        s.timeout_s + s.hang_grace_s,
-                    )
-                    self.decisions[i] = REASONS[decision.reason]
-                except grpc.aio.AioRpcError as err:
-                    self.trigger_errors[err.code().name] += 1
-                except TimeoutError:
-                    self.trigger_errors[HUNG] += 1
-
-            async def one(i: int) -> None:
-                retrieval = asyncio.create_task(retrieve(i))
-                at = self._arrivals[i].at + s.gap_s
-                await asyncio.sleep(max(0.0, self.start + at - time.monotonic()))
-                sent = time.monotonic()
-                try:
-                    reply: common_pb2.RankReply = await asyncio.wait_for(
-                        router.Rank(self._ranks[i], timeout=s.timeout_s),
-                        s.timeout_s + s.hang_grace_s,
-                    )
-                except grpc.aio.AioRpcError as err:
-                    record = RankRecord(i, at, time.monotonic() - sent, err.code().name)
-                except TimeoutError:
-                    record = RankRecord(i, at, time.monotonic() - sent, HUNG)
-                else:
-                    scores = np.array([list(t.scores) for t in reply.scores], dtype=np.float32)
-                    outcome = OUTCOMES[reply.cache_outcome]
-                    elapsed = time.monotonic() - sent
-                    record = RankRecord(
-                        i,
-                        at,
-                        elapsed,
-                        "OK",
-                        outcome,
-                        reply.instance_id,
-                        reply.model_version,
-                        scores,
-                    )
-                self.records.append(record)
-                await retrieval
-
-            tasks: list[asyncio.Task[None]] = []
-            for i, arrival in enumerate(self._arrivals):
-                await asyncio.sleep(max(0.0, self.start + arrival.at - time.monotonic()))
-                if self.stop_after is not None and arrival.at > self.stop_after:
-                    break
-                tasks.append(asyncio.create_task(one(i)))
-                self.sent += 1
-            await asyncio.gather(*tasks)
+    def _run(self) -> None:
+        try:
+            self.records = asyncio.run(
+                self._driver.run(
+                    self._trigger_address,
+                    self._router_target,
+                    tls=self._tls,
+                    router_options=ROUND_ROBIN,
+                    start=self.start,
+                )
+            )
+        except BaseException as err:  # handed to the phase's thread by join()
+            self._error = err
 
 
 def run_phase(
@@ -381,28 +322,34 @@ def run_phase(
         fault_end = time.monotonic() - traffic.start
     finally:
         # Ends the schedule even if the fault failed, so the traffic thread finishes.
-        traffic.stop_after = (time.monotonic() - traffic.start) + settings.after_s
+        traffic.stop_after((time.monotonic() - traffic.start) + settings.after_s)
         traffic.join()
     if fault_end + settings.after_s > horizon:
         raise RuntimeError(f"{fault.name}: took {fault_end - fault_start:.0f} s, over budget")
     records = traffic.records
-    statuses = Counter(r.status for r in records if r.status != "OK")
+    statuses = Counter(r.status for r in records if r.status != OK)
     checked, wrong = wrong_scores(records, arrivals, reference, model_version, settings, rng)
     return FaultReport(
         fault=fault.name,
-        sent=traffic.sent,
-        succeeded=sum(r.status == "OK" for r in records),
+        sent=len(records),
+        succeeded=sum(r.status == OK for r in records),
         failed=dict(statuses),
         hung=statuses[HUNG],
         unexpected=sum(n for st, n in statuses.items() if st not in RETRYABLE and st != HUNG),
         verified=checked,
         wrong_scores=wrong,
-        misses=sum(r.status == "OK" and not r.hit for r in records),
+        misses=sum(r.status == OK and not r.hit for r in records),
         fault_start_s=fault_start,
         fault_end_s=fault_end,
         recovery_s=recovery_s(records, fault_end, settings.recovered_after),
-        served_by=dict(Counter(r.instance for r in records if r.status == "OK")),
-        decisions=dict(Counter(traffic.decisions.values()) + traffic.trigger_errors),
+        served_by=dict(Counter(r.instance for r in records if r.status == OK)),
+        decisions=dict(
+            Counter(
+                r.decision if r.decision_status == OK else r.decision_status
+                for r in records
+                if r.decision_status
+            )
+        ),
     )
 
 

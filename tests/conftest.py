@@ -1,4 +1,5 @@
-"""Shared test fixtures: a printed random seed per run, reproducible with RELAYGR_SEED."""
+"""Shared test fixtures: a printed random seed per run, reproducible with RELAYGR_SEED; `async
+def` tests run on a fresh event loop each (tests/asyncio_plugin.py)."""
 
 import os
 import random
@@ -11,6 +12,8 @@ import pytest
 # The benchmarks' modules (bench/: pipeline, verdict, chaos, flood) import each other as top-level
 # scripts do; tests import them the same way.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+pytest_plugins = ("tests.asyncio_plugin",)
 
 _SEED = int(os.environ.get("RELAYGR_SEED", random.SystemRandom().randrange(2**32)))
 

@@ -3,6 +3,7 @@
 Each arrival sends its RetrievalEvent to the trigger at its scheduled time and its RankRequest to
 the router `gap_s` later. The schedule is fixed before anything is sent and latency counts from
 each Rank's intended send time, so a slow server cannot slow the clock and hide its latency.
+Every request sent is recorded (`RequestRecord`); `Point` sums a run's records up.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -23,7 +26,7 @@ from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.mesh import LocalMesh
 from relaygr.local.workload import Arrival
-from relaygr.tls import open_channel
+from relaygr.tls import ChannelOption, open_channel
 from relaygr.tls_settings import PLAINTEXT, TlsSettings
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
@@ -35,6 +38,11 @@ REASONS = {
 }
 # Rank outcomes served from a relayed prefix (not by full inference).
 HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended"})
+# The status of a call with no answer `hang_grace_s` past its deadline.
+HUNG = "HUNG"
+OK = "OK"
+
+_Reply = TypeVar("_Reply")
 
 
 # What a one-behaviour probe (never at risk, never cached) gets back in each trigger mode.
@@ -81,6 +89,38 @@ async def set_trigger_mode(
     raise TimeoutError(f"trigger did not switch to mode {mode}")
 
 
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One sent arrival: its Rank, and its retrieval event when the driver had a trigger.
+
+    Times are seconds from the schedule's start. `status` is "OK", a gRPC status name or HUNG;
+    the reply's fields are set only when it is "OK". `relayed` is set only on a hit.
+    """
+
+    index: int  # the arrival's position in the schedule
+    at: float  # the Rank's intended send time: the arrival's time + gap
+    latency_s: float  # from the intended send time to the answer or the failure
+    status: str
+    outcome: str = ""  # cache outcome of an answered Rank
+    instance: str = ""  # the ranker that served it
+    model_version: str = ""
+    scores: np.ndarray | None = field(default=None, repr=False)  # kept when the driver is asked
+    relayed: bool = False  # a hit whose prefix a PreInfer produced or pinned (RankReply.relayed)
+    decision_status: str = ""  # the OnRetrieval's status as `status`; "" when none was sent
+    decision: str = ""  # the trigger's admission reason, when it answered
+    admitted: bool = False  # the trigger relays this arrival's prefix
+
+    @property
+    def hit(self) -> bool:
+        """Served from a cached prefix, not by full inference."""
+        return self.status == OK and self.outcome in HIT_OUTCOMES
+
+    @property
+    def cached(self) -> bool:
+        """A hit on a prefix an earlier visit left (cross-visit), not a relayed one."""
+        return self.hit and not self.relayed
+
+
 @dataclass(slots=True)
 class Point:
     """What one open-loop run measured (requests before `warmup_s` are not counted)."""
@@ -99,6 +139,46 @@ class Point:
     relayed_tokens: int = 0  # prefix tokens of admitted relays
     duration_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        label: str,
+        rate: float,
+        arrivals: Sequence[Arrival],
+        records: Sequence[RequestRecord],
+        warmup_s: float,
+    ) -> Point:
+        """The sums of a run's `records` over the arrivals from `warmup_s` on."""
+        counted = [r for r in records if arrivals[r.index].at >= warmup_s]
+        answered = [r for r in counted if r.status == OK]
+        latencies = [r.latency_s * 1e3 for r in answered]
+        reasons: Counter[str] = Counter()
+        for r in counted:
+            if r.decision_status == OK:
+                reasons[r.decision] += 1
+            elif r.decision_status:
+                reasons[f"error_{r.decision_status}"] += 1
+        point = cls(
+            label,
+            rate,
+            sent=len(counted),
+            ok=len(answered),
+            errors=dict(Counter(r.status for r in counted if r.status != OK)),
+            outcomes=dict(Counter(r.outcome for r in answered)),
+            relayed=sum(r.relayed for r in answered),
+            reasons=dict(reasons),
+            relayed_tokens=sum(
+                arrivals[r.index].request.prefix.num_tokens for r in counted if r.admitted
+            ),
+            duration_s=(arrivals[-1].at - warmup_s) if counted else 0.0,
+            latencies_ms=latencies,
+        )
+        if latencies:
+            point.p50_ms = float(np.percentile(latencies, 50))
+            point.p95_ms = float(np.percentile(latencies, 95))
+            point.p99_ms = float(np.percentile(latencies, 99))
+        return point
 
     def summary(self) -> dict[str, object]:
         """Everything but the raw latencies (for result files)."""
@@ -145,6 +225,121 @@ def retrieval_event(request: RankInput, request_id: str) -> trigger_pb2.Retrieva
     )
 
 
+class OpenLoopDriver:
+    """Sends a schedule of arrivals, fixed before the first send, and records every request.
+
+    Arrival i's RetrievalEvent (request id "<label>-i") goes to the trigger at its time, its
+    RankRequest to the router `gap_s` later, whatever the earlier requests are doing; a failed
+    or late OnRetrieval never holds the Rank back. Every call has deadline `timeout_s`; one
+    unanswered `hang_grace_s` past it is abandoned as HUNG. Each sent arrival gets one record,
+    appended once both its calls are over. `stop_after` (seconds from the start; may be set
+    from another thread) ends the schedule: arrivals after it are not sent.
+    """
+
+    def __init__(
+        self,
+        arrivals: Sequence[Arrival],
+        *,
+        label: str,
+        gap_s: float,
+        timeout_s: float,
+        hang_grace_s: float = 2.0,
+        keep_scores: bool = False,
+    ) -> None:
+        self._arrivals = arrivals
+        self._gap_s = gap_s
+        self._timeout_s = timeout_s
+        self._hang_after_s = timeout_s + hang_grace_s
+        self._keep_scores = keep_scores
+        # Protos are built before the clock starts: building them must not delay a send.
+        self._events = [retrieval_event(a.request, f"{label}-{i}") for i, a in enumerate(arrivals)]
+        self._ranks = [rank_request_to_proto(a.request) for a in arrivals]
+        self.stop_after: float | None = None
+
+    async def run(
+        self,
+        trigger_address: str | None,
+        router_target: str,
+        *,
+        tls: TlsSettings = PLAINTEXT,
+        router_options: Sequence[ChannelOption] = (),
+        start: float | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> list[RequestRecord]:
+        """Send the schedule (no trigger call when `trigger_address` is None) from `start` (a
+        `time.monotonic()` reading; default half a second from now, for the channels to open)
+        and return the records. `on_done` is called after each Rank (for a progress bar)."""
+        start = time.monotonic() + 0.5 if start is None else start
+        records: list[RequestRecord] = []
+        async with AsyncExitStack() as stack:
+            channel = await stack.enter_async_context(
+                open_channel(router_target, tls, router_options)
+            )
+            router = router_pb2_grpc.RouterServiceStub(channel)
+            trigger: trigger_pb2_grpc.TriggerServiceStub | None = None
+            if trigger_address is not None:
+                channel = await stack.enter_async_context(open_channel(trigger_address, tls))
+                trigger = trigger_pb2_grpc.TriggerServiceStub(channel)
+
+            async def one(i: int) -> None:
+                decision = None
+                if trigger is not None:
+                    decision = asyncio.create_task(
+                        self._call(trigger.OnRetrieval(self._events[i], timeout=self._timeout_s))
+                    )
+                at = self._arrivals[i].at + self._gap_s
+                await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+                reply, status = await self._call(
+                    router.Rank(self._ranks[i], timeout=self._timeout_s)
+                )
+                record = RequestRecord(i, at, time.monotonic() - (start + at), status)
+                if reply is not None:
+                    record = self._answered(record, reply)
+                if on_done is not None:
+                    on_done()
+                if decision is not None:
+                    answer, decision_status = await decision
+                    record = dataclasses.replace(
+                        record,
+                        decision_status=decision_status,
+                        decision=REASONS[answer.reason] if answer is not None else "",
+                        admitted=answer is not None and answer.admitted,
+                    )
+                records.append(record)
+
+            tasks: list[asyncio.Task[None]] = []
+            for i, arrival in enumerate(self._arrivals):
+                await asyncio.sleep(max(0.0, start + arrival.at - time.monotonic()))
+                if self.stop_after is not None and arrival.at > self.stop_after:
+                    break
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+        return records
+
+    async def _call(self, call: Awaitable[_Reply]) -> tuple[_Reply | None, str]:
+        """(reply, "OK"), or (None, the failure's status or HUNG)."""
+        try:
+            return await asyncio.wait_for(call, self._hang_after_s), OK
+        except grpc.aio.AioRpcError as err:
+            return None, err.code().name
+        except TimeoutError:
+            return None, HUNG
+
+    def _answered(self, record: RequestRecord, reply: common_pb2.RankReply) -> RequestRecord:
+        outcome = OUTCOMES[reply.cache_outcome]
+        scores = None
+        if self._keep_scores:
+            scores = np.array([list(t.scores) for t in reply.scores], dtype=np.float32)
+        return dataclasses.replace(
+            record,
+            outcome=outcome,
+            instance=reply.instance_id,
+            model_version=reply.model_version,
+            scores=scores,
+            relayed=reply.relayed and outcome in HIT_OUTCOMES,
+        )
+
+
 async def drive(
     trigger_address: str | None,
     router_address: str,
@@ -158,81 +353,14 @@ async def drive(
     on_done: Callable[[], None] | None = None,
     tls: TlsSettings = PLAINTEXT,
 ) -> Point:
-    """Run `arrivals` through the pipeline (no trigger call when `trigger_address` is None).
+    """Run `arrivals` through the pipeline with an `OpenLoopDriver` (no trigger call when
+    `trigger_address` is None) and sum its records up.
 
-    A failed or late OnRetrieval never holds back the Rank: the ranking path goes on without it.
     `on_done` is called after each Rank (for a progress bar). `tls`: how to dial the services.
     """
-    latencies: list[float] = []
-    outcomes: Counter[str] = Counter()
-    reasons: Counter[str] = Counter()
-    errors: Counter[str] = Counter()
-    relayed_tokens = 0
-    relayed = 0
-    # Protos are built before the clock starts: building them must not delay a send.
-    events = [retrieval_event(a.request, f"{label}-{i}") for i, a in enumerate(arrivals)]
-    ranks = [rank_request_to_proto(a.request) for a in arrivals]
-    async with (
-        open_channel(router_address, tls) as router_channel,
-        open_channel(trigger_address or router_address, tls) as trigger_channel,
-    ):
-        router = router_pb2_grpc.RouterServiceStub(router_channel)
-        trigger = trigger_pb2_grpc.TriggerServiceStub(trigger_channel)
-        loop = asyncio.get_running_loop()
-        start = loop.time() + 0.5
-
-        async def decide(i: int, counted: bool) -> None:
-            nonlocal relayed_tokens
-            try:
-                decision = await trigger.OnRetrieval(events[i], timeout=timeout_s)
-            except grpc.aio.AioRpcError as err:
-                if counted:
-                    reasons[f"error_{err.code().name}"] += 1
-                return
-            if counted:
-                reasons[REASONS[decision.reason]] += 1
-                if decision.admitted:
-                    relayed_tokens += arrivals[i].request.prefix.num_tokens
-
-        async def one(i: int) -> None:
-            nonlocal relayed
-            at = arrivals[i].at
-            counted = at >= warmup_s
-            pending: asyncio.Task[None] | None = None
-            if trigger_address is not None:
-                await asyncio.sleep(max(0.0, start + at - loop.time()))
-                pending = asyncio.create_task(decide(i, counted))
-            intended = start + at + gap_s
-            await asyncio.sleep(max(0.0, intended - loop.time()))
-            try:
-                reply = await router.Rank(ranks[i], timeout=timeout_s)
-            except grpc.aio.AioRpcError as err:
-                if counted:
-                    errors[err.code().name] += 1
-            else:
-                if counted:
-                    latencies.append((loop.time() - intended) * 1e3)
-                    outcome = OUTCOMES[reply.cache_outcome]
-                    outcomes[outcome] += 1
-                    relayed += reply.relayed and outcome in HIT_OUTCOMES
-            if on_done is not None:
-                on_done()
-            if pending is not None:
-                await pending
-
-        await asyncio.gather(*(one(i) for i in range(len(arrivals))))
-    counted = [a for a in arrivals if a.at >= warmup_s]
-    point = Point(label, rate, len(counted), len(latencies), dict(errors))
-    if latencies:
-        point.p50_ms = float(np.percentile(latencies, 50))
-        point.p95_ms = float(np.percentile(latencies, 95))
-        point.p99_ms = float(np.percentile(latencies, 99))
-    point.outcomes, point.reasons = dict(outcomes), dict(reasons)
-    point.relayed = relayed
-    point.relayed_tokens = relayed_tokens
-    point.latencies_ms = latencies
-    point.duration_s = (arrivals[-1].at - warmup_s) if counted else 0.0
-    return point
+    driver = OpenLoopDriver(arrivals, label=label, gap_s=gap_s, timeout_s=timeout_s)
+    records = await driver.run(trigger_address, router_address, tls=tls, on_done=on_done)
+    return Point.of(label, rate, arrivals, records, warmup_s)
 
 
 def drive_mesh(

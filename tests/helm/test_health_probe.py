@@ -49,32 +49,29 @@ async def _probe(port: int, tls_dir: Path, server_name: str) -> tuple[int, str]:
     return process.returncode, err.decode()
 
 
-def test_probe_reports_serving_then_draining_over_mtls(tmp_path: Path) -> None:
+async def test_probe_reports_serving_then_draining_over_mtls(tmp_path: Path) -> None:
     pki = make_pki(tmp_path / "pki", hosts=(f"*.{RANKER_DOMAIN}",))
     stranger = make_pki(tmp_path / "stranger", hosts=(f"*.{RANKER_DOMAIN}",))
     tls_dir = _secret_dir(pki, tmp_path / "tls", cert=pki.node_cert, key=pki.node_key)
     # A certificate from another CA: the server must refuse the probe's handshake.
     foreign = _secret_dir(pki, tmp_path / "foreign", cert=stranger.node_cert, key=stranger.node_key)
 
-    async def scenario() -> None:
-        server = await _serving_server(pki)
-        try:
-            name = "${POD_NAME}." + RANKER_DOMAIN  # expanded by the probe, not by the kubelet
-            assert await _probe(server.port, tls_dir, name) == (0, "")
+    server = await _serving_server(pki)
+    try:
+        name = "${POD_NAME}." + RANKER_DOMAIN  # expanded by the probe, not by the kubelet
+        assert await _probe(server.port, tls_dir, name) == (0, "")
 
-            code, err = await _probe(server.port, tls_dir, "router.elsewhere.example")
-            assert code == 1 and "health check failed: UNAVAILABLE" in err
+        code, err = await _probe(server.port, tls_dir, "router.elsewhere.example")
+        assert code == 1 and "health check failed: UNAVAILABLE" in err
 
-            code, err = await _probe(server.port, foreign, name)
-            assert code == 1 and "health check failed" in err
+        code, err = await _probe(server.port, foreign, name)
+        assert code == 1 and "health check failed" in err
 
-            code, err = await _probe(server.port, tmp_path / "missing", name)
-            assert code == 1 and "cannot read TLS material" in err
+        code, err = await _probe(server.port, tmp_path / "missing", name)
+        assert code == 1 and "cannot read TLS material" in err
 
-            await server.enter_graceful_shutdown()  # draining: NOT_SERVING from now on
-            code, err = await _probe(server.port, tls_dir, name)
-            assert (code, err.strip()) == (1, "not serving: NOT_SERVING")
-        finally:
-            await server.stop(0)
-
-    asyncio.run(scenario())
+        await server.enter_graceful_shutdown()  # draining: NOT_SERVING from now on
+        code, err = await _probe(server.port, tls_dir, name)
+        assert (code, err.strip()) == (1, "not serving: NOT_SERVING")
+    finally:
+        await server.stop(0)

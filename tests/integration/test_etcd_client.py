@@ -20,233 +20,211 @@ from tests.polling import eventually
 TTL_S = 2  # etcd's smallest lease TTL with default election settings
 
 
-def test_put_get_prefix_delete_round_trip(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        client = EtcdClient([etcd_server.endpoint])
-        try:
-            first = await client.put("/t/rankers/a", b"alpha")
-            second = await client.put("/t/rankers/b", b"beta")
-            await client.put("/t/other", b"x")
-            assert second > first
-            assert await client.get("/t/rankers/a") == b"alpha"
-            assert await client.get("/t/missing") is None
-            values, revision = await client.get_prefix("/t/rankers/")
-            assert values == {"/t/rankers/a": b"alpha", "/t/rankers/b": b"beta"}
-            assert revision == second + 1
-            assert await client.delete("/t/rankers/a") is True
-            assert await client.delete("/t/rankers/a") is False
-            assert await client.get("/t/rankers/a") is None
-            assert (await client.get_prefix("/t/rankers/"))[0] == {"/t/rankers/b": b"beta"}
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
+async def test_put_get_prefix_delete_round_trip(etcd_server: EtcdServer) -> None:
+    client = EtcdClient([etcd_server.endpoint])
+    try:
+        first = await client.put("/t/rankers/a", b"alpha")
+        second = await client.put("/t/rankers/b", b"beta")
+        await client.put("/t/other", b"x")
+        assert second > first
+        assert await client.get("/t/rankers/a") == b"alpha"
+        assert await client.get("/t/missing") is None
+        values, revision = await client.get_prefix("/t/rankers/")
+        assert values == {"/t/rankers/a": b"alpha", "/t/rankers/b": b"beta"}
+        assert revision == second + 1
+        assert await client.delete("/t/rankers/a") is True
+        assert await client.delete("/t/rankers/a") is False
+        assert await client.get("/t/rankers/a") is None
+        assert (await client.get_prefix("/t/rankers/"))[0] == {"/t/rankers/b": b"beta"}
+    finally:
+        await client.close()
 
 
-def test_kept_lease_outlives_its_ttl_and_revoke_deletes_its_key(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        client = EtcdClient([etcd_server.endpoint])
-        leases: list[Lease] = []
-
-        async def register(lease: Lease) -> None:
-            leases.append(lease)
-            await client.put("/t/rankers/r0", b"addr", lease)
-
-        try:
-            kept = await client.keep_lease(TTL_S, register)
-            assert [lease.id for lease in leases] == [kept.lease_id]
-            assert kept.connected
-            # Waiting out the TTL twice is what is under test, not a readiness guess.
-            await asyncio.sleep(2 * TTL_S + 0.5)
-            assert await client.get("/t/rankers/r0") == b"addr"
-            assert len(leases) == 1, "the lease was kept, not replaced"
-            await kept.revoke()
-            assert await client.get("/t/rankers/r0") is None
-            assert kept.lease_id is None
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
-
-
-def test_key_vanishes_after_its_owner_stops_refreshing(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        owner = EtcdClient([etcd_server.endpoint])
-        observer = EtcdClient([etcd_server.endpoint])
-        try:
-            await owner.keep_lease(TTL_S, lambda lease: owner.put("/t/rankers/r1", b"a", lease))
-            assert await observer.get("/t/rankers/r1") == b"a"
-            stopped = time.monotonic()
-            await owner.close()  # the owner dies: keepalives stop, nothing is revoked
-
-            async def gone() -> bool:
-                return await observer.get("/t/rankers/r1") is None
-
-            await eventually(gone, "key deleted by lease expiry", timeout_s=TTL_S + 3)
-            assert time.monotonic() - stopped > TTL_S / 2
-        finally:
-            await observer.close()
-
-    asyncio.run(scenario())
-
-
-def test_watch_delivers_initial_state_then_puts_and_deletes_in_order(
+async def test_kept_lease_outlives_its_ttl_and_revoke_deletes_its_key(
     etcd_server: EtcdServer,
 ) -> None:
-    async def scenario() -> None:
-        client = EtcdClient([etcd_server.endpoint])
-        events: list[WatchEvent] = []
-        try:
-            start = await client.put("/t/dir/u0", b"r0")
-            await client.put("/t/elsewhere", b"no")
-            watch = await client.watch_prefix("/t/dir/", events.append)
-            assert events == [WatchEvent(EventKind.PUT, "/t/dir/u0", b"r0", start + 1)]
-            await client.put("/t/dir/u1", b"r1")
-            await client.put("/t/dir/u0", b"r2")
-            await client.delete("/t/dir/u1")
-            await client.put("/t/elsewhere", b"still no")
-            last = await client.delete("/t/dir/u0")
-            assert last
+    client = EtcdClient([etcd_server.endpoint])
+    leases: list[Lease] = []
 
-            async def all_seen() -> bool:
-                return len(events) >= 5
+    async def register(lease: Lease) -> None:
+        leases.append(lease)
+        await client.put("/t/rankers/r0", b"addr", lease)
 
-            await eventually(all_seen, "4 live events", timeout_s=5)
-            assert [(e.kind, e.key, e.value) for e in events[1:]] == [
-                (EventKind.PUT, "/t/dir/u1", b"r1"),
-                (EventKind.PUT, "/t/dir/u0", b"r2"),
-                (EventKind.DELETE, "/t/dir/u1", None),
-                (EventKind.DELETE, "/t/dir/u0", None),
-            ]
-            revisions = [e.revision for e in events]
-            assert revisions == sorted(revisions) and len(set(revisions)) == 5
-            assert watch.last_revision == revisions[-1]
-            await watch.cancel()
-            await client.put("/t/dir/u2", b"after cancel")
-            assert await client.get("/t/dir/u2") == b"after cancel"
-            assert len(events) == 5
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
+    try:
+        kept = await client.keep_lease(TTL_S, register)
+        assert [lease.id for lease in leases] == [kept.lease_id]
+        assert kept.connected
+        # Waiting out the TTL twice is what is under test, not a readiness guess.
+        await asyncio.sleep(2 * TTL_S + 0.5)
+        assert await client.get("/t/rankers/r0") == b"addr"
+        assert len(leases) == 1, "the lease was kept, not replaced"
+        await kept.revoke()
+        assert await client.get("/t/rankers/r0") is None
+        assert kept.lease_id is None
+    finally:
+        await client.close()
 
 
-def test_watch_from_a_compacted_revision_resyncs(etcd_server: EtcdServer) -> None:
+async def test_key_vanishes_after_its_owner_stops_refreshing(etcd_server: EtcdServer) -> None:
+    owner = EtcdClient([etcd_server.endpoint])
+    observer = EtcdClient([etcd_server.endpoint])
+    try:
+        await owner.keep_lease(TTL_S, lambda lease: owner.put("/t/rankers/r1", b"a", lease))
+        assert await observer.get("/t/rankers/r1") == b"a"
+        stopped = time.monotonic()
+        await owner.close()  # the owner dies: keepalives stop, nothing is revoked
+
+        async def gone() -> bool:
+            return await observer.get("/t/rankers/r1") is None
+
+        await eventually(gone, "key deleted by lease expiry", timeout_s=TTL_S + 3)
+        assert time.monotonic() - stopped > TTL_S / 2
+    finally:
+        await observer.close()
+
+
+async def test_watch_delivers_initial_state_then_puts_and_deletes_in_order(
+    etcd_server: EtcdServer,
+) -> None:
+    client = EtcdClient([etcd_server.endpoint])
+    events: list[WatchEvent] = []
+    try:
+        start = await client.put("/t/dir/u0", b"r0")
+        await client.put("/t/elsewhere", b"no")
+        watch = await client.watch_prefix("/t/dir/", events.append)
+        assert events == [WatchEvent(EventKind.PUT, "/t/dir/u0", b"r0", start + 1)]
+        await client.put("/t/dir/u1", b"r1")
+        await client.put("/t/dir/u0", b"r2")
+        await client.delete("/t/dir/u1")
+        await client.put("/t/elsewhere", b"still no")
+        last = await client.delete("/t/dir/u0")
+        assert last
+
+        async def all_seen() -> bool:
+            return len(events) >= 5
+
+        await eventually(all_seen, "4 live events", timeout_s=5)
+        assert [(e.kind, e.key, e.value) for e in events[1:]] == [
+            (EventKind.PUT, "/t/dir/u1", b"r1"),
+            (EventKind.PUT, "/t/dir/u0", b"r2"),
+            (EventKind.DELETE, "/t/dir/u1", None),
+            (EventKind.DELETE, "/t/dir/u0", None),
+        ]
+        revisions = [e.revision for e in events]
+        assert revisions == sorted(revisions) and len(set(revisions)) == 5
+        assert watch.last_revision == revisions[-1]
+        await watch.cancel()
+        await client.put("/t/dir/u2", b"after cancel")
+        assert await client.get("/t/dir/u2") == b"after cancel"
+        assert len(events) == 5
+    finally:
+        await client.close()
+
+
+async def test_watch_from_a_compacted_revision_resyncs(etcd_server: EtcdServer) -> None:
     etcdctl = Path(etcd_server.binary).with_name("etcdctl")
     if not etcdctl.is_file():
         pytest.skip(f"no etcdctl next to {etcd_server.binary}")
 
-    async def scenario() -> None:
-        client = EtcdClient([etcd_server.endpoint])
-        events: list[WatchEvent] = []
-        try:
-            await client.put("/t/dir/gone", b"x")
-            await client.delete("/t/dir/gone")
-            await client.put("/t/dir/kept", b"k")
-            revision = await client.put("/t/other", b"o")
-            compact = [str(etcdctl), f"--endpoints={etcd_server.endpoint}", "compact"]
-            subprocess.run([*compact, str(revision)], check=True, capture_output=True, timeout=10)
-            watch = await client.watch_prefix("/t/dir/", events.append, start_revision=1)
+    client = EtcdClient([etcd_server.endpoint])
+    events: list[WatchEvent] = []
+    try:
+        await client.put("/t/dir/gone", b"x")
+        await client.delete("/t/dir/gone")
+        await client.put("/t/dir/kept", b"k")
+        revision = await client.put("/t/other", b"o")
+        compact = [str(etcdctl), f"--endpoints={etcd_server.endpoint}", "compact"]
+        subprocess.run([*compact, str(revision)], check=True, capture_output=True, timeout=10)
+        watch = await client.watch_prefix("/t/dir/", events.append, start_revision=1)
 
-            async def synced() -> bool:
-                return len(events) >= 1
+        async def synced() -> bool:
+            return len(events) >= 1
 
-            await eventually(synced, "resync after compaction", timeout_s=5)
-            assert events == [WatchEvent(EventKind.PUT, "/t/dir/kept", b"k", revision)]
-            await client.put("/t/dir/new", b"n")
+        await eventually(synced, "resync after compaction", timeout_s=5)
+        assert events == [WatchEvent(EventKind.PUT, "/t/dir/kept", b"k", revision)]
+        await client.put("/t/dir/new", b"n")
 
-            async def live() -> bool:
-                return len(events) >= 2
+        async def live() -> bool:
+            return len(events) >= 2
 
-            await eventually(live, "a live event after the resync", timeout_s=5)
-            assert (events[1].kind, events[1].key) == (EventKind.PUT, "/t/dir/new")
-            await watch.cancel()
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
+        await eventually(live, "a live event after the resync", timeout_s=5)
+        assert (events[1].kind, events[1].key) == (EventKind.PUT, "/t/dir/new")
+        await watch.cancel()
+    finally:
+        await client.close()
 
 
-def test_lease_and_watch_recover_after_an_etcd_restart(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        client = EtcdClient([etcd_server.endpoint])
-        leases: list[Lease] = []
-        events: list[WatchEvent] = []
+async def test_lease_and_watch_recover_after_an_etcd_restart(etcd_server: EtcdServer) -> None:
+    client = EtcdClient([etcd_server.endpoint])
+    leases: list[Lease] = []
+    events: list[WatchEvent] = []
 
-        async def register(lease: Lease) -> None:
-            leases.append(lease)
-            await client.put("/t/rankers/r2", b"addr", lease)
+    async def register(lease: Lease) -> None:
+        leases.append(lease)
+        await client.put("/t/rankers/r2", b"addr", lease)
 
-        try:
-            kept = await client.keep_lease(TTL_S, register)
-            watch = await client.watch_prefix("/t/rankers/", events.append)
+    try:
+        kept = await client.keep_lease(TTL_S, register)
+        watch = await client.watch_prefix("/t/rankers/", events.append)
 
-            async def watching() -> bool:
-                return watch.connected
+        async def watching() -> bool:
+            return watch.connected
 
-            await eventually(watching, "watch stream created", timeout_s=3)
-            await asyncio.to_thread(etcd_server.stop)
-            with pytest.raises(Unavailable, match=re.escape(etcd_server.endpoint)):
-                await client.put("/t/rankers/x", b"lost")
+        await eventually(watching, "watch stream created", timeout_s=3)
+        await asyncio.to_thread(etcd_server.stop)
+        with pytest.raises(Unavailable, match=re.escape(etcd_server.endpoint)):
+            await client.put("/t/rankers/x", b"lost")
 
-            async def disconnected() -> bool:
-                return not kept.connected and not watch.connected
+        async def disconnected() -> bool:
+            return not kept.connected and not watch.connected
 
-            await eventually(disconnected, "lease and watch notice the outage", timeout_s=3)
-            # The outage must outlast the TTL for the lease to count as lost.
-            await asyncio.sleep(3.0)
-            await asyncio.to_thread(etcd_server.start)
+        await eventually(disconnected, "lease and watch notice the outage", timeout_s=3)
+        # The outage must outlast the TTL for the lease to count as lost.
+        await asyncio.sleep(3.0)
+        await asyncio.to_thread(etcd_server.start)
 
-            async def re_registered() -> bool:
-                if len(leases) < 2 or not kept.connected:
-                    return False
-                values, _ = await client.get_prefix("/t/rankers/")
-                return "/t/rankers/r2" in values
+        async def re_registered() -> bool:
+            if len(leases) < 2 or not kept.connected:
+                return False
+            values, _ = await client.get_prefix("/t/rankers/")
+            return "/t/rankers/r2" in values
 
-            await eventually(re_registered, "on_new_lease re-puts the key", timeout_s=10)
-            assert kept.lease_id == leases[-1].id != leases[0].id
-            await client.put("/t/rankers/r3", b"after restart")
+        await eventually(re_registered, "on_new_lease re-puts the key", timeout_s=10)
+        assert kept.lease_id == leases[-1].id != leases[0].id
+        await client.put("/t/rankers/r3", b"after restart")
 
-            async def resumed() -> bool:
-                return any(e.key == "/t/rankers/r3" for e in events)
+        async def resumed() -> bool:
+            return any(e.key == "/t/rankers/r3" for e in events)
 
-            await eventually(resumed, "watch delivers a post-restart put", timeout_s=10)
-            assert watch.connected
-            revisions = [e.revision for e in events]
-            assert revisions == sorted(set(revisions)), "in order, none repeated"
-            assert [e.key for e in events].count("/t/rankers/r2") == 2  # initial + re-registered
-            await watch.cancel()
-            await kept.revoke()
-            assert await client.get("/t/rankers/r2") is None
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
+        await eventually(resumed, "watch delivers a post-restart put", timeout_s=10)
+        assert watch.connected
+        revisions = [e.revision for e in events]
+        assert revisions == sorted(set(revisions)), "in order, none repeated"
+        assert [e.key for e in events].count("/t/rankers/r2") == 2  # initial + re-registered
+        await watch.cancel()
+        await kept.revoke()
+        assert await client.get("/t/rankers/r2") is None
+    finally:
+        await client.close()
 
 
-def test_client_fails_over_to_the_next_endpoint(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        client = EtcdClient(["127.0.0.1:1", etcd_server.endpoint])
-        try:
-            assert await client.connect() == etcd_server.endpoint
-            await client.put("/t/failover", b"ok")
-            assert await client.get("/t/failover") == b"ok"
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
+async def test_client_fails_over_to_the_next_endpoint(etcd_server: EtcdServer) -> None:
+    client = EtcdClient(["127.0.0.1:1", etcd_server.endpoint])
+    try:
+        assert await client.connect() == etcd_server.endpoint
+        await client.put("/t/failover", b"ok")
+        assert await client.get("/t/failover") == b"ok"
+    finally:
+        await client.close()
 
 
-def test_no_endpoint_answering_raises_unavailable_naming_them() -> None:
-    async def scenario() -> None:
-        client = EtcdClient(["127.0.0.1:1", "127.0.0.1:2"], request_timeout_s=2.0)
-        try:
-            with pytest.raises(Unavailable, match=re.escape("127.0.0.1:1, 127.0.0.1:2")):
-                await client.get("/t/anything")
-        finally:
-            await client.close()
-
-    asyncio.run(scenario())
+async def test_no_endpoint_answering_raises_unavailable_naming_them() -> None:
+    client = EtcdClient(["127.0.0.1:1", "127.0.0.1:2"], request_timeout_s=2.0)
+    try:
+        with pytest.raises(Unavailable, match=re.escape("127.0.0.1:1, 127.0.0.1:2")):
+            await client.get("/t/anything")
+    finally:
+        await client.close()
 
 
 def test_bad_endpoints_are_config_errors() -> None:

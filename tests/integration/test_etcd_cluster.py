@@ -45,174 +45,162 @@ class Clock:
         return self.now
 
 
-def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        clock = Clock(1000.0)
-        endpoints = [etcd_server.endpoint]
-        ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-        ranker_side = EtcdMembershipDirectory(ranker_client, clock=clock)
-        router_side = EtcdMembershipDirectory(router_client, clock=clock)
-        try:
-            # Malformed values are skipped, before and after the watches start.
-            await router_client.put("/relaygr/rankers/bad", b"{not json")
-            await ranker_side.start()
-            await router_side.start()
-            await router_client.put(DIRECTORY + "bad", b"[]")
-            await ranker_side.register(ranker("r0"), TTL_S)
+async def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) -> None:
+    clock = Clock(1000.0)
+    endpoints = [etcd_server.endpoint]
+    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(ranker_client, clock=clock)
+    router_side = EtcdMembershipDirectory(router_client, clock=clock)
+    try:
+        # Malformed values are skipped, before and after the watches start.
+        await router_client.put("/relaygr/rankers/bad", b"{not json")
+        await ranker_side.start()
+        await router_side.start()
+        await router_client.put(DIRECTORY + "bad", b"[]")
+        await ranker_side.register(ranker("r0"), TTL_S)
+        await ranker_side.register(ranker("r1"), TTL_S)
+        await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "both rankers seen")
+        assert router_side.view()["r1"] == ranker("r1")
+        snapshot = router_side.view()
+
+        # r0 holds (its lease carries) a placement on r1: a spill-over.
+        assert await router_side.record(PlacementRecord("u1", "r1", 1010.0), "r0")
+        assert router_side.lookup("u1") == "r1"  # the writer sees its own record at once
+        await eventually(lambda: ranker_side.lookup("u1") == "r1", "seen on the other side")
+        assert not await router_side.record(PlacementRecord("u2", "r1", 1010.0), "ghost")
+        assert router_side.lookup("u2") is None
+        assert router_side.lookup("bad") is None
+
+        clock.now = 1010.0
+        assert router_side.lookup("u1") is None and ranker_side.lookup("u1") is None
+        clock.now = 1009.9
+        assert router_side.lookup("u1") == "r1"
+
+        await ranker_side.deregister("r0")
+        await eventually(lambda: set(router_side.view()) == {"r1"}, "r0 leaves the other view")
+        assert set(snapshot) == {"r0", "r1"}, "a view is a snapshot"
+        assert router_side.lookup("u1") is None, "the entry went with its holder"
+        assert (await router_client.get_prefix(DIRECTORY))[0].keys() == {DIRECTORY + "bad"}
+    finally:
+        await ranker_side.stop()
+        await router_side.stop()
+        await ranker_client.close()
+        await router_client.close()
+
+
+async def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(
+    etcd_server: EtcdServer,
+) -> None:
+    endpoints = [etcd_server.endpoint]
+    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(ranker_client)
+    router_side = EtcdMembershipDirectory(router_client)
+    try:
+        await router_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        await ranker_side.register(ranker("r1"), TTL_S)
+        await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "rankers seen")
+        expires_at = time.time() + 60
+        assert await router_side.record(PlacementRecord("u0", "r0", expires_at), "r0")
+        assert await router_side.record(PlacementRecord("u1", "r1", expires_at), "r1")
+
+        await ranker_client.close()  # the rankers' process dies: no keepalive, no revoke
+        await router_side.deregister("r0")  # not registered by the router: left alone
+        died = time.monotonic()
+        await eventually(lambda: set(router_side.view()) == set(), "dead rankers leave", TTL_S + 2)
+        # etcd checks expiry every 0.5 s; the last keepalive may have been TTL/3 before.
+        assert time.monotonic() - died < TTL_S + 1.0
+        assert router_side.lookup("u0") is None and router_side.lookup("u1") is None
+        assert (await router_client.get_prefix(DIRECTORY))[0] == {}
+    finally:
+        await router_side.stop()
+        await router_client.close()
+
+
+async def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) -> None:
+    endpoints = [etcd_server.endpoint]
+    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(ranker_client)
+    router_side = EtcdMembershipDirectory(router_client)
+    try:
+        await ranker_side.start()
+        await router_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        await eventually(lambda: "r0" in router_side.view(), "r0 seen")
+        assert await router_side.record(PlacementRecord("u1", "r0", time.time() + 60), "r0")
+
+        await asyncio.to_thread(etcd_server.stop)
+        stopped = time.monotonic()
+        assert set(router_side.view()) == {"r0"} and router_side.lookup("u1") == "r0"
+        with pytest.raises(Unavailable):
+            await router_side.record(PlacementRecord("u2", "r0", time.time() + 60), "r0")
+        with pytest.raises(Unavailable):
             await ranker_side.register(ranker("r1"), TTL_S)
-            await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "both rankers seen")
-            assert router_side.view()["r1"] == ranker("r1")
-            snapshot = router_side.view()
+        with pytest.raises(Unavailable):
+            await router_side.forget_instance("r0")
+        # The outage itself is under test: it outlasts the TTL, so r0's lease counts as lost.
+        await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - stopped)))
+        assert set(router_side.view()) == {"r0"} and router_side.lookup("u1") == "r0"
+        await asyncio.to_thread(etcd_server.start)
 
-            # r0 holds (its lease carries) a placement on r1: a spill-over.
-            assert await router_side.record(PlacementRecord("u1", "r1", 1010.0), "r0")
-            assert router_side.lookup("u1") == "r1"  # the writer sees its own record at once
-            await eventually(lambda: ranker_side.lookup("u1") == "r1", "seen on the other side")
-            assert not await router_side.record(PlacementRecord("u2", "r1", 1010.0), "ghost")
-            assert router_side.lookup("u2") is None
-            assert router_side.lookup("bad") is None
-
-            clock.now = 1010.0
-            assert router_side.lookup("u1") is None and ranker_side.lookup("u1") is None
-            clock.now = 1009.9
-            assert router_side.lookup("u1") == "r1"
-
-            await ranker_side.deregister("r0")
-            await eventually(lambda: set(router_side.view()) == {"r1"}, "r0 leaves the other view")
-            assert set(snapshot) == {"r0", "r1"}, "a view is a snapshot"
-            assert router_side.lookup("u1") is None, "the entry went with its holder"
-            assert (await router_client.get_prefix(DIRECTORY))[0].keys() == {DIRECTORY + "bad"}
-        finally:
-            await ranker_side.stop()
-            await router_side.stop()
-            await ranker_client.close()
-            await router_client.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        endpoints = [etcd_server.endpoint]
-        ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-        ranker_side = EtcdMembershipDirectory(ranker_client)
-        router_side = EtcdMembershipDirectory(router_client)
-        try:
-            await router_side.start()
-            await ranker_side.register(ranker("r0"), TTL_S)
-            await ranker_side.register(ranker("r1"), TTL_S)
-            await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "rankers seen")
-            expires_at = time.time() + 60
-            assert await router_side.record(PlacementRecord("u0", "r0", expires_at), "r0")
-            assert await router_side.record(PlacementRecord("u1", "r1", expires_at), "r1")
-
-            await ranker_client.close()  # the rankers' process dies: no keepalive, no revoke
-            await router_side.deregister("r0")  # not registered by the router: left alone
-            died = time.monotonic()
-            await eventually(
-                lambda: set(router_side.view()) == set(), "dead rankers leave", TTL_S + 2
-            )
-            # etcd checks expiry every 0.5 s; the last keepalive may have been TTL/3 before.
-            assert time.monotonic() - died < TTL_S + 1.0
-            assert router_side.lookup("u0") is None and router_side.lookup("u1") is None
-            assert (await router_client.get_prefix(DIRECTORY))[0] == {}
-        finally:
-            await router_side.stop()
-            await router_client.close()
-
-    asyncio.run(scenario())
-
-
-def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        endpoints = [etcd_server.endpoint]
-        ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-        ranker_side = EtcdMembershipDirectory(ranker_client)
-        router_side = EtcdMembershipDirectory(router_client)
-        try:
-            await ranker_side.start()
-            await router_side.start()
-            await ranker_side.register(ranker("r0"), TTL_S)
-            await eventually(lambda: "r0" in router_side.view(), "r0 seen")
-            assert await router_side.record(PlacementRecord("u1", "r0", time.time() + 60), "r0")
-
-            await asyncio.to_thread(etcd_server.stop)
-            stopped = time.monotonic()
-            assert set(router_side.view()) == {"r0"} and router_side.lookup("u1") == "r0"
-            with pytest.raises(Unavailable):
-                await router_side.record(PlacementRecord("u2", "r0", time.time() + 60), "r0")
-            with pytest.raises(Unavailable):
-                await ranker_side.register(ranker("r1"), TTL_S)
-            with pytest.raises(Unavailable):
-                await router_side.forget_instance("r0")
-            # The outage itself is under test: it outlasts the TTL, so r0's lease counts as lost.
-            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - stopped)))
-            assert set(router_side.view()) == {"r0"} and router_side.lookup("u1") == "r0"
-            await asyncio.to_thread(etcd_server.start)
-
-            async def r0_in_etcd() -> bool:
-                try:
-                    values, _ = await router_client.get_prefix("/relaygr/rankers/")
-                except Unavailable:  # the client's channels may lag the restart briefly
-                    return False
-                return "/relaygr/rankers/r0" in values
-
-            await eventually(r0_in_etcd, "r0 still or again registered", timeout_s=10)
-            await eventually(lambda: "r0" in router_side.view(), "r0 in the view")
-
-            # A record may still go under r0's pre-outage lease (which etcd restored and then lets
-            # lapse, as r0 moved to a new one): repeat it until the other side sees it.
-            placement = PlacementRecord("u2", "r0", time.time() + 60)
-
-            async def recorded_and_seen() -> bool:
-                if ranker_side.lookup("u2") == "r0":
-                    return True
-                with contextlib.suppress(Unavailable):
-                    await router_side.record(placement, "r0")
+        async def r0_in_etcd() -> bool:
+            try:
+                values, _ = await router_client.get_prefix("/relaygr/rankers/")
+            except Unavailable:  # the client's channels may lag the restart briefly
                 return False
+            return "/relaygr/rankers/r0" in values
 
-            await eventually(recorded_and_seen, "a post-outage record seen", timeout_s=10)
-            await ranker_side.register(ranker("r1"), TTL_S)
-            await eventually(lambda: "r1" in router_side.view(), "a post-outage ranker seen")
-        finally:
-            await ranker_side.stop()
-            await router_side.stop()
-            await ranker_client.close()
-            await router_client.close()
+        await eventually(r0_in_etcd, "r0 still or again registered", timeout_s=10)
+        await eventually(lambda: "r0" in router_side.view(), "r0 in the view")
 
-    asyncio.run(scenario())
+        # A record may still go under r0's pre-outage lease (which etcd restored and then lets
+        # lapse, as r0 moved to a new one): repeat it until the other side sees it.
+        placement = PlacementRecord("u2", "r0", time.time() + 60)
+
+        async def recorded_and_seen() -> bool:
+            if ranker_side.lookup("u2") == "r0":
+                return True
+            with contextlib.suppress(Unavailable):
+                await router_side.record(placement, "r0")
+            return False
+
+        await eventually(recorded_and_seen, "a post-outage record seen", timeout_s=10)
+        await ranker_side.register(ranker("r1"), TTL_S)
+        await eventually(lambda: "r1" in router_side.view(), "a post-outage ranker seen")
+    finally:
+        await ranker_side.stop()
+        await router_side.stop()
+        await ranker_client.close()
+        await router_client.close()
 
 
-def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServer) -> None:
-    async def scenario() -> None:
-        clock = Clock(1000.0)
-        client = EtcdClient([etcd_server.endpoint])
-        cluster = EtcdMembershipDirectory(client, prefix="/other/", clock=clock)
-        try:
-            await cluster.start()
-            await cluster.register(ranker("r0"), TTL_S)
-            assert cluster.writes == {"lease_grant": 1, "put": 1}
-            await eventually(lambda: "r0" in cluster.view(), "r0 seen")
-            for i in range(5):
-                placement = PlacementRecord(f"u{i}", "r0", 1010.0 if i < 2 else 1100.0)
-                assert await cluster.record(placement, "r0")
-            assert not await cluster.record(PlacementRecord("u9", "r0", 1100.0), "ghost")
-            for _ in range(1000):
-                assert cluster.lookup("u4") == "r0"
-            assert cluster.writes == {"lease_grant": 1, "put": 6}
-            values, _ = await client.get_prefix("/other/directory/")
-            assert len(values) == 5
+async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServer) -> None:
+    clock = Clock(1000.0)
+    client = EtcdClient([etcd_server.endpoint])
+    cluster = EtcdMembershipDirectory(client, prefix="/other/", clock=clock)
+    try:
+        await cluster.start()
+        await cluster.register(ranker("r0"), TTL_S)
+        assert cluster.writes == {"lease_grant": 1, "put": 1}
+        await eventually(lambda: "r0" in cluster.view(), "r0 seen")
+        for i in range(5):
+            placement = PlacementRecord(f"u{i}", "r0", 1010.0 if i < 2 else 1100.0)
+            assert await cluster.record(placement, "r0")
+        assert not await cluster.record(PlacementRecord("u9", "r0", 1100.0), "ghost")
+        for _ in range(1000):
+            assert cluster.lookup("u4") == "r0"
+        assert cluster.writes == {"lease_grant": 1, "put": 6}
+        values, _ = await client.get_prefix("/other/directory/")
+        assert len(values) == 5
 
-            clock.now = 1050.0
-            assert await cluster.purge_expired() == 2
-            await cluster.forget_instance("r0")
-            assert cluster.writes == {"lease_grant": 1, "put": 6, "delete": 5}
-            assert (await client.get_prefix("/other/directory/"))[0] == {}
-            await cluster.deregister("r0")
-            assert cluster.writes == {"lease_grant": 1, "put": 6, "delete": 5, "lease_revoke": 1}
-            assert await client.get("/other/rankers/r0") is None
-        finally:
-            await cluster.stop()
-            await client.close()
-
-    asyncio.run(scenario())
+        clock.now = 1050.0
+        assert await cluster.purge_expired() == 2
+        await cluster.forget_instance("r0")
+        assert cluster.writes == {"lease_grant": 1, "put": 6, "delete": 5}
+        assert (await client.get_prefix("/other/directory/"))[0] == {}
+        await cluster.deregister("r0")
+        assert cluster.writes == {"lease_grant": 1, "put": 6, "delete": 5, "lease_revoke": 1}
+        assert await client.get("/other/rankers/r0") is None
+    finally:
+        await cluster.stop()
+        await client.close()

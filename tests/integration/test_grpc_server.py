@@ -4,9 +4,8 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import grpc
 import pytest
@@ -58,10 +57,6 @@ class FakeRanker:
         )
 
 
-def run(coro: Coroutine[Any, Any, None]) -> None:
-    asyncio.run(coro)
-
-
 def raising(err: BaseException) -> Action:
     async def action(context: grpc.aio.ServicerContext) -> None:
         raise err
@@ -103,25 +98,22 @@ async def health(channel: grpc.aio.Channel, service: str) -> int:
         (RelayGRError("something of ours"), grpc.StatusCode.INTERNAL),
     ],
 )
-def test_errors_map_to_status_codes_with_their_message(
+async def test_errors_map_to_status_codes_with_their_message(
     err: RelayGRError, code: grpc.StatusCode
 ) -> None:
-    async def scenario() -> None:
-        ranker = FakeRanker()
-        ranker.action = raising(err)
-        async with serving(ranker) as (_, channel):
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await describe(channel)
-        assert info.value.code() == code
-        assert info.value.details() == str(err)
-
-    run(scenario())
+    ranker = FakeRanker()
+    ranker.action = raising(err)
+    async with serving(ranker) as (_, channel):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await describe(channel)
+    assert info.value.code() == code
+    assert info.value.details() == str(err)
 
 
-def test_unexpected_error_is_internal_logged_and_server_keeps_serving(
+async def test_unexpected_error_is_internal_logged_and_server_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async def scenario() -> None:
+    with caplog.at_level(logging.ERROR, logger="relaygr.grpc_server"):
         ranker = FakeRanker()
         ranker.action = raising(ValueError("secret detail"))
         async with serving(ranker) as (_, channel):
@@ -131,77 +123,59 @@ def test_unexpected_error_is_internal_logged_and_server_keeps_serving(
             assert "secret detail" not in (info.value.details() or "")
             ranker.action = None
             assert (await describe(channel)).instance_id == "r0"
-
-    with caplog.at_level(logging.ERROR, logger="relaygr.grpc_server"):
-        run(scenario())
     [record] = [r for r in caplog.records if r.name == "relaygr.grpc_server"]
     assert record.exc_info is not None and record.exc_info[0] is ValueError
 
 
-def test_handler_abort_keeps_its_status() -> None:
+async def test_handler_abort_keeps_its_status() -> None:
     async def abort(context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
 
-    async def scenario() -> None:
-        ranker = FakeRanker()
-        ranker.action = abort
-        async with serving(ranker) as (_, channel):
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await describe(channel)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert info.value.details() == "model not loaded"
-
-    run(scenario())
+    ranker = FakeRanker()
+    ranker.action = abort
+    async with serving(ranker) as (_, channel):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await describe(channel)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details() == "model not loaded"
 
 
-def test_health_is_not_serving_until_marked_serving() -> None:
-    async def scenario() -> None:
-        async with serving(FakeRanker()) as (server, channel):
-            for name in ("", SERVICE):
-                assert await health(channel, name) == health_pb2.HealthCheckResponse.NOT_SERVING
-            await server.set_serving(True)
-            for name in ("", SERVICE):
-                assert await health(channel, name) == health_pb2.HealthCheckResponse.SERVING
-            await server.set_serving(False)
-            assert await health(channel, SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
-
-    run(scenario())
+async def test_health_is_not_serving_until_marked_serving() -> None:
+    async with serving(FakeRanker()) as (server, channel):
+        for name in ("", SERVICE):
+            assert await health(channel, name) == health_pb2.HealthCheckResponse.NOT_SERVING
+        await server.set_serving(True)
+        for name in ("", SERVICE):
+            assert await health(channel, name) == health_pb2.HealthCheckResponse.SERVING
+        await server.set_serving(False)
+        assert await health(channel, SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_reflection_lists_the_service_health_and_reflection() -> None:
-    async def scenario() -> None:
-        async with serving(FakeRanker()) as (_, channel):
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            call = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
-            )
-            names = {s.name async for r in call for s in r.list_services_response.service}
-        assert names == {
-            SERVICE,
-            "grpc.health.v1.Health",
-            "grpc.reflection.v1alpha.ServerReflection",
-        }
-
-    run(scenario())
+async def test_reflection_lists_the_service_health_and_reflection() -> None:
+    async with serving(FakeRanker()) as (_, channel):
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name async for r in call for s in r.list_services_response.service}
+    assert names == {
+        SERVICE,
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
 
 
-def test_two_servers_bind_distinct_ports_in_parallel() -> None:
-    async def scenario() -> None:
-        async with serving(FakeRanker()) as (a, chan_a), serving(FakeRanker()) as (b, chan_b):
-            assert a.port != 0 and b.port != 0 and a.port != b.port
-            assert (await describe(chan_a)).instance_id == "r0"
-            assert (await describe(chan_b)).instance_id == "r0"
-
-    run(scenario())
+async def test_two_servers_bind_distinct_ports_in_parallel() -> None:
+    async with serving(FakeRanker()) as (a, chan_a), serving(FakeRanker()) as (b, chan_b):
+        assert a.port != 0 and b.port != 0 and a.port != b.port
+        assert (await describe(chan_a)).instance_id == "r0"
+        assert (await describe(chan_b)).instance_id == "r0"
 
 
-def test_binding_a_taken_port_is_a_config_error() -> None:
-    async def scenario() -> None:
-        async with serving(FakeRanker()) as (server, _):
-            with pytest.raises(ConfigError, match="cannot bind"):
-                await start_server(f"127.0.0.1:{server.port}", FakeRanker().register, [SERVICE])
-
-    run(scenario())
+async def test_binding_a_taken_port_is_a_config_error() -> None:
+    async with serving(FakeRanker()) as (server, _):
+        with pytest.raises(ConfigError, match="cannot bind"):
+            await start_server(f"127.0.0.1:{server.port}", FakeRanker().register, [SERVICE])
 
 
 async def until_rejected(channel: grpc.aio.Channel, within: float = 10.0) -> None:
@@ -217,77 +191,68 @@ async def until_rejected(channel: grpc.aio.Channel, within: float = 10.0) -> Non
     raise AssertionError("server still accepted new RPCs")
 
 
-def test_stop_finishes_in_flight_request_within_grace() -> None:
-    async def scenario() -> None:
-        ranker = FakeRanker()
-        started, release = asyncio.Event(), asyncio.Event()
+async def test_stop_finishes_in_flight_request_within_grace() -> None:
+    ranker = FakeRanker()
+    started, release = asyncio.Event(), asyncio.Event()
 
-        async def slow_once(context: grpc.aio.ServicerContext) -> None:
-            ranker.action = None  # only the first call is slow; later ones probe the server
-            started.set()
-            await release.wait()
+    async def slow_once(context: grpc.aio.ServicerContext) -> None:
+        ranker.action = None  # only the first call is slow; later ones probe the server
+        started.set()
+        await release.wait()
 
-        ranker.action = slow_once
-        server = await start_server("127.0.0.1:0", ranker.register, [SERVICE])
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            in_flight = asyncio.create_task(describe(channel))
-            await started.wait()
-            stopping = asyncio.create_task(server.stop(grace=30))
-            await until_rejected(channel)
-            release.set()
-            assert (await in_flight).instance_id == "r0"
-            await stopping
-
-    run(scenario())
+    ranker.action = slow_once
+    server = await start_server("127.0.0.1:0", ranker.register, [SERVICE])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        in_flight = asyncio.create_task(describe(channel))
+        await started.wait()
+        stopping = asyncio.create_task(server.stop(grace=30))
+        await until_rejected(channel)
+        release.set()
+        assert (await in_flight).instance_id == "r0"
+        await stopping
 
 
-def test_grace_expiry_cancels_the_handler_without_mapping_it() -> None:
+async def test_grace_expiry_cancels_the_handler_without_mapping_it() -> None:
     cancelled: list[bool] = []
 
-    async def scenario() -> None:
-        ranker = FakeRanker()
-        started = asyncio.Event()
+    ranker = FakeRanker()
+    started = asyncio.Event()
 
-        async def hang(context: grpc.aio.ServicerContext) -> None:
-            started.set()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                cancelled.append(True)
-                raise
+    async def hang(context: grpc.aio.ServicerContext) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
 
-        ranker.action = hang
-        server = await start_server("127.0.0.1:0", ranker.register, [SERVICE])
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            in_flight = asyncio.create_task(describe(channel))
-            await started.wait()
-            await server.stop(grace=0.05)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await in_flight
-        assert info.value.code() != grpc.StatusCode.INTERNAL
-
-    run(scenario())
+    ranker.action = hang
+    server = await start_server("127.0.0.1:0", ranker.register, [SERVICE])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        in_flight = asyncio.create_task(describe(channel))
+        await started.wait()
+        await server.stop(grace=0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await in_flight
+    assert info.value.code() != grpc.StatusCode.INTERNAL
     assert cancelled == [True]
 
 
-def test_sigterm_drains_not_serving_then_stops() -> None:
+async def test_sigterm_drains_not_serving_then_stops() -> None:
     seen: list[int] = []
 
-    async def scenario() -> None:
-        async with serving(FakeRanker()) as (server, channel):
-            await server.set_serving(True)
+    async with serving(FakeRanker()) as (server, channel):
+        await server.set_serving(True)
 
-            async def on_drain() -> None:
-                seen.append(await health(channel, SERVICE))
+        async def on_drain() -> None:
+            seen.append(await health(channel, SERVICE))
 
-            done = install_drain_handlers(asyncio.get_running_loop(), server, 5.0, on_drain)
-            signal.raise_signal(signal.SIGTERM)
-            await asyncio.wait_for(done, timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await describe(channel)
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-
-    run(scenario())
+        done = install_drain_handlers(asyncio.get_running_loop(), server, 5.0, on_drain)
+        signal.raise_signal(signal.SIGTERM)
+        await asyncio.wait_for(done, timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await describe(channel)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
 
 

@@ -17,7 +17,6 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,9 @@ from relaygr.wire import (
     pre_infer_request_to_proto,
     rank_request_to_proto,
 )
-from services.ranker.server import RankerServer, start_ranker
-from services.router.config import RouterConfig
-from services.router.server import RouterServer, start_router
-from services.trigger.config import TriggerConfig
-from services.trigger.server import TriggerServer, start_trigger
+from services.ranker.server import start_ranker
 from tests.integration.etcd_server import EtcdServer
+from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver, ReceivedSpan
 from tests.integration.process_mesh import tiny_mesh
 from tests.integration.ranker_harness import BASE, COST, tiny_model
@@ -69,81 +65,22 @@ def _event(p: Prefix) -> trigger_pb2.RetrievalEvent:
     )
 
 
-@dataclass(slots=True)
-class Mesh:
-    ranker: RankerServer
-    router: RouterServer
-    trigger: TriggerServer
-    telemetry: dict[str, Telemetry]
-    trigger_stub: trigger_pb2_grpc.TriggerServiceStub
-    router_stub: router_pb2_grpc.RouterServiceStub
-    channels: list[grpc.aio.Channel] = field(default_factory=list)
-
-    async def flush(self) -> None:
-        """Export every span ended so far (the exporters block: off the event loop)."""
-        for telemetry in self.telemetry.values():
-            if telemetry.tracer_provider is not None:
-                await asyncio.to_thread(telemetry.tracer_provider.force_flush)
-
-
 @asynccontextmanager
-async def running_mesh(
+async def observed_mesh(
     etcd: str, env: Mapping[str, str], serve_metrics: bool = False, **trigger: Any
 ) -> AsyncIterator[Mesh]:
-    """One ranker, a router and a trigger, each with telemetry from `env`.
+    """One ranker ("r0"), a router and a trigger, each with telemetry from `env`.
 
     Generous relay window and lease: the machine may be shared with other heavy work, and a
     slow PreInfer or a late keepalive would otherwise fail the relay these tests follow.
     """
-    telemetry = {name: Telemetry.from_env(name, env) for name in SERVICES}
-    if serve_metrics:
-        for t in telemetry.values():
-            t.metrics_address = ("127.0.0.1", 0)
-    ranker = await start_ranker(
-        replace(BASE, instance_id="r0", etcd_endpoints=(etcd,), lease_ttl_s=10.0),
-        model=tiny_model(),
-        cost_model=COST,
-        telemetry=telemetry["relaygr-ranker"],
-    )
-    router = await start_router(
-        RouterConfig(listen="127.0.0.1:0", etcd_endpoints=(etcd,), plaintext=True),
-        telemetry["relaygr-router"],
-    )
-    trigger_cfg = TriggerConfig(
-        listen="127.0.0.1:0",
-        etcd_endpoints=(etcd,),
-        plaintext=True,
-        router_address=f"127.0.0.1:{router.port}",
-        **{"relay_window_ms": 20_000, **trigger},
-    )
-    trigger_server = await start_trigger(trigger_cfg, telemetry["relaygr-trigger"])
-    channels = [
-        grpc.aio.insecure_channel(f"127.0.0.1:{trigger_server.port}"),
-        grpc.aio.insecure_channel(f"127.0.0.1:{router.port}"),
-    ]
-    mesh = Mesh(
-        ranker,
-        router,
-        trigger_server,
-        telemetry,
-        trigger_pb2_grpc.TriggerServiceStub(channels[0]),
-        router_pb2_grpc.RouterServiceStub(channels[1]),
-        channels,
-    )
-    try:
-        await eventually(
-            lambda: set(router.cluster.view()) == set(trigger_server.cluster.view()) == {"r0"},
-            "router and trigger see the ranker",
-        )
+    async with running_mesh(
+        etcd, tiny_model(), telemetry_env=env, serve_metrics=serve_metrics
+    ) as mesh:
+        await mesh.add_ranker("r0", lease_ttl_s=10.0)
+        await mesh.add_router()
+        await mesh.add_trigger(**{"relay_window_ms": 20_000, **trigger})
         yield mesh
-    finally:
-        for channel in channels:
-            await channel.close()
-        await trigger_server.stop(grace=0.5)
-        await router.stop(grace=0.5)
-        await ranker.stop(grace=0.5)
-        for t in telemetry.values():
-            await asyncio.to_thread(t.shutdown)
 
 
 def one(spans: list[ReceivedSpan], **want: object) -> ReceivedSpan:
@@ -154,36 +91,33 @@ def one(spans: list[ReceivedSpan], **want: object) -> ReceivedSpan:
     return found[0]
 
 
-def test_a_relay_is_two_traces_linked_at_the_ranker(
+async def test_a_relay_is_two_traces_linked_at_the_ranker(
     etcd_server: EtcdServer, otlp_receiver: OtlpReceiver, rng: np.random.Generator
 ) -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint}
     user = prefix(rng, LONG, user_id="relayed-user")
 
-    async def scenario() -> list[ReceivedSpan]:
-        async with running_mesh(etcd_server.endpoint, env, mode="all") as mesh:
-            decision = await mesh.trigger_stub.OnRetrieval(_event(user))
-            assert decision.admitted and decision.target_instance == "r0"
-            servicer = mesh.trigger.servicer
-            await eventually(lambda: servicer.stats.relayed == 1, "relay landed", 60)
-            request = rank_request_to_proto(rank_input(rng, user, n_short=16, n_candidates=16))
-            reply = await mesh.router_stub.Rank(request)
-            assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+    async with observed_mesh(etcd_server.endpoint, env, mode="all") as mesh:
+        decision = await mesh.trigger_stubs[0].OnRetrieval(_event(user))
+        assert decision.admitted and decision.target_instance == "r0"
+        servicer = mesh.triggers[0].servicer
+        await eventually(lambda: servicer.stats.relayed == 1, "relay landed", 60)
+        request = rank_request_to_proto(rank_input(rng, user, n_short=16, n_candidates=16))
+        reply = await mesh.stubs[0].Rank(request)
+        assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
 
-            async def exported() -> bool:
-                await mesh.flush()
-                names = {(s.service, s.name, s.kind) for s in otlp_receiver.spans()}
-                return {
-                    ("relaygr-ranker", "/relaygr.v1.RankerService/Rank", SERVER),
-                    ("relaygr-router", "/relaygr.v1.RouterService/Rank", SERVER),
-                    ("relaygr-trigger", "/relaygr.v1.RouterService/PreInfer", CLIENT),
-                    ("relaygr-ranker", "/relaygr.v1.RankerService/Describe", SERVER),
-                } <= names
+        async def exported() -> bool:
+            await mesh.flush()
+            names = {(s.service, s.name, s.kind) for s in otlp_receiver.spans()}
+            return {
+                ("relaygr-ranker", "/relaygr.v1.RankerService/Rank", SERVER),
+                ("relaygr-router", "/relaygr.v1.RouterService/Rank", SERVER),
+                ("relaygr-trigger", "/relaygr.v1.RouterService/PreInfer", CLIENT),
+                ("relaygr-ranker", "/relaygr.v1.RankerService/Describe", SERVER),
+            } <= names
 
-            await eventually(exported, "spans of both requests exported", 60)
-        return otlp_receiver.spans()
-
-    spans = asyncio.run(scenario())
+        await eventually(exported, "spans of both requests exported", 60)
+    spans = otlp_receiver.spans()
     assert {s.service for s in spans} == set(SERVICES)
 
     # The retrieval request: one trace from the trigger through the router to the ranker.
@@ -281,84 +215,80 @@ def _value(samples: Mapping[Any, float], name: str, **labels: str) -> float:
     return samples[name, frozenset(labels.items())]
 
 
-def test_metrics_move_with_a_known_sequence(
+async def test_metrics_move_with_a_known_sequence(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     """Two relayed users and one short one: admissions, placements, hits and misses counted."""
     longs = [prefix(rng, LONG, user_id=f"long{i}") for i in range(2)]
     short = prefix(rng, SHORT, user_id="short0")
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, {}, serve_metrics=True, **SLO) as mesh:
-            before = await _samples(mesh.ranker.metrics_port)
-            assert (
-                _value(before, "relaygr_ranker_rank_latency_seconds_count", cache_outcome="miss")
-                == 0
-            )
-            for p in [*longs, short]:
-                await mesh.trigger_stub.OnRetrieval(_event(p))
-            servicer = mesh.trigger.servicer
-            await eventually(lambda: servicer.stats.relayed == 2, "relays landed", 60)
-            again = await mesh.trigger_stub.OnRetrieval(_event(longs[0]))
-            assert again.reason == trigger_pb2.ADMISSION_REASON_ALREADY_CACHED
-            outcomes = []
-            for p in [*longs, short, short]:
-                request = rank_request_to_proto(rank_input(rng, p, n_short=8, n_candidates=8))
-                outcomes.append((await mesh.router_stub.Rank(request)).cache_outcome)
-            hit, miss = common_pb2.CACHE_OUTCOME_HBM_HIT, common_pb2.CACHE_OUTCOME_MISS
-            assert outcomes == [hit, hit, miss, hit]  # the miss left its prefix cached
+    async with observed_mesh(etcd_server.endpoint, {}, serve_metrics=True, **SLO) as mesh:
+        before = await _samples(mesh.rankers["r0"].metrics_port)
+        assert (
+            _value(before, "relaygr_ranker_rank_latency_seconds_count", cache_outcome="miss") == 0
+        )
+        for p in [*longs, short]:
+            await mesh.trigger_stubs[0].OnRetrieval(_event(p))
+        servicer = mesh.triggers[0].servicer
+        await eventually(lambda: servicer.stats.relayed == 2, "relays landed", 60)
+        again = await mesh.trigger_stubs[0].OnRetrieval(_event(longs[0]))
+        assert again.reason == trigger_pb2.ADMISSION_REASON_ALREADY_CACHED
+        outcomes = []
+        for p in [*longs, short, short]:
+            request = rank_request_to_proto(rank_input(rng, p, n_short=8, n_candidates=8))
+            outcomes.append((await mesh.stubs[0].Rank(request)).cache_outcome)
+        hit, miss = common_pb2.CACHE_OUTCOME_HBM_HIT, common_pb2.CACHE_OUTCOME_MISS
+        assert outcomes == [hit, hit, miss, hit]  # the miss left its prefix cached
 
-            trigger = await _samples(mesh.trigger.metrics_port)
-            admissions = "relaygr_trigger_admissions_total"
-            assert _value(trigger, admissions, reason="admitted") == 2
-            assert _value(trigger, admissions, reason="not_at_risk") == 1
-            assert _value(trigger, admissions, reason="already_cached") == 1
-            assert _value(trigger, admissions, reason="load_limit") == 0
-            assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="relayed") == 2
-            assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="failed") == 0
-            assert _value(trigger, "relaygr_trigger_dispatch_queue_depth") == 0
-            assert _value(trigger, "relaygr_cluster_rankers") == 1
-            assert _value(trigger, "relaygr_etcd_connected") == 1
+        trigger = await _samples(mesh.triggers[0].metrics_port)
+        admissions = "relaygr_trigger_admissions_total"
+        assert _value(trigger, admissions, reason="admitted") == 2
+        assert _value(trigger, admissions, reason="not_at_risk") == 1
+        assert _value(trigger, admissions, reason="already_cached") == 1
+        assert _value(trigger, admissions, reason="load_limit") == 0
+        assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="relayed") == 2
+        assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="failed") == 0
+        assert _value(trigger, "relaygr_trigger_dispatch_queue_depth") == 0
+        assert _value(trigger, "relaygr_cluster_rankers") == 1
+        assert _value(trigger, "relaygr_etcd_connected") == 1
 
-            router = await _samples(mesh.router.metrics_port)
-            placements = "relaygr_router_placements_total"
-            assert _value(router, placements, method="PreInfer", reason="hash") == 2
-            assert _value(router, placements, method="PreInfer", reason="spilled") == 0
-            assert _value(router, placements, method="Rank", reason="hash") == 4
-            forwarded = "relaygr_router_forwarded_total"
-            assert _value(router, forwarded, method="PreInfer", code="OK") == 2
-            assert _value(router, forwarded, method="Rank", code="OK") == 4
-            assert _value(router, "relaygr_router_failovers_total", method="Rank") == 0
-            assert _value(router, "relaygr_router_ranker_load", instance="r0") == 2
-            assert _value(router, "relaygr_etcd_connected") == 1
+        router = await _samples(mesh.routers[0].metrics_port)
+        placements = "relaygr_router_placements_total"
+        assert _value(router, placements, method="PreInfer", reason="hash") == 2
+        assert _value(router, placements, method="PreInfer", reason="spilled") == 0
+        assert _value(router, placements, method="Rank", reason="hash") == 4
+        forwarded = "relaygr_router_forwarded_total"
+        assert _value(router, forwarded, method="PreInfer", code="OK") == 2
+        assert _value(router, forwarded, method="Rank", code="OK") == 4
+        assert _value(router, "relaygr_router_failovers_total", method="Rank") == 0
+        assert _value(router, "relaygr_router_ranker_load", instance="r0") == 2
+        assert _value(router, "relaygr_etcd_connected") == 1
 
-            ranker = await _samples(mesh.ranker.metrics_port)
-            latency = "relaygr_ranker_rank_latency_seconds_count"
-            assert _value(ranker, latency, cache_outcome="hbm_hit") == 3
-            assert _value(ranker, latency, cache_outcome="miss") == 1
-            assert _value(ranker, latency, cache_outcome="dram_hit") == 0
-            assert _value(ranker, "relaygr_ranker_cache_hit_ratio", tier="hbm") == 0.75
-            assert _value(ranker, "relaygr_ranker_cache_hit_ratio", tier="dram") == 0
-            pre_infers = "relaygr_ranker_pre_infer_latency_seconds_count"
-            assert _value(ranker, pre_infers, outcome="computed") == 2
-            assert _value(ranker, "relaygr_ranker_relays_consumed_total") == 2
-            assert _value(ranker, "relaygr_ranker_relays_unconsumed_total", reason="expired") == 0
-            assert _value(ranker, "relaygr_ranker_kv_entries", tier="hbm") == 3
-            assert _value(ranker, "relaygr_ranker_kv_stored_total", tier="hbm") == 3
-            assert _value(ranker, "relaygr_ranker_kv_used_bytes", tier="hbm") > 0
-            assert _value(ranker, "relaygr_ranker_kv_pinned_bytes", tier="hbm") == 0
-            drops = "relaygr_ranker_kv_drops_total"
-            assert _value(ranker, drops, tier="hbm", reason="demoted") == 0
-            assert _value(ranker, "relaygr_ranker_queue_depth", priority="rank") == 0
-            assert _value(ranker, "relaygr_ranker_inflight_prefixes") == 0
-            assert _value(ranker, "relaygr_etcd_connected") == 1
-            assert _value(ranker, "process_cpu_seconds_total") > 0  # the standard process set
+        ranker = await _samples(mesh.rankers["r0"].metrics_port)
+        latency = "relaygr_ranker_rank_latency_seconds_count"
+        assert _value(ranker, latency, cache_outcome="hbm_hit") == 3
+        assert _value(ranker, latency, cache_outcome="miss") == 1
+        assert _value(ranker, latency, cache_outcome="dram_hit") == 0
+        assert _value(ranker, "relaygr_ranker_cache_hit_ratio", tier="hbm") == 0.75
+        assert _value(ranker, "relaygr_ranker_cache_hit_ratio", tier="dram") == 0
+        pre_infers = "relaygr_ranker_pre_infer_latency_seconds_count"
+        assert _value(ranker, pre_infers, outcome="computed") == 2
+        assert _value(ranker, "relaygr_ranker_relays_consumed_total") == 2
+        assert _value(ranker, "relaygr_ranker_relays_unconsumed_total", reason="expired") == 0
+        assert _value(ranker, "relaygr_ranker_kv_entries", tier="hbm") == 3
+        assert _value(ranker, "relaygr_ranker_kv_stored_total", tier="hbm") == 3
+        assert _value(ranker, "relaygr_ranker_kv_used_bytes", tier="hbm") > 0
+        assert _value(ranker, "relaygr_ranker_kv_pinned_bytes", tier="hbm") == 0
+        drops = "relaygr_ranker_kv_drops_total"
+        assert _value(ranker, drops, tier="hbm", reason="demoted") == 0
+        assert _value(ranker, "relaygr_ranker_queue_depth", priority="rank") == 0
+        assert _value(ranker, "relaygr_ranker_inflight_prefixes") == 0
+        assert _value(ranker, "relaygr_etcd_connected") == 1
+        assert _value(ranker, "process_cpu_seconds_total") > 0  # the standard process set
 
-            port = mesh.ranker.metrics_port
-            with pytest.raises(urllib.error.HTTPError, match="404"):
-                await asyncio.to_thread(_scrape, port, "/nothing")  # type: ignore[arg-type]
-
-    asyncio.run(scenario())
+        port = mesh.rankers["r0"].metrics_port
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            await asyncio.to_thread(_scrape, port, "/nothing")  # type: ignore[arg-type]
 
 
 def _exporter_threads() -> list[str]:
@@ -370,7 +300,7 @@ def _exporter_threads() -> list[str]:
     [{"OTEL_SDK_DISABLED": "true"}, {"OTEL_TRACES_EXPORTER": "none"}, {"endpoint": "unset"}],
     ids=["sdk-disabled", "exporter-none", "no-endpoint"],
 )
-def test_tracing_off_creates_no_exporter_and_sends_nothing(
+async def test_tracing_off_creates_no_exporter_and_sends_nothing(
     otlp_receiver: OtlpReceiver, rng: np.random.Generator, disable: dict[str, str]
 ) -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, **disable}
@@ -379,19 +309,16 @@ def test_tracing_off_creates_no_exporter_and_sends_nothing(
     telemetry = Telemetry.from_env("relaygr-ranker", env)
     assert telemetry.tracer_provider is None and telemetry.server_interceptors() == []
 
-    async def scenario() -> None:
-        server = await start_ranker(BASE, model=tiny_model(), cost_model=COST, telemetry=telemetry)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                stub = ranker_pb2_grpc.RankerServiceStub(channel)
-                request = rank_input(rng, prefix(rng, 100))
-                await stub.PreInfer(pre_infer_request_to_proto(request.prefix))
-                reply = await stub.Rank(rank_request_to_proto(request))
-                assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
-        finally:
-            await server.stop(grace=0.5)
-
-    asyncio.run(scenario())
+    server = await start_ranker(BASE, model=tiny_model(), cost_model=COST, telemetry=telemetry)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = ranker_pb2_grpc.RankerServiceStub(channel)
+            request = rank_input(rng, prefix(rng, 100))
+            await stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+            reply = await stub.Rank(rank_request_to_proto(request))
+            assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+    finally:
+        await server.stop(grace=0.5)
     telemetry.shutdown()
     assert _exporter_threads() == []
     assert otlp_receiver.exports == 0

@@ -1,8 +1,6 @@
 """RankerService on a real gRPC server over loopback: the relay, its outcomes, its limits."""
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
 
 import grpc
 import numpy as np
@@ -20,338 +18,305 @@ from tests.unit.ranker.factories import behaviours, prefix, rank_input, rel_err
 Outcome = common_pb2.CacheOutcome
 
 
-def run(coro: Coroutine[Any, Any, None]) -> None:
-    asyncio.run(coro)
-
-
 def _expected(model, request: RankInput) -> np.ndarray:  # type: ignore[no-untyped-def]
     return model.full_forward(request).numpy()
 
 
-def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.Generator) -> None:
+async def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.Generator) -> None:
     model = tiny_model()
     kv_bytes = 305 * (model.cfg.kv_bytes_per_token + 8)
 
-    async def scenario() -> None:
-        async with running_ranker(model, hbm_budget_mb=2.5 * kv_bytes / 2**20) as r:
-            seen: dict[int, float] = {}
-            relayed: list[tuple[int, bool]] = []
+    async with running_ranker(model, hbm_budget_mb=2.5 * kv_bytes / 2**20) as r:
+        seen: dict[int, float] = {}
+        relayed: list[tuple[int, bool]] = []
 
-            async def rank(request: RankInput) -> int:
-                reply = await r.stub.Rank(rank_request_to_proto(request))
-                seen[reply.cache_outcome] = rel_err(r.scores(reply), _expected(model, request))
-                relayed.append((reply.cache_outcome, reply.relayed))
-                return reply.cache_outcome
-
-            # HBM hit: pre-infer, then rank.
-            a = rank_input(rng, prefix(rng, 300, n_user=5, user_id="a"))
-            reply = await r.stub.PreInfer(pre_infer_request_to_proto(a.prefix))
-            assert reply.outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
-            assert reply.prefix_tokens == 305 and reply.kv_bytes == kv_bytes
-            assert await rank(a) == Outcome.CACHE_OUTCOME_HBM_HIT
-            # A return visit finds a's prefix still resident: a cross-visit hit, not a relay.
-            assert await rank(rank_input(rng, a.prefix)) == Outcome.CACHE_OUTCOME_HBM_HIT
-            # Waited in flight: the Rank arrives while its PreInfer is queued behind a gate.
-            f = rank_input(rng, prefix(rng, 200, user_id="f"))
-            gate = Gate(r)
-            await gate.wait_entered()
-            pre = asyncio.ensure_future(r.stub.PreInfer(pre_infer_request_to_proto(f.prefix)))
-            await poll(lambda: r.engine._key(f.prefix) in r.engine._inflight)
-            ranked = asyncio.ensure_future(rank(f))
-            await poll(lambda: any(e.kind == "promoted" for e in r.engine.scheduler.events))
-            gate.open()
-            assert await ranked == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
-            assert (await pre).outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
-            # Extended: the user's cached prefix is a strict prefix of the new one.
-            e = prefix(rng, 120, n_user=2, user_id="e")
-            await r.stub.PreInfer(pre_infer_request_to_proto(e))
-            longer = Prefix(e.user_id, e.user_features, e.long_term.concat(behaviours(rng, 40)))
-            assert await rank(rank_input(rng, longer)) == Outcome.CACHE_OUTCOME_EXTENDED
-            # Miss: nothing cached for b; served by full inference, prefix kept for later.
-            b = rank_input(rng, prefix(rng, 300, n_user=5, user_id="b"))
-            assert await rank(b) == Outcome.CACHE_OUTCOME_MISS
-            # DRAM hit: two pinned pre-infers push b out of the device tier into host memory.
-            for user in ("c", "d"):
-                p = prefix(rng, 300, n_user=5, user_id=user)
-                await r.stub.PreInfer(pre_infer_request_to_proto(p))
-            assert r.engine.store.tier_of(r.engine._key(b.prefix)) is Tier.DRAM
-            assert await rank(b) == Outcome.CACHE_OUTCOME_DRAM_HIT
-        # RankReply.relayed: only what a PreInfer produced for this visit counts as relayed.
-        assert relayed == [
-            (Outcome.CACHE_OUTCOME_HBM_HIT, True),
-            (Outcome.CACHE_OUTCOME_HBM_HIT, False),
-            (Outcome.CACHE_OUTCOME_WAITED_INFLIGHT, True),
-            (Outcome.CACHE_OUTCOME_EXTENDED, False),
-            (Outcome.CACHE_OUTCOME_MISS, False),
-            (Outcome.CACHE_OUTCOME_DRAM_HIT, False),
-        ]
-        assert set(seen) == {
-            Outcome.CACHE_OUTCOME_HBM_HIT,
-            Outcome.CACHE_OUTCOME_MISS,
-            Outcome.CACHE_OUTCOME_DRAM_HIT,
-            Outcome.CACHE_OUTCOME_EXTENDED,
-            Outcome.CACHE_OUTCOME_WAITED_INFLIGHT,
-        }
-        assert max(seen.values()) <= 1e-5, seen
-
-    run(scenario())
-
-
-def test_bypass_serves_full_inference(rng: np.random.Generator) -> None:
-    model = tiny_model()
-
-    async def scenario() -> None:
-        async with running_ranker(model, relay_enabled=False) as r:
-            request = rank_input(rng, prefix(rng, 100))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "relay is disabled" in (err.value.details() or "")
+        async def rank(request: RankInput) -> int:
             reply = await r.stub.Rank(rank_request_to_proto(request))
-            assert reply.cache_outcome == Outcome.CACHE_OUTCOME_BYPASS
-            assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
-            info = await r.stub.Describe(ranker_pb2.DescribeRequest())
-            assert not info.relay_enabled
+            seen[reply.cache_outcome] = rel_err(r.scores(reply), _expected(model, request))
+            relayed.append((reply.cache_outcome, reply.relayed))
+            return reply.cache_outcome
 
-    run(scenario())
+        # HBM hit: pre-infer, then rank.
+        a = rank_input(rng, prefix(rng, 300, n_user=5, user_id="a"))
+        reply = await r.stub.PreInfer(pre_infer_request_to_proto(a.prefix))
+        assert reply.outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
+        assert reply.prefix_tokens == 305 and reply.kv_bytes == kv_bytes
+        assert await rank(a) == Outcome.CACHE_OUTCOME_HBM_HIT
+        # A return visit finds a's prefix still resident: a cross-visit hit, not a relay.
+        assert await rank(rank_input(rng, a.prefix)) == Outcome.CACHE_OUTCOME_HBM_HIT
+        # Waited in flight: the Rank arrives while its PreInfer is queued behind a gate.
+        f = rank_input(rng, prefix(rng, 200, user_id="f"))
+        gate = Gate(r)
+        await gate.wait_entered()
+        pre = asyncio.ensure_future(r.stub.PreInfer(pre_infer_request_to_proto(f.prefix)))
+        await poll(lambda: r.engine._key(f.prefix) in r.engine._inflight)
+        ranked = asyncio.ensure_future(rank(f))
+        await poll(lambda: any(e.kind == "promoted" for e in r.engine.scheduler.events))
+        gate.open()
+        assert await ranked == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
+        assert (await pre).outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
+        # Extended: the user's cached prefix is a strict prefix of the new one.
+        e = prefix(rng, 120, n_user=2, user_id="e")
+        await r.stub.PreInfer(pre_infer_request_to_proto(e))
+        longer = Prefix(e.user_id, e.user_features, e.long_term.concat(behaviours(rng, 40)))
+        assert await rank(rank_input(rng, longer)) == Outcome.CACHE_OUTCOME_EXTENDED
+        # Miss: nothing cached for b; served by full inference, prefix kept for later.
+        b = rank_input(rng, prefix(rng, 300, n_user=5, user_id="b"))
+        assert await rank(b) == Outcome.CACHE_OUTCOME_MISS
+        # DRAM hit: two pinned pre-infers push b out of the device tier into host memory.
+        for user in ("c", "d"):
+            p = prefix(rng, 300, n_user=5, user_id=user)
+            await r.stub.PreInfer(pre_infer_request_to_proto(p))
+        assert r.engine.store.tier_of(r.engine._key(b.prefix)) is Tier.DRAM
+        assert await rank(b) == Outcome.CACHE_OUTCOME_DRAM_HIT
+    # RankReply.relayed: only what a PreInfer produced for this visit counts as relayed.
+    assert relayed == [
+        (Outcome.CACHE_OUTCOME_HBM_HIT, True),
+        (Outcome.CACHE_OUTCOME_HBM_HIT, False),
+        (Outcome.CACHE_OUTCOME_WAITED_INFLIGHT, True),
+        (Outcome.CACHE_OUTCOME_EXTENDED, False),
+        (Outcome.CACHE_OUTCOME_MISS, False),
+        (Outcome.CACHE_OUTCOME_DRAM_HIT, False),
+    ]
+    assert set(seen) == {
+        Outcome.CACHE_OUTCOME_HBM_HIT,
+        Outcome.CACHE_OUTCOME_MISS,
+        Outcome.CACHE_OUTCOME_DRAM_HIT,
+        Outcome.CACHE_OUTCOME_EXTENDED,
+        Outcome.CACHE_OUTCOME_WAITED_INFLIGHT,
+    }
+    assert max(seen.values()) <= 1e-5, seen
 
 
-def test_concurrent_requests_for_one_user_cause_one_prefill(rng: np.random.Generator) -> None:
+async def test_bypass_serves_full_inference(rng: np.random.Generator) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_ranker(model) as r:
-            request = rank_input(rng, prefix(rng, 1500))
-            calls = [r.stub.PreInfer(pre_infer_request_to_proto(request.prefix)) for _ in range(16)]
-            calls += [r.stub.Rank(rank_request_to_proto(request)) for _ in range(16)]
-            order = rng.permutation(len(calls))
-            replies = await asyncio.gather(*(calls[i] for i in order))
-            prefills = [
-                e for e in r.engine.scheduler.events if e.kind == "submitted" and "prefill" in e.job
-            ]
-            assert len(prefills) == 1
-            expected = _expected(model, request)
-            for reply in replies:
-                if isinstance(reply, common_pb2.RankReply):
-                    assert rel_err(r.scores(reply), expected) <= 1e-5
-
-    run(scenario())
+    async with running_ranker(model, relay_enabled=False) as r:
+        request = rank_input(rng, prefix(rng, 100))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "relay is disabled" in (err.value.details() or "")
+        reply = await r.stub.Rank(rank_request_to_proto(request))
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_BYPASS
+        assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
+        info = await r.stub.Describe(ranker_pb2.DescribeRequest())
+        assert not info.relay_enabled
 
 
-def test_a_rank_waits_at_most_one_chunk_behind_a_long_prefill(rng: np.random.Generator) -> None:
+async def test_concurrent_requests_for_one_user_cause_one_prefill(rng: np.random.Generator) -> None:
+    model = tiny_model()
+
+    async with running_ranker(model) as r:
+        request = rank_input(rng, prefix(rng, 1500))
+        calls = [r.stub.PreInfer(pre_infer_request_to_proto(request.prefix)) for _ in range(16)]
+        calls += [r.stub.Rank(rank_request_to_proto(request)) for _ in range(16)]
+        order = rng.permutation(len(calls))
+        replies = await asyncio.gather(*(calls[i] for i in order))
+        prefills = [
+            e for e in r.engine.scheduler.events if e.kind == "submitted" and "prefill" in e.job
+        ]
+        assert len(prefills) == 1
+        expected = _expected(model, request)
+        for reply in replies:
+            if isinstance(reply, common_pb2.RankReply):
+                assert rel_err(r.scores(reply), expected) <= 1e-5
+
+
+async def test_a_rank_waits_at_most_one_chunk_behind_a_long_prefill(
+    rng: np.random.Generator,
+) -> None:
     model = tiny_model(max_history_tokens=8192)
 
-    async def scenario() -> None:
-        async with running_ranker(model, prefill_chunk_tokens=256) as r:
-            warm = rank_input(rng, prefix(rng, 100, user_id="warm"))
-            await r.stub.PreInfer(pre_infer_request_to_proto(warm.prefix))
-            long = prefix(rng, 4096, user_id="long")
-            pre = asyncio.ensure_future(r.stub.PreInfer(pre_infer_request_to_proto(long)))
-            events = r.engine.scheduler.events
-            await poll(lambda: any(e.kind == "step" and "long" in e.job for e in events))
-            reply = await r.stub.Rank(rank_request_to_proto(warm))
-            assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
-            await pre
-            log = list(events)
-            submitted = next(e.seq for e in log if e.kind == "submitted" and e.job == "rank")
-            started = next(e.seq for e in log if e.kind == "step" and e.job == "rank")
-            chunks = [e for e in log if e.kind == "step" and "long" in e.job]
-            overtaking = [e for e in chunks if submitted < e.seq < started]
-            assert len(chunks) > 4096 // 256  # the prefill really ran in chunks
-            assert overtaking == []  # only the chunk already running finished before the rank
-
-    run(scenario())
+    async with running_ranker(model, prefill_chunk_tokens=256) as r:
+        warm = rank_input(rng, prefix(rng, 100, user_id="warm"))
+        await r.stub.PreInfer(pre_infer_request_to_proto(warm.prefix))
+        long = prefix(rng, 4096, user_id="long")
+        pre = asyncio.ensure_future(r.stub.PreInfer(pre_infer_request_to_proto(long)))
+        events = r.engine.scheduler.events
+        await poll(lambda: any(e.kind == "step" and "long" in e.job for e in events))
+        reply = await r.stub.Rank(rank_request_to_proto(warm))
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
+        await pre
+        log = list(events)
+        submitted = next(e.seq for e in log if e.kind == "submitted" and e.job == "rank")
+        started = next(e.seq for e in log if e.kind == "step" and e.job == "rank")
+        chunks = [e for e in log if e.kind == "step" and "long" in e.job]
+        overtaking = [e for e in chunks if submitted < e.seq < started]
+        assert len(chunks) > 4096 // 256  # the prefill really ran in chunks
+        assert overtaking == []  # only the chunk already running finished before the rank
 
 
-def test_a_burst_of_pre_infers_never_exceeds_the_device_budget(rng: np.random.Generator) -> None:
+async def test_a_burst_of_pre_infers_never_exceeds_the_device_budget(
+    rng: np.random.Generator,
+) -> None:
     model = tiny_model()
     per_prefix = 404 * (model.cfg.kv_bytes_per_token + 8)
     budget = int(3.5 * per_prefix)
 
-    async def scenario() -> None:
-        # Pins outlast the burst however slow the machine: all ten relays compete for room.
-        async with running_ranker(model, hbm_budget_mb=budget / 2**20, relay_window_ms=60_000) as r:
-            store = r.engine.store
-            peak = 0
+    # Pins outlast the burst however slow the machine: all ten relays compete for room.
+    async with running_ranker(model, hbm_budget_mb=budget / 2**20, relay_window_ms=60_000) as r:
+        store = r.engine.store
+        peak = 0
 
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, store.usage(Tier.HBM).used_bytes)
-                    await asyncio.sleep(0)
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, store.usage(Tier.HBM).used_bytes)
+                await asyncio.sleep(0)
 
-            watcher = asyncio.ensure_future(watch())
-            requests = [rank_input(rng, prefix(rng, 400, user_id=f"u{i}")) for i in range(10)]
-            results = await asyncio.gather(
-                *(r.stub.PreInfer(pre_infer_request_to_proto(q.prefix)) for q in requests),
-                return_exceptions=True,
-            )
-            refused = [x for x in results if isinstance(x, grpc.aio.AioRpcError)]
-            assert 0 < len(refused) < 10
-            assert all(x.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for x in refused)
-            # Every user is still ranked correctly, cached or not.
-            for request in requests:
-                reply = await r.stub.Rank(rank_request_to_proto(request))
-                assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
-            watcher.cancel()
-            assert peak <= budget
-            assert store.usage(Tier.HBM).used_bytes <= budget
-
-    run(scenario())
+        watcher = asyncio.ensure_future(watch())
+        requests = [rank_input(rng, prefix(rng, 400, user_id=f"u{i}")) for i in range(10)]
+        results = await asyncio.gather(
+            *(r.stub.PreInfer(pre_infer_request_to_proto(q.prefix)) for q in requests),
+            return_exceptions=True,
+        )
+        refused = [x for x in results if isinstance(x, grpc.aio.AioRpcError)]
+        assert 0 < len(refused) < 10
+        assert all(x.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for x in refused)
+        # Every user is still ranked correctly, cached or not.
+        for request in requests:
+            reply = await r.stub.Rank(rank_request_to_proto(request))
+            assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
+        watcher.cancel()
+        assert peak <= budget
+        assert store.usage(Tier.HBM).used_bytes <= budget
 
 
-def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(
+async def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(
     rng: np.random.Generator,
 ) -> None:
     model = tiny_model(max_candidates=16, max_history_tokens=600)
 
-    async def scenario() -> None:
-        async with running_ranker(model, hbm_budget_mb=0.1, max_message_mb=1) as r:
-            good = rank_input(rng, prefix(rng, 50), n_candidates=4)
+    async with running_ranker(model, hbm_budget_mb=0.1, max_message_mb=1) as r:
+        good = rank_input(rng, prefix(rng, 50), n_candidates=4)
 
-            def bad(**changes: object) -> common_pb2.RankRequest:
-                msg = rank_request_to_proto(good)
-                for name, value in changes.items():
-                    if name == "actions":
-                        del msg.long_term.actions[-1]
-                    elif isinstance(value, list):
-                        getattr(msg, name)[:] = value
-                    else:
-                        setattr(msg, name, value)
-                return msg
+        def bad(**changes: object) -> common_pb2.RankRequest:
+            msg = rank_request_to_proto(good)
+            for name, value in changes.items():
+                if name == "actions":
+                    del msg.long_term.actions[-1]
+                elif isinstance(value, list):
+                    getattr(msg, name)[:] = value
+                else:
+                    setattr(msg, name, value)
+            return msg
 
-            invalid = {
-                "user_id must not be empty": bad(user_id=""),
-                "ragged behaviour arrays": bad(actions=True),
-                "650 tokens": rank_request_to_proto(
-                    RankInput(prefix(rng, 646), good.short_term, good.candidates, good.request_ts)
-                ),
-                "17 candidates exceed the limit of 16": bad(candidate_ids=list(range(17))),
-                "at least one candidate": bad(candidate_ids=[]),
-                "user_id is longer than 256 bytes": bad(user_id="x" * 300),
-            }
-            for message, request in invalid.items():
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await r.stub.Rank(request)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
-                assert message in (err.value.details() or ""), err.value.details()
+        invalid = {
+            "user_id must not be empty": bad(user_id=""),
+            "ragged behaviour arrays": bad(actions=True),
+            "650 tokens": rank_request_to_proto(
+                RankInput(prefix(rng, 646), good.short_term, good.candidates, good.request_ts)
+            ),
+            "17 candidates exceed the limit of 16": bad(candidate_ids=list(range(17))),
+            "at least one candidate": bad(candidate_ids=[]),
+            "user_id is longer than 256 bytes": bad(user_id="x" * 300),
+        }
+        for message, request in invalid.items():
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await r.stub.Rank(bad(candidate_ids=list(range(2**60, 2**60 + 300_000))))  # 2.7 MB
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # 0.1 MiB device tier
-                await r.stub.PreInfer(pre_infer_request_to_proto(prefix(rng, 590)))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "bytes" in (err.value.details() or "")
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # would pin memory for ~49 days
-                await r.stub.PreInfer(
-                    pre_infer_request_to_proto(prefix(rng, 20), relay_window_ms=2**32 - 1)
-                )
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "max_relay_window_ms" in (err.value.details() or "")
-            reply = await r.stub.Rank(rank_request_to_proto(good))
-            assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
-
-    run(scenario())
-
-
-def test_deadlines_and_overload_shed_with_clear_statuses(rng: np.random.Generator) -> None:
-    async def scenario() -> None:
-        async with running_ranker(max_queued_ranks=2) as r:
-            requests = [
-                rank_request_to_proto(rank_input(rng, prefix(rng, 30, user_id=f"u{i}")))
-                for i in range(3)
-            ]
-            gate = Gate(r)  # the worker is busy: everything queues
-            await gate.wait_entered()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await r.stub.Rank(requests[0], timeout=0.2)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            queued = asyncio.ensure_future(r.stub.Rank(requests[1]))
-            await poll(lambda: r.engine.scheduler.depth(Priority.RANK) >= 2)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await r.stub.Rank(requests[2])
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "overloaded" in (err.value.details() or "")
-            gate.open()
-            assert len((await queued).scores) == 2
-            # The expired job was dropped unrun; the server serves the shed request now.
-            assert any(e.kind == "expired" for e in r.engine.scheduler.events)
-            assert len((await r.stub.Rank(requests[2])).scores) == 2
-
-    run(scenario())
+                await r.stub.Rank(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+            assert message in (err.value.details() or ""), err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.stub.Rank(bad(candidate_ids=list(range(2**60, 2**60 + 300_000))))  # 2.7 MB
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # 0.1 MiB device tier
+            await r.stub.PreInfer(pre_infer_request_to_proto(prefix(rng, 590)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "bytes" in (err.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # would pin memory for ~49 days
+            await r.stub.PreInfer(
+                pre_infer_request_to_proto(prefix(rng, 20), relay_window_ms=2**32 - 1)
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_relay_window_ms" in (err.value.details() or "")
+        reply = await r.stub.Rank(rank_request_to_proto(good))
+        assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
 
 
-def test_describe_reports_model_tiers_and_cost_model() -> None:
-    async def scenario() -> None:
-        async with running_ranker(hbm_budget_mb=3, dram_budget_mb=5) as r:
-            info = await r.stub.Describe(ranker_pb2.DescribeRequest())
-            model = r.engine.model
-            assert info.model_version == model.model_version
-            assert info.dims.layers == model.cfg.num_layers
-            assert info.dims.kv_bytes_per_token == model.cfg.cache_bytes_per_token
-            assert info.hbm.budget_bytes == 3 * 2**20 and info.dram.budget_bytes == 5 * 2**20
-            assert info.cost_model.per_token_ms == pytest.approx(0.01)
-            assert info.instance_id.endswith(f":{r.server.port}")
-            assert info.device == "cpu"
+async def test_deadlines_and_overload_shed_with_clear_statuses(rng: np.random.Generator) -> None:
+    async with running_ranker(max_queued_ranks=2) as r:
+        requests = [
+            rank_request_to_proto(rank_input(rng, prefix(rng, 30, user_id=f"u{i}")))
+            for i in range(3)
+        ]
+        gate = Gate(r)  # the worker is busy: everything queues
+        await gate.wait_entered()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.stub.Rank(requests[0], timeout=0.2)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        queued = asyncio.ensure_future(r.stub.Rank(requests[1]))
+        await poll(lambda: r.engine.scheduler.depth(Priority.RANK) >= 2)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.stub.Rank(requests[2])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "overloaded" in (err.value.details() or "")
+        gate.open()
+        assert len((await queued).scores) == 2
+        # The expired job was dropped unrun; the server serves the shed request now.
+        assert any(e.kind == "expired" for e in r.engine.scheduler.events)
+        assert len((await r.stub.Rank(requests[2])).scores) == 2
 
-    run(scenario())
+
+async def test_describe_reports_model_tiers_and_cost_model() -> None:
+    async with running_ranker(hbm_budget_mb=3, dram_budget_mb=5) as r:
+        info = await r.stub.Describe(ranker_pb2.DescribeRequest())
+        model = r.engine.model
+        assert info.model_version == model.model_version
+        assert info.dims.layers == model.cfg.num_layers
+        assert info.dims.kv_bytes_per_token == model.cfg.cache_bytes_per_token
+        assert info.hbm.budget_bytes == 3 * 2**20 and info.dram.budget_bytes == 5 * 2**20
+        assert info.cost_model.per_token_ms == pytest.approx(0.01)
+        assert info.instance_id.endswith(f":{r.server.port}")
+        assert info.device == "cpu"
 
 
-def test_health_is_not_serving_until_calibrated_then_drain_refuses_pre_infer(
+async def test_health_is_not_serving_until_calibrated_then_drain_refuses_pre_infer(
     rng: np.random.Generator,
 ) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async def scenario() -> None:
-        async with running_ranker(cost=None) as r:  # calibrates on start
-            health = health_pb2_grpc.HealthStub(r.channel)
-            status = await health.Check(health_pb2.HealthCheckRequest(service=""))
-            assert status.status == health_pb2.HealthCheckResponse.SERVING
-            assert r.engine.cost_model.full_ms(64, 8) > 0  # fitted on this machine at start-up
-            request = rank_input(rng, prefix(rng, 40))
-            r.engine.draining = True
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            reply = await r.stub.Rank(rank_request_to_proto(request))  # ranks still served
-            assert reply.cache_outcome == Outcome.CACHE_OUTCOME_MISS
-
-    run(scenario())
+    async with running_ranker(cost=None) as r:  # calibrates on start
+        health = health_pb2_grpc.HealthStub(r.channel)
+        status = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        assert r.engine.cost_model.full_ms(64, 8) > 0  # fitted on this machine at start-up
+        request = rank_input(rng, prefix(rng, 40))
+        r.engine.draining = True
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        reply = await r.stub.Rank(rank_request_to_proto(request))  # ranks still served
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_MISS
 
 
-def test_scores_come_back_as_float32_probabilities(rng: np.random.Generator) -> None:
-    async def scenario() -> None:
-        async with running_ranker() as r:
-            request = rank_input(rng, prefix(rng, 20), n_candidates=5)
-            reply = await r.stub.Rank(rank_request_to_proto(request))
-            assert [t.task for t in reply.scores] == ["click", "like"]
-            values = torch.tensor([list(t.scores) for t in reply.scores])
-            assert values.shape == (2, 5) and bool(((values > 0) & (values < 1)).all())
-
-    run(scenario())
+async def test_scores_come_back_as_float32_probabilities(rng: np.random.Generator) -> None:
+    async with running_ranker() as r:
+        request = rank_input(rng, prefix(rng, 20), n_candidates=5)
+        reply = await r.stub.Rank(rank_request_to_proto(request))
+        assert [t.task for t in reply.scores] == ["click", "like"]
+        values = torch.tensor([list(t.scores) for t in reply.scores])
+        assert values.shape == (2, 5) and bool(((values > 0) & (values < 1)).all())
 
 
-def test_a_rank_outlives_the_deadline_of_the_pre_infer_it_waits_for(
+async def test_a_rank_outlives_the_deadline_of_the_pre_infer_it_waits_for(
     rng: np.random.Generator,
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_ranker(model) as r:
-            request = rank_input(rng, prefix(rng, 200))
-            gate = Gate(r)
-            await gate.wait_entered()
-            pre = asyncio.ensure_future(
-                r.stub.PreInfer(pre_infer_request_to_proto(request.prefix), timeout=0.3)
-            )
-            await poll(lambda: r.engine._key(request.prefix) in r.engine._inflight)
-            ranked = asyncio.ensure_future(r.stub.Rank(rank_request_to_proto(request)))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await pre  # its caller gives up while the worker is held
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            gate.open()
-            reply = await ranked
-            assert reply.cache_outcome == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
-            assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
-
-    run(scenario())
+    async with running_ranker(model) as r:
+        request = rank_input(rng, prefix(rng, 200))
+        gate = Gate(r)
+        await gate.wait_entered()
+        pre = asyncio.ensure_future(
+            r.stub.PreInfer(pre_infer_request_to_proto(request.prefix), timeout=0.3)
+        )
+        await poll(lambda: r.engine._key(request.prefix) in r.engine._inflight)
+        ranked = asyncio.ensure_future(r.stub.Rank(rank_request_to_proto(request)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pre  # its caller gives up while the worker is held
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.open()
+        reply = await ranked
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
+        assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5

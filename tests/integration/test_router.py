@@ -31,71 +31,63 @@ def _scores(reply: common_pb2.RankReply) -> np.ndarray:
     return np.array([list(t.scores) for t in reply.scores])
 
 
-def test_pre_infer_and_rank_meet_across_two_routers(
+async def test_pre_infer_and_rank_meet_across_two_routers(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            for name in ("r0", "r1", "r2"):
-                await mesh.add_ranker(name)
-            a, b = await mesh.add_router(), await mesh.add_router()
-            requests = [
-                rank_input(rng, prefix(rng, 12, n_user=1, user_id=f"user{i}"), 2, 2)
-                for i in range(1000)
-            ]
-            gate = asyncio.Semaphore(16)
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        for name in ("r0", "r1", "r2"):
+            await mesh.add_ranker(name)
+        a, b = await mesh.add_router(), await mesh.add_router()
+        requests = [
+            rank_input(rng, prefix(rng, 12, n_user=1, user_id=f"user{i}"), 2, 2)
+            for i in range(1000)
+        ]
+        gate = asyncio.Semaphore(16)
 
-            async def relay(request) -> tuple[str, str, int]:  # type: ignore[no-untyped-def]
-                async with gate:
-                    pre = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
-                    ranked = await b.Rank(rank_request_to_proto(request))
-                    return pre.instance_id, ranked.instance_id, ranked.cache_outcome
-
-            results = await asyncio.gather(*(relay(q) for q in requests))
-            same = sum(pre == ranked for pre, ranked, _ in results)
-            hits = sum(outcome == HIT for _, _, outcome in results)
-            assert same >= 999 and hits >= 999, f"same instance {same}/1000, hits {hits}/1000"
-            assert {pre for pre, _, _ in results} == {"r0", "r1", "r2"}
-            writes = sum(r.cluster.writes["put"] for r in mesh.routers)
-            # Only spills are written (hashing noise past the load bound): a few, not per request.
-            assert writes <= 20, writes
-
-    asyncio.run(scenario())
-
-
-def test_spilled_users_still_meet_their_cache(
-    etcd_server: EtcdServer, rng: np.random.Generator
-) -> None:
-    model = tiny_model()
-
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            for name in ("r0", "r1", "r2"):
-                await mesh.add_ranker(name)
-            a, b = await mesh.add_router(load_epsilon=0.1), await mesh.add_router()
-            router_a = mesh.routers[0]
-            # r0 looks overloaded to router a: its users must spill, be recorded, and be found.
-            for _ in range(200):
-                router_a.servicer.load.add("r0")
-            requests = [rank_input(rng, prefix(rng, 12, user_id=f"u{i}"), 2, 2) for i in range(60)]
-            owned = [
-                q for q in requests if ranking(q.prefix.user_id, ["r0", "r1", "r2"])[0] == "r0"
-            ]
-            assert owned
-            for request in owned:
-                reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
-                assert reply.instance_id != "r0"
-            router_b = mesh.routers[1]
-            await poll(lambda: all(router_b.cluster.lookup(q.prefix.user_id) for q in owned))
-            for request in owned:
+        async def relay(request) -> tuple[str, str, int]:  # type: ignore[no-untyped-def]
+            async with gate:
+                pre = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
                 ranked = await b.Rank(rank_request_to_proto(request))
-                assert ranked.cache_outcome == HIT and ranked.instance_id != "r0"
-                assert rel_err(_scores(ranked), model.full_forward(request).numpy()) <= 1e-5
-            assert router_a.servicer.stats.placed[Reason.SPILLED] == len(owned)
+                return pre.instance_id, ranked.instance_id, ranked.cache_outcome
 
-    asyncio.run(scenario())
+        results = await asyncio.gather(*(relay(q) for q in requests))
+        same = sum(pre == ranked for pre, ranked, _ in results)
+        hits = sum(outcome == HIT for _, _, outcome in results)
+        assert same >= 999 and hits >= 999, f"same instance {same}/1000, hits {hits}/1000"
+        assert {pre for pre, _, _ in results} == {"r0", "r1", "r2"}
+        writes = sum(r.cluster.writes["put"] for r in mesh.routers)
+        # Only spills are written (hashing noise past the load bound): a few, not per request.
+        assert writes <= 20, writes
+
+
+async def test_spilled_users_still_meet_their_cache(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        for name in ("r0", "r1", "r2"):
+            await mesh.add_ranker(name)
+        a, b = await mesh.add_router(load_epsilon=0.1), await mesh.add_router()
+        router_a = mesh.routers[0]
+        # r0 looks overloaded to router a: its users must spill, be recorded, and be found.
+        for _ in range(200):
+            router_a.servicer.load.add("r0")
+        requests = [rank_input(rng, prefix(rng, 12, user_id=f"u{i}"), 2, 2) for i in range(60)]
+        owned = [q for q in requests if ranking(q.prefix.user_id, ["r0", "r1", "r2"])[0] == "r0"]
+        assert owned
+        for request in owned:
+            reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+            assert reply.instance_id != "r0"
+        router_b = mesh.routers[1]
+        await poll(lambda: all(router_b.cluster.lookup(q.prefix.user_id) for q in owned))
+        for request in owned:
+            ranked = await b.Rank(rank_request_to_proto(request))
+            assert ranked.cache_outcome == HIT and ranked.instance_id != "r0"
+            assert rel_err(_scores(ranked), model.full_forward(request).numpy()) <= 1e-5
+        assert router_a.servicer.stats.placed[Reason.SPILLED] == len(owned)
 
 
 def _spawn_ranker(
@@ -119,14 +111,13 @@ def _spawn_ranker(
     raise AssertionError(f"ranker exited with {process.wait()}")
 
 
-def test_kill_9_between_pre_infer_and_rank_costs_a_miss_not_a_failure(
+async def test_kill_9_between_pre_infer_and_rank_costs_a_miss_not_a_failure(
     etcd_server: EtcdServer, rng: np.random.Generator, tmp_path: Path
 ) -> None:
     model = RankingModel(tiny_config(), seed=0)  # the same weights as the ranker processes
     processes = dict(_spawn_ranker(tmp_path, etcd_server.endpoint, n) for n in ("p0", "p1"))
     names = dict(zip(("p0", "p1"), processes, strict=True))
-
-    async def scenario() -> None:
+    try:
         async with running_mesh(etcd_server.endpoint, model) as mesh:
             router = await mesh.add_router(converge=False)
             cluster = mesh.routers[0].cluster
@@ -150,9 +141,6 @@ def test_kill_9_between_pre_infer_and_rank_costs_a_miss_not_a_failure(
                 assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
             await poll(lambda: "p0" not in cluster.view(), timeout=10)
             assert time.monotonic() - killed_at <= 2.0 + 3.0  # lease TTL, plus etcd's tick
-
-    try:
-        asyncio.run(scenario())
     finally:
         for process in processes:
             if process.poll() is None:
@@ -160,168 +148,155 @@ def test_kill_9_between_pre_infer_and_rank_costs_a_miss_not_a_failure(
             process.wait()
 
 
-def test_a_new_ranker_keeps_unmoved_users_hits(
+async def test_a_new_ranker_keeps_unmoved_users_hits(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            for name in ("r0", "r1"):
-                await mesh.add_ranker(name)
-            router = await mesh.add_router()
-            requests = [rank_input(rng, prefix(rng, 10, user_id=f"n{i}"), 2, 2) for i in range(90)]
-            for request in requests:
-                await router.PreInfer(pre_infer_request_to_proto(request.prefix))
-            await mesh.add_ranker("r2")
-            moved = 0
-            for request in requests:
-                user = request.prefix.user_id
-                reply = await router.Rank(rank_request_to_proto(request))
-                if ranking(user, ["r0", "r1", "r2"])[0] == "r2":
-                    moved += 1
-                else:
-                    assert reply.cache_outcome == HIT
-                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-            assert 0 < moved < len(requests)
-
-    asyncio.run(scenario())
-
-
-def test_serving_survives_an_etcd_outage(etcd_server: EtcdServer, rng: np.random.Generator) -> None:
-    model = tiny_model()
-
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            for name in ("r0", "r1"):
-                await mesh.add_ranker(name)
-            a, b = await mesh.add_router(), await mesh.add_router()
-            etcd_server.stop()
-            for i in range(30):  # several seconds of traffic with etcd down: nothing fails
-                request = rank_input(rng, prefix(rng, 10, user_id=f"o{i}"), 2, 2)
-                await a.PreInfer(pre_infer_request_to_proto(request.prefix))
-                reply = await b.Rank(rank_request_to_proto(request))
-                assert reply.cache_outcome == HIT  # no spill below the load floor: affine
-                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-            etcd_server.start()
-            await mesh.add_ranker("r2")  # membership is current again, nothing restarted
-            # The directory is too: a placement recorded now reaches the other router.
-            router_a, router_b = mesh.routers
-            for _ in range(200):
-                router_a.servicer.load.add("r0")
-                router_a.servicer.load.add("r1")
-            request = rank_input(rng, prefix(rng, 10, user_id="after"), 2, 2)
-            while ranking("after", ["r0", "r1", "r2"])[0] == "r2":
-                request = rank_input(rng, prefix(rng, 10, user_id=f"after{rng.integers(1e9)}"))
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        for name in ("r0", "r1"):
+            await mesh.add_ranker(name)
+        router = await mesh.add_router()
+        requests = [rank_input(rng, prefix(rng, 10, user_id=f"n{i}"), 2, 2) for i in range(90)]
+        for request in requests:
+            await router.PreInfer(pre_infer_request_to_proto(request.prefix))
+        await mesh.add_ranker("r2")
+        moved = 0
+        for request in requests:
             user = request.prefix.user_id
-
-            async def spilled_and_seen() -> bool:
-                reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
-                return reply.instance_id == "r2" and router_b.cluster.lookup(user) == "r2"
-
-            deadline = time.monotonic() + 15
-            while not await spilled_and_seen():  # the holder's lease may be renewed once more
-                assert time.monotonic() < deadline, "placement never reached the other router"
-                await asyncio.sleep(0.2)
-            assert (await b.Rank(rank_request_to_proto(request))).cache_outcome == HIT
-
-    asyncio.run(scenario())
+            reply = await router.Rank(rank_request_to_proto(request))
+            if ranking(user, ["r0", "r1", "r2"])[0] == "r2":
+                moved += 1
+            else:
+                assert reply.cache_outcome == HIT
+            assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+        assert 0 < moved < len(requests)
 
 
-def test_bad_input_and_no_ranker_statuses(
+async def test_serving_survives_an_etcd_outage(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            router = await mesh.add_router()
-            request = rank_request_to_proto(rank_input(rng, prefix(rng, 10)))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await router.Rank(request)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "no live ranker" in (err.value.details() or "")
-            await mesh.add_ranker("r0")
-            bad = rank_request_to_proto(rank_input(rng, prefix(rng, 10)))
-            bad.user_id = ""
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await router.Rank(bad)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "user_id must not be empty" in (err.value.details() or "")
-            raw = mesh.channels[0].unary_unary("/relaygr.v1.RouterService/Rank")
-            truncated = request.SerializeToString()[:-3]
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await raw(truncated)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "not a valid RankRequest" in (err.value.details() or ""), err.value.details()
-            assert len((await router.Rank(request)).scores) == 2
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        for name in ("r0", "r1"):
+            await mesh.add_ranker(name)
+        a, b = await mesh.add_router(), await mesh.add_router()
+        etcd_server.stop()
+        for i in range(30):  # several seconds of traffic with etcd down: nothing fails
+            request = rank_input(rng, prefix(rng, 10, user_id=f"o{i}"), 2, 2)
+            await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+            reply = await b.Rank(rank_request_to_proto(request))
+            assert reply.cache_outcome == HIT  # no spill below the load floor: affine
+            assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+        etcd_server.start()
+        await mesh.add_ranker("r2")  # membership is current again, nothing restarted
+        # The directory is too: a placement recorded now reaches the other router.
+        router_a, router_b = mesh.routers
+        for _ in range(200):
+            router_a.servicer.load.add("r0")
+            router_a.servicer.load.add("r1")
+        request = rank_input(rng, prefix(rng, 10, user_id="after"), 2, 2)
+        while ranking("after", ["r0", "r1", "r2"])[0] == "r2":
+            request = rank_input(rng, prefix(rng, 10, user_id=f"after{rng.integers(1e9)}"))
+        user = request.prefix.user_id
 
-    asyncio.run(scenario())
+        async def spilled_and_seen() -> bool:
+            reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
+            return reply.instance_id == "r2" and router_b.cluster.lookup(user) == "r2"
+
+        deadline = time.monotonic() + 15
+        while not await spilled_and_seen():  # the holder's lease may be renewed once more
+            assert time.monotonic() < deadline, "placement never reached the other router"
+            await asyncio.sleep(0.2)
+        assert (await b.Rank(rank_request_to_proto(request))).cache_outcome == HIT
 
 
-def test_expired_placements_and_departed_rankers_are_cleaned_up(
+async def test_bad_input_and_no_ranker_statuses(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            for name in ("r0", "r1"):
-                await mesh.add_ranker(name)
-            a = await mesh.add_router(load_epsilon=0.1, relay_window_ms=1000)
-            router = mesh.routers[0]
-            spilled = [f"u{i}" for i in range(40) if ranking(f"u{i}", ["r0", "r1"])[0] == "r0"]
-            for user in spilled:
-                for _ in range(200):  # r0 looks overloaded: its users spill to r1, recorded
-                    router.servicer.load.add("r0")
-                await a.PreInfer(pre_infer_request_to_proto(prefix(rng, 12, user_id=user)))
-            assert spilled and router.cluster.writes["put"] == len(spilled)
-            client = EtcdClient([etcd_server.endpoint])
-            try:
-
-                async def directory_empty() -> bool:
-                    return not (await client.get_prefix("/relaygr/directory/"))[0]
-
-                assert not await directory_empty()
-                # Entries expire after one relay window; the router deletes them within another.
-                await eventually(directory_empty, "expired placements deleted", timeout_s=10)
-            finally:
-                await client.close()
-            assert router.cluster.writes["delete"] == len(spilled)
-            await a.Rank(rank_request_to_proto(rank_input(rng, prefix(rng, 12, user_id="u0"))))
-            await a.Rank(rank_request_to_proto(rank_input(rng, prefix(rng, 12, user_id="u1"))))
-            assert len(router.pool.addresses()) == 2
-            await mesh.rankers.pop("r0").stop(grace=0.5)  # drains and deregisters
-            await mesh.converged()
-            r1 = mesh.rankers["r1"].server.port
-            await eventually(
-                lambda: router.pool.addresses() == {f"127.0.0.1:{r1}"},
-                "the departed ranker's channel closed",
-                timeout_s=10,
-            )
-
-    asyncio.run(scenario())
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        router = await mesh.add_router()
+        request = rank_request_to_proto(rank_input(rng, prefix(rng, 10)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await router.Rank(request)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live ranker" in (err.value.details() or "")
+        await mesh.add_ranker("r0")
+        bad = rank_request_to_proto(rank_input(rng, prefix(rng, 10)))
+        bad.user_id = ""
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await router.Rank(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "user_id must not be empty" in (err.value.details() or "")
+        raw = mesh.channels[0].unary_unary("/relaygr.v1.RouterService/Rank")
+        truncated = request.SerializeToString()[:-3]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(truncated)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid RankRequest" in (err.value.details() or ""), err.value.details()
+        assert len((await router.Rank(request)).scores) == 2
 
 
-def test_random_placement_ablation_loses_affinity_not_correctness(
+async def test_expired_placements_and_departed_rankers_are_cleaned_up(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            for name in ("r0", "r1"):
-                await mesh.add_ranker(name)
-            router = await mesh.add_router(placement="random")
-            outcomes = []
-            for i in range(30):
-                request = rank_input(rng, prefix(rng, 12, user_id=f"u{i}"), 2, 2)
-                await router.PreInfer(pre_infer_request_to_proto(request.prefix))
-                reply = await router.Rank(rank_request_to_proto(request))
-                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-                outcomes.append(reply.cache_outcome)
-            # each Rank meets its PreInfer's ranker only by chance (1 in 2)
-            assert 0 < outcomes.count(HIT) < len(outcomes), outcomes
-            assert mesh.routers[0].cluster.writes["put"] == 0  # no directory in this mode
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        for name in ("r0", "r1"):
+            await mesh.add_ranker(name)
+        a = await mesh.add_router(load_epsilon=0.1, relay_window_ms=1000)
+        router = mesh.routers[0]
+        spilled = [f"u{i}" for i in range(40) if ranking(f"u{i}", ["r0", "r1"])[0] == "r0"]
+        for user in spilled:
+            for _ in range(200):  # r0 looks overloaded: its users spill to r1, recorded
+                router.servicer.load.add("r0")
+            await a.PreInfer(pre_infer_request_to_proto(prefix(rng, 12, user_id=user)))
+        assert spilled and router.cluster.writes["put"] == len(spilled)
+        client = EtcdClient([etcd_server.endpoint])
+        try:
 
-    asyncio.run(scenario())
+            async def directory_empty() -> bool:
+                return not (await client.get_prefix("/relaygr/directory/"))[0]
+
+            assert not await directory_empty()
+            # Entries expire after one relay window; the router deletes them within another.
+            await eventually(directory_empty, "expired placements deleted", timeout_s=10)
+        finally:
+            await client.close()
+        assert router.cluster.writes["delete"] == len(spilled)
+        await a.Rank(rank_request_to_proto(rank_input(rng, prefix(rng, 12, user_id="u0"))))
+        await a.Rank(rank_request_to_proto(rank_input(rng, prefix(rng, 12, user_id="u1"))))
+        assert len(router.pool.addresses()) == 2
+        await mesh.rankers.pop("r0").stop(grace=0.5)  # drains and deregisters
+        await mesh.converged()
+        r1 = mesh.rankers["r1"].server.port
+        await eventually(
+            lambda: router.pool.addresses() == {f"127.0.0.1:{r1}"},
+            "the departed ranker's channel closed",
+            timeout_s=10,
+        )
+
+
+async def test_random_placement_ablation_loses_affinity_not_correctness(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    model = tiny_model()
+
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        for name in ("r0", "r1"):
+            await mesh.add_ranker(name)
+        router = await mesh.add_router(placement="random")
+        outcomes = []
+        for i in range(30):
+            request = rank_input(rng, prefix(rng, 12, user_id=f"u{i}"), 2, 2)
+            await router.PreInfer(pre_infer_request_to_proto(request.prefix))
+            reply = await router.Rank(rank_request_to_proto(request))
+            assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+            outcomes.append(reply.cache_outcome)
+        # each Rank meets its PreInfer's ranker only by chance (1 in 2)
+        assert 0 < outcomes.count(HIT) < len(outcomes), outcomes
+        assert mesh.routers[0].cluster.writes["put"] == 0  # no directory in this mode

@@ -73,7 +73,7 @@ async def _health(address: str, tls: TlsSettings) -> object:
         return reply.status
 
 
-def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_relay_runs(
+async def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_relay_runs(
     etcd_server: EtcdServer, pki: Pki, stranger: Pki, rng: np.random.Generator
 ) -> None:
     """Trigger, router and ranker serve mutual TLS (and call each other over it): a caller
@@ -81,80 +81,74 @@ def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_relay_ru
     relay runs end to end, its Rank an HBM hit scoring exactly like full inference."""
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model, pki=pki) as mesh:
-            for name in ("r0", "r1"):
-                await mesh.add_ranker(name)
-            router = await mesh.add_router()
-            trigger = await mesh.add_trigger(mode="all")
-            addresses = {
-                "trigger": f"127.0.0.1:{mesh.triggers[0].port}",
-                "router": f"127.0.0.1:{mesh.routers[0].port}",
-                **{name: f"127.0.0.1:{r.port}" for name, r in mesh.rankers.items()},
-            }
-            for service, address in addresses.items():
-                assert await _health(address, mesh.client) == SERVING, service
-                for caller, tls in _untrusted_callers(pki, stranger).items():
-                    code = await _health(address, tls)
-                    assert code == grpc.StatusCode.UNAVAILABLE, (service, caller, code)
+    async with running_mesh(etcd_server.endpoint, model, pki=pki) as mesh:
+        for name in ("r0", "r1"):
+            await mesh.add_ranker(name)
+        router = await mesh.add_router()
+        trigger = await mesh.add_trigger(mode="all")
+        addresses = {
+            "trigger": f"127.0.0.1:{mesh.triggers[0].port}",
+            "router": f"127.0.0.1:{mesh.routers[0].port}",
+            **{name: f"127.0.0.1:{r.port}" for name, r in mesh.rankers.items()},
+        }
+        for service, address in addresses.items():
+            assert await _health(address, mesh.client) == SERVING, service
+            for caller, tls in _untrusted_callers(pki, stranger).items():
+                code = await _health(address, tls)
+                assert code == grpc.StatusCode.UNAVAILABLE, (service, caller, code)
 
-            request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
-            async with open_channel(addresses["router"], PLAINTEXT) as channel:
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await router_pb2_grpc.RouterServiceStub(channel).Rank(
-                        rank_request_to_proto(request), timeout=10
-                    )
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert mesh.routers[0].servicer.stats == RouterStats()  # nothing reached the router
+        request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
+        async with open_channel(addresses["router"], PLAINTEXT) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await router_pb2_grpc.RouterServiceStub(channel).Rank(
+                    rank_request_to_proto(request), timeout=10
+                )
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert mesh.routers[0].servicer.stats == RouterStats()  # nothing reached the router
 
-            decision = await trigger.OnRetrieval(retrieval_event(request, "r1"))
-            assert decision.admitted, decision
-            servicer = mesh.triggers[0].servicer
-            await eventually(lambda: servicer.stats.relayed == 1, "relayed over TLS")
-            reply = await router.Rank(rank_request_to_proto(request))
-            assert reply.instance_id == decision.target_instance
-            assert reply.cache_outcome == HIT
-            scores = reply_scores(reply)
-            assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
-
-    asyncio.run(scenario())
+        decision = await trigger.OnRetrieval(retrieval_event(request, "r1"))
+        assert decision.admitted, decision
+        servicer = mesh.triggers[0].servicer
+        await eventually(lambda: servicer.stats.relayed == 1, "relayed over TLS")
+        reply = await router.Rank(rank_request_to_proto(request))
+        assert reply.instance_id == decision.target_instance
+        assert reply.cache_outcome == HIT
+        scores = reply_scores(reply)
+        assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
 
 
-def test_etcd_with_client_certificate_auth_refuses_clients_without_a_trusted_one(
+async def test_etcd_with_client_certificate_auth_refuses_clients_without_a_trusted_one(
     tls_etcd: EtcdServer, pki: Pki, stranger: Pki
 ) -> None:
-    async def scenario() -> None:
-        trusted = EtcdClient([tls_etcd.endpoint], security=tls_etcd.client_security())
-        seen: list[str] = []
+    trusted = EtcdClient([tls_etcd.endpoint], security=tls_etcd.client_security())
+    seen: list[str] = []
+    try:
+        watch = await trusted.watch_prefix("/relaygr/", lambda event: seen.append(event.key))
+        lease = await trusted.grant_lease(5)
+        await trusted.put("/relaygr/k", b"v", lease)
+        assert await trusted.get("/relaygr/k") == b"v"
+        await eventually(lambda: seen == ["/relaygr/k"], "the watch saw the put")
+        await watch.cancel()
+    finally:
+        await trusted.close()
+    untrusted = {
+        "plaintext": None,
+        "no client certificate": EtcdSecurity(ca=pki.ca_cert),
+        "certificate of another CA": EtcdSecurity(
+            ca=pki.ca_cert, cert=stranger.client_cert, key=stranger.client_key
+        ),
+    }
+    for caller, security in untrusted.items():
+        client = EtcdClient([tls_etcd.endpoint], security=security, request_timeout_s=2.0)
         try:
-            watch = await trusted.watch_prefix("/relaygr/", lambda event: seen.append(event.key))
-            lease = await trusted.grant_lease(5)
-            await trusted.put("/relaygr/k", b"v", lease)
-            assert await trusted.get("/relaygr/k") == b"v"
-            await eventually(lambda: seen == ["/relaygr/k"], "the watch saw the put")
-            await watch.cancel()
+            with pytest.raises(Unavailable) as err:
+                await client.get("/relaygr/k")
         finally:
-            await trusted.close()
-        untrusted = {
-            "plaintext": None,
-            "no client certificate": EtcdSecurity(ca=pki.ca_cert),
-            "certificate of another CA": EtcdSecurity(
-                ca=pki.ca_cert, cert=stranger.client_cert, key=stranger.client_key
-            ),
-        }
-        for caller, security in untrusted.items():
-            client = EtcdClient([tls_etcd.endpoint], security=security, request_timeout_s=2.0)
-            try:
-                with pytest.raises(Unavailable) as err:
-                    await client.get("/relaygr/k")
-            finally:
-                await client.close()
-            assert tls_etcd.endpoint in str(err.value), caller
-
-    asyncio.run(scenario())
+            await client.close()
+        assert tls_etcd.endpoint in str(err.value), caller
 
 
-def test_etcd_with_auth_refuses_unauthenticated_and_wrong_password_clients(
+async def test_etcd_with_auth_refuses_unauthenticated_and_wrong_password_clients(
     etcd_server: EtcdServer,
 ) -> None:
     """With etcd's authentication on, a client without a user or with a wrong password is
@@ -164,58 +158,50 @@ def test_etcd_with_auth_refuses_unauthenticated_and_wrong_password_clients(
     etcd_server.add_user("relaygr", "right-pw", "/relaygr")
     endpoint = etcd_server.endpoint
 
-    async def scenario() -> None:
-        refused = {
-            "user name is empty": None,
-            "authentication failed": EtcdSecurity(user="relaygr", password="wrong-pw"),
-        }
-        for message, security in refused.items():
-            client = EtcdClient([endpoint], security=security)
-            try:
-                with pytest.raises(EtcdAuthFailed) as err:
-                    await client.put("/relaygr/k", b"v")
-            finally:
-                await client.close()
-            assert message in str(err.value) and "etcd_password" in str(err.value)
-            assert "wrong-pw" not in str(err.value)
-        app = EtcdClient([endpoint], security=EtcdSecurity(user="relaygr", password="right-pw"))
+    refused = {
+        "user name is empty": None,
+        "authentication failed": EtcdSecurity(user="relaygr", password="wrong-pw"),
+    }
+    for message, security in refused.items():
+        client = EtcdClient([endpoint], security=security)
         try:
-            await app.put("/relaygr/k", b"v")
-            assert await app.get("/relaygr/k") == b"v"
-            with pytest.raises(EtcdRejected, match="permission denied"):
-                await app.put("/elsewhere", b"v")
+            with pytest.raises(EtcdAuthFailed) as err:
+                await client.put("/relaygr/k", b"v")
         finally:
-            await app.close()
+            await client.close()
+        assert message in str(err.value) and "etcd_password" in str(err.value)
+        assert "wrong-pw" not in str(err.value)
+    app = EtcdClient([endpoint], security=EtcdSecurity(user="relaygr", password="right-pw"))
+    try:
+        await app.put("/relaygr/k", b"v")
+        assert await app.get("/relaygr/k") == b"v"
+        with pytest.raises(EtcdRejected, match="permission denied"):
+            await app.put("/elsewhere", b"v")
+    finally:
+        await app.close()
 
-        credentials = {"etcd_user": "relaygr", "etcd_password": "right-pw"}
-        async with running_mesh(endpoint, tiny_model()) as mesh:
-            await mesh.add_ranker("r0", **credentials)
-            await mesh.add_router(**credentials)  # converged: its watch sees r0's lease
-            with pytest.raises(EtcdAuthFailed, match="authentication failed"):
-                await mesh.add_router(etcd_user="relaygr", etcd_password="wrong-pw")
-
-    asyncio.run(scenario())
+    credentials = {"etcd_user": "relaygr", "etcd_password": "right-pw"}
+    async with running_mesh(endpoint, tiny_model()) as mesh:
+        await mesh.add_ranker("r0", **credentials)
+        await mesh.add_router(**credentials)  # converged: its watch sees r0's lease
+        with pytest.raises(EtcdAuthFailed, match="authentication failed"):
+            await mesh.add_router(etcd_user="relaygr", etcd_password="wrong-pw")
 
 
-def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
+async def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
     """etcd's simple auth tokens lapse after --auth-token-ttl without use (300 s by default): a
     router idle that long must authenticate again by itself, not fail its next write."""
     with started_etcd(extra_args=("--auth-token-ttl=1",)) as server:
         server.enable_auth("root-pw")
 
-        async def scenario() -> None:
-            client = EtcdClient(
-                [server.endpoint], security=server.client_security("root", "root-pw")
-            )
-            try:
-                await client.put("/relaygr/k", b"1")
-                # The lapse of time is what is under test: idle past the token's TTL.
-                await asyncio.sleep(2.5)
-                assert await client.get("/relaygr/k") == b"1"
-            finally:
-                await client.close()
-
-        asyncio.run(scenario())
+        client = EtcdClient([server.endpoint], security=server.client_security("root", "root-pw"))
+        try:
+            await client.put("/relaygr/k", b"1")
+            # The lapse of time is what is under test: idle past the token's TTL.
+            await asyncio.sleep(2.5)
+            assert await client.get("/relaygr/k") == b"1"
+        finally:
+            await client.close()
 
 
 def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(

@@ -53,48 +53,45 @@ async def _mesh_with_trigger(
     return await mesh.add_trigger(**{**SLO, **trigger})
 
 
-def test_long_sequences_are_relayed_and_short_ones_ranked_in_full(
+async def test_long_sequences_are_relayed_and_short_ones_ranked_in_full(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            trigger = await _mesh_with_trigger(mesh)
-            servicer = mesh.triggers[0].servicer
-            longs = [prefix(rng, LONG, user_id=f"long{i}") for i in range(8)]
-            shorts = [prefix(rng, SHORT, user_id=f"short{i}") for i in range(8)]
-            for p in longs:
-                decision = await trigger.OnRetrieval(_event(p))
-                assert decision.admitted and decision.reason == Reason.ADMISSION_REASON_ADMITTED
-                assert decision.target_instance in {"r0", "r1"}
-                assert decision.predicted_full_ms > SLO["slo_ms"] - SLO["margin_ms"]
-            for p in shorts:
-                decision = await trigger.OnRetrieval(_event(p))
-                assert not decision.admitted
-                assert decision.reason == Reason.ADMISSION_REASON_NOT_AT_RISK
-                assert 0 < decision.predicted_full_ms <= SLO["slo_ms"] - SLO["margin_ms"]
-            await eventually(lambda: servicer.stats.relayed == len(longs), "relays done")
-            again = await trigger.OnRetrieval(_event(longs[0]))
-            assert again.reason == Reason.ADMISSION_REASON_ALREADY_CACHED
-            router = mesh.stubs[0]
-            for p, outcome in [
-                *((p, common_pb2.CACHE_OUTCOME_HBM_HIT) for p in longs),
-                *((p, common_pb2.CACHE_OUTCOME_MISS) for p in shorts),
-            ]:
-                request = rank_input(rng, p, n_short=16, n_candidates=16)
-                reply = await router.Rank(rank_request_to_proto(request))
-                assert reply.cache_outcome == outcome, p.user_id
-                assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-            assert servicer.stats.decisions[Decided.ADMITTED] == len(longs)
-            assert servicer.stats.decisions[Decided.NOT_AT_RISK] == len(shorts)
-            assert servicer.stats.decisions[Decided.ALREADY_CACHED] == 1
-
-    asyncio.run(scenario())
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        trigger = await _mesh_with_trigger(mesh)
+        servicer = mesh.triggers[0].servicer
+        longs = [prefix(rng, LONG, user_id=f"long{i}") for i in range(8)]
+        shorts = [prefix(rng, SHORT, user_id=f"short{i}") for i in range(8)]
+        for p in longs:
+            decision = await trigger.OnRetrieval(_event(p))
+            assert decision.admitted and decision.reason == Reason.ADMISSION_REASON_ADMITTED
+            assert decision.target_instance in {"r0", "r1"}
+            assert decision.predicted_full_ms > SLO["slo_ms"] - SLO["margin_ms"]
+        for p in shorts:
+            decision = await trigger.OnRetrieval(_event(p))
+            assert not decision.admitted
+            assert decision.reason == Reason.ADMISSION_REASON_NOT_AT_RISK
+            assert 0 < decision.predicted_full_ms <= SLO["slo_ms"] - SLO["margin_ms"]
+        await eventually(lambda: servicer.stats.relayed == len(longs), "relays done")
+        again = await trigger.OnRetrieval(_event(longs[0]))
+        assert again.reason == Reason.ADMISSION_REASON_ALREADY_CACHED
+        router = mesh.stubs[0]
+        for p, outcome in [
+            *((p, common_pb2.CACHE_OUTCOME_HBM_HIT) for p in longs),
+            *((p, common_pb2.CACHE_OUTCOME_MISS) for p in shorts),
+        ]:
+            request = rank_input(rng, p, n_short=16, n_candidates=16)
+            reply = await router.Rank(rank_request_to_proto(request))
+            assert reply.cache_outcome == outcome, p.user_id
+            assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+        assert servicer.stats.decisions[Decided.ADMITTED] == len(longs)
+        assert servicer.stats.decisions[Decided.NOT_AT_RISK] == len(shorts)
+        assert servicer.stats.decisions[Decided.ALREADY_CACHED] == 1
 
 
 @pytest.mark.parametrize("limit", ["footprint", "load"])
-def test_a_burst_never_overfills_a_ranker(
+async def test_a_burst_never_overfills_a_ranker(
     etcd_server: EtcdServer, rng: np.random.Generator, limit: str
 ) -> None:
     """40 long users at once: the trigger stops admitting before any ranker would refuse."""
@@ -108,30 +105,25 @@ def test_a_burst_never_overfills_a_ranker(
         ranker, trigger = {"max_queued_prefills": 8}, {"prefill_share": 0.01, "burst_s": 2.0}
         expected = Reason.ADMISSION_REASON_LOAD_LIMIT
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            stub = await _mesh_with_trigger(mesh, ranker, **trigger)
-            servicer = mesh.triggers[0].servicer
-            users = [prefix(rng, LONG, user_id=f"burst{i}") for i in range(40)]
-            decisions = await asyncio.gather(*(stub.OnRetrieval(_event(p)) for p in users))
-            admitted = [d for d in decisions if d.admitted]
-            per_ranker = {r: sum(d.target_instance == r for d in admitted) for r in ("r0", "r1")}
-            assert all(1 <= n <= 3 for n in per_ranker.values()), per_ranker
-            assert {d.reason for d in decisions if not d.admitted} == {expected}
-            await eventually(
-                lambda: servicer.stats.relayed == len(admitted), "admitted relays done"
-            )
-            assert servicer.stats.refused == servicer.stats.dispatch_failed == 0
-            for name, ranker_server in mesh.rankers.items():
-                assert ranker_server.engine is not None
-                usage = ranker_server.engine.store.usage(Tier.HBM)
-                assert usage.used_bytes <= usage.budget_bytes, name
-                assert usage.pinned_bytes == per_ranker[name] * relay_bytes, name
-
-    asyncio.run(scenario())
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        stub = await _mesh_with_trigger(mesh, ranker, **trigger)
+        servicer = mesh.triggers[0].servicer
+        users = [prefix(rng, LONG, user_id=f"burst{i}") for i in range(40)]
+        decisions = await asyncio.gather(*(stub.OnRetrieval(_event(p)) for p in users))
+        admitted = [d for d in decisions if d.admitted]
+        per_ranker = {r: sum(d.target_instance == r for d in admitted) for r in ("r0", "r1")}
+        assert all(1 <= n <= 3 for n in per_ranker.values()), per_ranker
+        assert {d.reason for d in decisions if not d.admitted} == {expected}
+        await eventually(lambda: servicer.stats.relayed == len(admitted), "admitted relays done")
+        assert servicer.stats.refused == servicer.stats.dispatch_failed == 0
+        for name, ranker_server in mesh.rankers.items():
+            assert ranker_server.engine is not None
+            usage = ranker_server.engine.store.usage(Tier.HBM)
+            assert usage.used_bytes <= usage.budget_bytes, name
+            assert usage.pinned_bytes == per_ranker[name] * relay_bytes, name
 
 
-def test_ranking_is_unaffected_when_the_trigger_cannot_relay(
+async def test_ranking_is_unaffected_when_the_trigger_cannot_relay(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
     """A trigger whose router hangs: decisions still come at once, drops are counted, and the
@@ -142,116 +134,106 @@ def test_ranking_is_unaffected_when_the_trigger_cannot_relay(
         await asyncio.Event().wait()  # never answers; the caller's deadline ends it
         return b""
 
-    async def scenario() -> None:
-        blackhole = grpc.aio.server()
-        blackhole.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(
-                "relaygr.v1.RouterService", {"PreInfer": grpc.unary_unary_rpc_method_handler(hang)}
-            ),)
-        )  # fmt: skip
-        port = blackhole.add_insecure_port("127.0.0.1:0")
-        await blackhole.start()
-        try:
-            async with running_mesh(etcd_server.endpoint, model) as mesh:
-                for name in ("r0", "r1"):
-                    await mesh.add_ranker(name)
-                await mesh.add_router()
-                trigger = await mesh.add_trigger(
-                    router_address=f"127.0.0.1:{port}", relay_window_ms=500,
-                    dispatch_queue=4, dispatch_concurrency=2, **SLO,
-                )  # fmt: skip
-                servicer = mesh.triggers[0].servicer
-                users = [prefix(rng, LONG, user_id=f"u{i}") for i in range(10)]
-                decisions = [await trigger.OnRetrieval(_event(p)) for p in users]
-                reasons = [d.reason for d in decisions]
-                # 2 in flight + 4 queued; the rest are answered LOAD_LIMIT, never silently lost
-                assert reasons.count(Reason.ADMISSION_REASON_ADMITTED) == 6, reasons
-                assert reasons.count(Reason.ADMISSION_REASON_LOAD_LIMIT) == 4, reasons
-                assert servicer.stats.dispatch_dropped == 4
-                await eventually(
-                    lambda: servicer.stats.dispatch_failed == 6, "dispatches timed out"
-                )
-                dispatcher = mesh.triggers[0].dispatcher
-                assert dispatcher.stats.failed[grpc.StatusCode.DEADLINE_EXCEEDED] == 6
-                assert dispatcher.pending() == 0
-                for p in users:
-                    request = rank_input(rng, p, n_short=16, n_candidates=16)
-                    reply = await mesh.stubs[0].Rank(rank_request_to_proto(request))
-                    assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_MISS
-                    assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-                await mesh.triggers.pop().stop(grace=0.5)  # the trigger gone altogether
-                request = rank_input(rng, users[0], n_short=16, n_candidates=16)
+    blackhole = grpc.aio.server()
+    blackhole.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(
+            "relaygr.v1.RouterService", {"PreInfer": grpc.unary_unary_rpc_method_handler(hang)}
+        ),)
+    )  # fmt: skip
+    port = blackhole.add_insecure_port("127.0.0.1:0")
+    await blackhole.start()
+    try:
+        async with running_mesh(etcd_server.endpoint, model) as mesh:
+            for name in ("r0", "r1"):
+                await mesh.add_ranker(name)
+            await mesh.add_router()
+            trigger = await mesh.add_trigger(
+                router_address=f"127.0.0.1:{port}", relay_window_ms=500,
+                dispatch_queue=4, dispatch_concurrency=2, **SLO,
+            )  # fmt: skip
+            servicer = mesh.triggers[0].servicer
+            users = [prefix(rng, LONG, user_id=f"u{i}") for i in range(10)]
+            decisions = [await trigger.OnRetrieval(_event(p)) for p in users]
+            reasons = [d.reason for d in decisions]
+            # 2 in flight + 4 queued; the rest are answered LOAD_LIMIT, never silently lost
+            assert reasons.count(Reason.ADMISSION_REASON_ADMITTED) == 6, reasons
+            assert reasons.count(Reason.ADMISSION_REASON_LOAD_LIMIT) == 4, reasons
+            assert servicer.stats.dispatch_dropped == 4
+            await eventually(lambda: servicer.stats.dispatch_failed == 6, "dispatches timed out")
+            dispatcher = mesh.triggers[0].dispatcher
+            assert dispatcher.stats.failed[grpc.StatusCode.DEADLINE_EXCEEDED] == 6
+            assert dispatcher.pending() == 0
+            for p in users:
+                request = rank_input(rng, p, n_short=16, n_candidates=16)
                 reply = await mesh.stubs[0].Rank(rank_request_to_proto(request))
+                assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_MISS
                 assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
-        finally:
-            await blackhole.stop(None)
+            await mesh.triggers.pop().stop(grace=0.5)  # the trigger gone altogether
+            request = rank_input(rng, users[0], n_short=16, n_candidates=16)
+            reply = await mesh.stubs[0].Rank(rank_request_to_proto(request))
+            assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
+    finally:
+        await blackhole.stop(None)
 
-    asyncio.run(scenario())
 
-
-def test_bad_input_and_bad_live_config_are_refused(
+async def test_bad_input_and_bad_live_config_are_refused(
     etcd_server: EtcdServer, rng: np.random.Generator, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = tiny_model()
 
-    async def scenario() -> None:
-        async with running_mesh(etcd_server.endpoint, model) as mesh:
-            trigger = await _mesh_with_trigger(mesh, max_long_term=1000, max_candidates=500)
-            good = prefix(rng, LONG, user_id="good")
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        trigger = await _mesh_with_trigger(mesh, max_long_term=1000, max_candidates=500)
+        good = prefix(rng, LONG, user_id="good")
 
-            def bad(**changes: object) -> trigger_pb2.RetrievalEvent:
-                event = _event(good)
-                for name, value in changes.items():
-                    if name == "ragged":
-                        del event.long_term.timestamps[-1]
-                    elif name == "long_term":
-                        event.long_term.CopyFrom(value)  # type: ignore[arg-type]
-                    else:
-                        setattr(event, name, value)
-                return event
+        def bad(**changes: object) -> trigger_pb2.RetrievalEvent:
+            event = _event(good)
+            for name, value in changes.items():
+                if name == "ragged":
+                    del event.long_term.timestamps[-1]
+                elif name == "long_term":
+                    event.long_term.CopyFrom(value)  # type: ignore[arg-type]
+                else:
+                    setattr(event, name, value)
+            return event
 
-            huge = prefix(rng, 1001).long_term
-            invalid = {
-                "user_id must not be empty": bad(user_id=""),
-                "ragged": bad(ragged=True),
-                "1001 long-term behaviours exceed the limit of 1000": bad(
-                    long_term=behaviours_to_proto(huge)
-                ),
-                "4294967295 expected_candidates exceed the limit of 500": bad(
-                    expected_candidates=2**32 - 1
-                ),
-                "user_id is longer than 256 bytes": bad(user_id="x" * 300),
-            }
-            for message, event in invalid.items():
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await trigger.OnRetrieval(event)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
-                assert message in (err.value.details() or "") or message == "ragged", (
-                    err.value.details()
-                )
-            assert (await trigger.OnRetrieval(_event(good))).admitted
+        huge = prefix(rng, 1001).long_term
+        invalid = {
+            "user_id must not be empty": bad(user_id=""),
+            "ragged": bad(ragged=True),
+            "1001 long-term behaviours exceed the limit of 1000": bad(
+                long_term=behaviours_to_proto(huge)
+            ),
+            "4294967295 expected_candidates exceed the limit of 500": bad(
+                expected_candidates=2**32 - 1
+            ),
+            "user_id is longer than 256 bytes": bad(user_id="x" * 300),
+        }
+        for message, event in invalid.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await trigger.OnRetrieval(event)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+            assert message in (err.value.details() or "") or message == "ragged", (
+                err.value.details()
+            )
+        assert (await trigger.OnRetrieval(_event(good))).admitted
 
-            live = mesh.triggers[0].live_config
-            client = EtcdClient([etcd_server.endpoint])
-            try:
-                await client.put(live.key, json.dumps({"slo_ms": 1000.0}).encode())
-                await eventually(lambda: live.current.slo_ms == 1000.0, "live config applied")
-                late = _event(prefix(rng, LONG, user_id="late"))
-                assert (await trigger.OnRetrieval(late)).reason == (
-                    Reason.ADMISSION_REASON_NOT_AT_RISK
-                )
-                with caplog.at_level(logging.WARNING, logger="services.trigger"):
-                    bad_values = (b'{"slo_ms": -1}', b'{"listen": "0.0.0.0:1"}', b"[1]", b"{")
-                    for count, value in enumerate(bad_values, start=1):
-                        await client.put(live.key, value)
-                        await eventually(lambda n=count: live.rejected == n, "rejected")
-                assert "slo_ms must be > 0" in caplog.text
-                assert "keys ['listen'] cannot be set here" in caplog.text
-                assert live.current.slo_ms == 1000.0  # the last good config stays
-                assert mesh.triggers[0].servicer.policy.cfg.slo_ms == 1000.0
-                await client.delete(live.key)
-                await eventually(lambda: live.current.slo_ms == SLO["slo_ms"], "startup config")
-            finally:
-                await client.close()
-
-    asyncio.run(scenario())
+        live = mesh.triggers[0].live_config
+        client = EtcdClient([etcd_server.endpoint])
+        try:
+            await client.put(live.key, json.dumps({"slo_ms": 1000.0}).encode())
+            await eventually(lambda: live.current.slo_ms == 1000.0, "live config applied")
+            late = _event(prefix(rng, LONG, user_id="late"))
+            assert (await trigger.OnRetrieval(late)).reason == (Reason.ADMISSION_REASON_NOT_AT_RISK)
+            with caplog.at_level(logging.WARNING, logger="services.trigger"):
+                bad_values = (b'{"slo_ms": -1}', b'{"listen": "0.0.0.0:1"}', b"[1]", b"{")
+                for count, value in enumerate(bad_values, start=1):
+                    await client.put(live.key, value)
+                    await eventually(lambda n=count: live.rejected == n, "rejected")
+            assert "slo_ms must be > 0" in caplog.text
+            assert "keys ['listen'] cannot be set here" in caplog.text
+            assert live.current.slo_ms == 1000.0  # the last good config stays
+            assert mesh.triggers[0].servicer.policy.cfg.slo_ms == 1000.0
+            await client.delete(live.key)
+            await eventually(lambda: live.current.slo_ms == SLO["slo_ms"], "startup config")
+        finally:
+            await client.close()

@@ -4,26 +4,26 @@ import numpy as np
 from chaos import (
     ChaosSettings,
     FaultReport,
-    RankRecord,
     recovery_s,
     render_table,
     wrong_scores,
 )
 
+from relaygr.local.drive import RequestRecord
 from relaygr.local.workload import Arrival
 from tests.unit.ranker.factories import prefix, rank_input
 
 
-def hit(at: float) -> RankRecord:
-    return RankRecord(0, at, 0.01, "OK", "hbm_hit")
+def hit(at: float) -> RequestRecord:
+    return RequestRecord(0, at, 0.01, "OK", "hbm_hit")
 
 
-def miss(at: float) -> RankRecord:
-    return RankRecord(0, at, 0.01, "OK", "miss")
+def miss(at: float) -> RequestRecord:
+    return RequestRecord(0, at, 0.01, "OK", "miss")
 
 
-def failed(at: float, status: str = "UNAVAILABLE") -> RankRecord:
-    return RankRecord(0, at, 0.01, status)
+def failed(at: float, status: str = "UNAVAILABLE") -> RequestRecord:
+    return RequestRecord(0, at, 0.01, status)
 
 
 def test_recovery_is_the_first_rank_after_the_last_miss_or_failure() -> None:
@@ -49,11 +49,11 @@ def test_wrong_scores_counts_mismatches_versions_and_shapes(rng: np.random.Gener
     arrivals = [Arrival(0.0, request)] * 5
     expected = np.arange(1.0, 7.0).reshape(2, 3)
     records = [
-        RankRecord(0, 0.0, 0.0, "OK", "hbm_hit", "r0", "v1", expected.astype(np.float32)),
-        RankRecord(1, 0.0, 0.0, "OK", "hbm_hit", "r0", "v1", expected * (1 + 1e-4)),  # off
-        RankRecord(2, 0.0, 0.0, "OK", "hbm_hit", "r0", "v0", expected),  # another model
-        RankRecord(3, 0.0, 0.0, "OK", "hbm_hit", "r0", "v1", expected[:, :2]),  # a score short
-        RankRecord(4, 0.0, 0.0, "UNAVAILABLE"),  # not checked
+        RequestRecord(0, 0.0, 0.0, "OK", "hbm_hit", "r0", "v1", expected.astype(np.float32)),
+        RequestRecord(1, 0.0, 0.0, "OK", "hbm_hit", "r0", "v1", expected * (1 + 1e-4)),  # off
+        RequestRecord(2, 0.0, 0.0, "OK", "hbm_hit", "r0", "v0", expected),  # another model
+        RequestRecord(3, 0.0, 0.0, "OK", "hbm_hit", "r0", "v1", expected[:, :2]),  # a score short
+        RequestRecord(4, 0.0, 0.0, "UNAVAILABLE"),  # not checked
     ]
     checked, wrong = wrong_scores(records, arrivals, lambda _: expected, "v1", ChaosSettings(), rng)
     assert (checked, wrong) == (4, 3)

@@ -89,18 +89,16 @@ def _ids(span: ReadableSpan) -> tuple[int, int]:
     return span.context.trace_id, span.context.span_id
 
 
-def test_hbm_hit_links_to_the_pre_infer(
+async def test_hbm_hit_links_to_the_pre_infer(
     traced: Traced, engine: RankerEngine, rng: np.random.Generator
 ) -> None:
     request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
 
-    async def scenario() -> CacheOutcome:
-        with traced.tracer.start_as_current_span("PreInfer"):
-            await engine.pre_infer(request.prefix, None, None)
-        with traced.tracer.start_as_current_span("Rank"):
-            return (await engine.rank(request, None)).outcome
-
-    assert asyncio.run(scenario()) is CacheOutcome.HBM_HIT
+    with traced.tracer.start_as_current_span("PreInfer"):
+        await engine.pre_infer(request.prefix, None, None)
+    with traced.tracer.start_as_current_span("Rank"):
+        outcome = (await engine.rank(request, None)).outcome
+    assert outcome is CacheOutcome.HBM_HIT
     pre_infer, rank = traced.one("PreInfer"), traced.one("Rank")
     assert _link_of(rank) == _ids(pre_infer)
     assert rank.attributes is not None and rank.attributes["relaygr.cache.outcome"] == "hbm_hit"
@@ -119,24 +117,22 @@ def test_hbm_hit_links_to_the_pre_infer(
     assert queue_r.end_time == rank_compute.start_time  # the compute starts where the wait ends
 
 
-def test_dram_reload_keeps_the_producer_and_traces_the_tier_moves(
+async def test_dram_reload_keeps_the_producer_and_traces_the_tier_moves(
     traced: Traced, engine: RankerEngine, rng: np.random.Generator
 ) -> None:
     a = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
     b = rank_input(rng, prefix(rng, TOKENS, user_id="b"))
 
-    async def scenario() -> CacheOutcome:
-        with traced.tracer.start_as_current_span("PreInfer a"):
-            await engine.pre_infer(a.prefix, None, None)
-        with traced.tracer.start_as_current_span("Rank a"):
-            await engine.rank(a, None)  # consumed: a may now leave HBM
-        with traced.tracer.start_as_current_span("PreInfer b"):
-            await engine.pre_infer(b.prefix, None, None)  # demotes a to DRAM
-        assert engine.store.tier_of(engine._key(a.prefix)) is Tier.DRAM
-        with traced.tracer.start_as_current_span("Rank a again"):
-            return (await engine.rank(a, None)).outcome
-
-    assert asyncio.run(scenario()) is CacheOutcome.DRAM_HIT
+    with traced.tracer.start_as_current_span("PreInfer a"):
+        await engine.pre_infer(a.prefix, None, None)
+    with traced.tracer.start_as_current_span("Rank a"):
+        await engine.rank(a, None)  # consumed: a may now leave HBM
+    with traced.tracer.start_as_current_span("PreInfer b"):
+        await engine.pre_infer(b.prefix, None, None)  # demotes a to DRAM
+    assert engine.store.tier_of(engine._key(a.prefix)) is Tier.DRAM
+    with traced.tracer.start_as_current_span("Rank a again"):
+        outcome = (await engine.rank(a, None)).outcome
+    assert outcome is CacheOutcome.DRAM_HIT
     assert _link_of(traced.one("Rank a again")) == _ids(traced.one("PreInfer a"))
     demote = traced.one("ranker.demote")
     assert demote.parent is not None
@@ -150,7 +146,7 @@ def test_dram_reload_keeps_the_producer_and_traces_the_tier_moves(
     assert reload.attributes["relaygr.tokens.computed"] == 0
 
 
-def test_a_rank_waiting_for_its_pre_infer_links_to_it(
+async def test_a_rank_waiting_for_its_pre_infer_links_to_it(
     traced: Traced, engine: RankerEngine, rng: np.random.Generator
 ) -> None:
     request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
@@ -162,46 +158,41 @@ def test_a_rank_waiting_for_its_pre_infer_links_to_it(
         return None
         yield
 
-    async def scenario() -> CacheOutcome:
-        engine.scheduler.submit("gate", hold(), Priority.RANK)
-        await asyncio.to_thread(entered.wait, 30)
+    engine.scheduler.submit("gate", hold(), Priority.RANK)
+    await asyncio.to_thread(entered.wait, 30)
 
-        async def pre_infer() -> None:
-            with traced.tracer.start_as_current_span("PreInfer"):
-                await engine.pre_infer(request.prefix, None, None)
+    async def pre_infer() -> None:
+        with traced.tracer.start_as_current_span("PreInfer"):
+            await engine.pre_infer(request.prefix, None, None)
 
-        async def rank() -> CacheOutcome:
-            with traced.tracer.start_as_current_span("Rank"):
-                return (await engine.rank(request, None)).outcome
+    async def rank() -> CacheOutcome:
+        with traced.tracer.start_as_current_span("Rank"):
+            return (await engine.rank(request, None)).outcome
 
-        pre = asyncio.create_task(pre_infer())
-        await eventually(lambda: engine.inflight() == 1, "PreInfer queued behind the gate")
-        ranked = asyncio.create_task(rank())
-        promoted = lambda: any(e.kind == "promoted" for e in engine.scheduler.events)  # noqa: E731
-        await eventually(promoted, "the Rank joined the PreInfer's job")
-        release.set()
-        await pre
-        return await ranked
-
-    assert asyncio.run(scenario()) is CacheOutcome.WAITED_INFLIGHT
+    pre = asyncio.create_task(pre_infer())
+    await eventually(lambda: engine.inflight() == 1, "PreInfer queued behind the gate")
+    ranked = asyncio.create_task(rank())
+    promoted = lambda: any(e.kind == "promoted" for e in engine.scheduler.events)  # noqa: E731
+    await eventually(promoted, "the Rank joined the PreInfer's job")
+    release.set()
+    await pre
+    outcome = await ranked
+    assert outcome is CacheOutcome.WAITED_INFLIGHT
     assert _link_of(traced.one("Rank")) == _ids(traced.one("PreInfer"))
     wait = traced.one("ranker.wait_inflight")
     assert wait.parent is not None and wait.parent.span_id == _ids(traced.one("Rank"))[1]
 
 
-def test_a_miss_has_no_link_and_a_return_visit_links_to_the_rank_that_computed_it(
+async def test_a_miss_has_no_link_and_a_return_visit_links_to_the_rank_that_computed_it(
     traced: Traced, engine: RankerEngine, rng: np.random.Generator
 ) -> None:
     p = prefix(rng, TOKENS, user_id="a")
 
-    async def scenario() -> list[CacheOutcome]:
-        outcomes = []
-        for name in ("Rank 1", "Rank 2"):
-            with traced.tracer.start_as_current_span(name):
-                outcomes.append((await engine.rank(rank_input(rng, p), None)).outcome)
-        return outcomes
-
-    assert asyncio.run(scenario()) == [CacheOutcome.MISS, CacheOutcome.HBM_HIT]
+    outcomes = []
+    for name in ("Rank 1", "Rank 2"):
+        with traced.tracer.start_as_current_span(name):
+            outcomes.append((await engine.rank(rank_input(rng, p), None)).outcome)
+    assert outcomes == [CacheOutcome.MISS, CacheOutcome.HBM_HIT]
     first, second = traced.one("Rank 1"), traced.one("Rank 2")
     assert _link_of(first) is None
     assert _link_of(second) == _ids(first)
@@ -209,19 +200,17 @@ def test_a_miss_has_no_link_and_a_return_visit_links_to_the_rank_that_computed_i
     assert link.attributes is not None and link.attributes["relaygr.relay.producer"] == "rank"
 
 
-def test_without_a_tracer_nothing_is_recorded_and_nothing_changes(
+async def test_without_a_tracer_nothing_is_recorded_and_nothing_changes(
     traced: Traced, rng: np.random.Generator
 ) -> None:
     request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
 
-    async def scenario(engine: RankerEngine) -> CacheOutcome:
+    for engine in _engine(None, hbm_entries=1.5):
         with traced.tracer.start_as_current_span("PreInfer"):  # a sampled caller, even so
             await engine.pre_infer(request.prefix, None, None)
         with traced.tracer.start_as_current_span("Rank"):
-            return (await engine.rank(request, None)).outcome
-
-    for engine in _engine(None, hbm_entries=1.5):
-        assert asyncio.run(scenario(engine)) is CacheOutcome.HBM_HIT
+            outcome = (await engine.rank(request, None)).outcome
+        assert outcome is CacheOutcome.HBM_HIT
         entry = engine.store.peek(engine._key(request.prefix), Tier.HBM)
         assert entry is not None and entry.origin is None
         assert isinstance(entry.kv, PrefixKV)
