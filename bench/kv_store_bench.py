@@ -298,7 +298,7 @@ def render(saved: dict[str, Any]) -> str:
             f" Before: the store at commit {before['ref']} ({before['repeats']} repeat(s) of "
             f"{before['samples']} store(s) of each size: at 10,000 entries filling one takes "
             "minutes) summed pinned bytes, walked both tiers to expire and searched for "
-            "the first unpinned entry on every call, so its cost grew with the entries: {worst} "
+            f"the first unpinned entry on every call, so its cost grew with the entries: {worst} "
             f"{old_ratio:.0f}x slower at {int(large):,} entries than at {int(small):,}."
         )
     return "\n".join(lines)
