@@ -9,7 +9,7 @@ HELM := $(VENV)/bin/helm
 DOCKER ?= docker
 IMAGE ?= relaygr:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup proto test lint helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos demo clean
+.PHONY: setup proto test lint helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv demo clean
 
 setup: $(STAMP) $(PROTO_OUT) $(HELM)
 
@@ -50,7 +50,7 @@ helm-lint: setup
 image:
 	$(DOCKER) build -t $(IMAGE) .
 
-bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos
+bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv
 
 bench-model: setup
 	$(PY) bench/model_bench.py
@@ -72,6 +72,9 @@ bench-relay: setup
 
 bench-chaos: setup
 	$(PY) bench/chaos_bench.py
+
+bench-kv: setup
+	$(PY) bench/kv_store_bench.py
 
 demo: setup
 	$(PY) -m relaygr.local.demo $(DEMO_ARGS)

@@ -1,5 +1,6 @@
 """Two-tier prefix KV store (device "HBM" tier over a host "DRAM" tier), pure bookkeeping."""
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -7,6 +8,7 @@ from enum import StrEnum
 
 from relaygr.behaviours import UserId
 from services.ranker.digest import PrefixDigest
+from services.ranker.keyed_heap import KeyedHeap
 from services.ranker.observer import Origin
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
 
@@ -36,6 +38,18 @@ class Drop(StrEnum):
 
 
 @dataclass(slots=True)
+class KVStats:
+    """What the store has done since it started; the metrics read it by attribute."""
+
+    stored: Counter[Tier] = field(default_factory=Counter)
+    dropped: Counter[tuple[Tier, Drop]] = field(default_factory=Counter)
+    hbm_rejected: int = 0  # prefixes the device tier could not hold beside pinned relays
+    relays_consumed: int = 0  # pinned entries a Rank used
+    relays_expired_unconsumed: int = 0  # pins whose relay window ended first
+    relays_dropped_unconsumed: int = 0  # entries that left a tier while still pinned
+
+
+@dataclass(slots=True)
 class Entry:
     key: CacheKey
     kv: PrefixKV
@@ -45,6 +59,8 @@ class Entry:
     # Opaque to the store: who produced or last relayed this prefix, as the engine's observer
     # sees it (a relay link's target). Kept when the entry is demoted to DRAM.
     origin: Origin | None = None
+    # The store's: the number of this entry's latest use in its tier (a store or a `get`).
+    last_use: int = 0
 
     @property
     def pinned(self) -> bool:
@@ -53,22 +69,96 @@ class Entry:
 
 @dataclass(slots=True)
 class _Tier:
-    budget: int
-    entries: OrderedDict[CacheKey, Entry] = field(default_factory=OrderedDict)  # LRU first
-    used: int = 0
+    """One tier's entries, with running totals and orders kept as entries change.
 
-    def add(self, entry: Entry) -> None:
-        self.entries[entry.key] = entry
+    Invariants: `used` and `pinned_bytes` are the sizes of all and of the pinned entries.
+    Every unpinned entry is in exactly one of `lru` (in order of last use: an entry goes to its
+    end when used, so the order holds) and `released` (entries whose pin ended behind newer
+    uses, by last use); pinned entries are in neither, so eviction never meets one, and an
+    entry whose pin is released takes back the place its last use gives it. `pins` holds
+    exactly the pinned entries by the end of their pin; `stale_at` every entry by the end of
+    the tier's time to live (empty without one).
+    """
+
+    budget: int
+    ttl: float | None
+    entries: dict[CacheKey, Entry] = field(default_factory=dict)
+    lru: OrderedDict[CacheKey, None] = field(default_factory=OrderedDict)
+    released: KeyedHeap[CacheKey] = field(default_factory=KeyedHeap)
+    pins: KeyedHeap[CacheKey] = field(default_factory=KeyedHeap)
+    stale_at: KeyedHeap[CacheKey] = field(default_factory=KeyedHeap)
+    used: int = 0
+    pinned_bytes: int = 0
+
+    def add(self, entry: Entry, use: int) -> None:
+        """Add an entry at its first use (`use` is the newest use number)."""
+        key = entry.key
+        self.entries[key] = entry
         self.used += entry.nbytes
+        entry.last_use = use
+        if entry.pinned_until is not None:
+            self.pinned_bytes += entry.nbytes
+            self.pins.set(key, entry.pinned_until)
+        else:
+            self.lru[key] = None
+        if self.ttl is not None:
+            self.stale_at.set(key, entry.stored_at + self.ttl)
 
     def remove(self, key: CacheKey) -> Entry:
+        """Take the entry out; it keeps its pin, so the caller can tell it was pinned."""
         entry = self.entries.pop(key)
         self.used -= entry.nbytes
+        if entry.pinned:
+            self.pinned_bytes -= entry.nbytes
+            self.pins.discard(key)
+        elif self.lru.pop(key, True):  # not in `lru`: released
+            self.released.discard(key)
+        self.stale_at.discard(key)
         return entry
 
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values() if e.pinned)
+    def touch(self, entry: Entry, use: int) -> None:
+        """Mark the entry most recently used (`use` is the newest use number)."""
+        entry.last_use = use
+        key = entry.key
+        try:
+            self.lru.move_to_end(key)
+        except KeyError:  # pinned, or released
+            if key in self.released:
+                self.released.discard(key)
+                self.lru[key] = None
+
+    def pin(self, entry: Entry, until: float) -> None:
+        if entry.pinned_until is None:
+            self.pinned_bytes += entry.nbytes
+            if self.lru.pop(entry.key, True):
+                self.released.discard(entry.key)
+        if entry.pinned_until != until:
+            entry.pinned_until = until
+            self.pins.set(entry.key, until)
+
+    def unpin(self, entry: Entry) -> None:
+        if entry.pinned_until is None:
+            return
+        key = entry.key
+        entry.pinned_until = None
+        self.pinned_bytes -= entry.nbytes
+        self.pins.discard(key)
+        if not self.lru or self.entries[next(reversed(self.lru))].last_use < entry.last_use:
+            self.lru[key] = None  # used since every entry in `lru`: its place is the end
+        else:
+            self.released.set(key, entry.last_use)
+
+    def least_recent(self) -> Entry:
+        """The unpinned entry used longest ago; the caller knows there is one."""
+        oldest = next(iter(self.lru), None)
+        first = None if oldest is None else self.entries[oldest]
+        released = self.released.first()
+        if released is not None:
+            entry = self.entries[released]
+            if first is None or entry.last_use < first.last_use:
+                first = entry
+        assert first is not None, "no unpinned entry to evict"
+        return first
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +179,11 @@ class KVStore:
     `dram_ttl`. Storing a prefix for a user supersedes the user's other prefixes in both tiers,
     except relays still pinned for their Rank (two overlapping requests of one user each keep
     theirs). Time comes from `clock`, so expiry and LRU order are exact under test.
+
+    Recency is a use number per tier (every store and `get` takes the next one); a pinned
+    entry keeps its number, so once its pin is released it is as old as its last use. Totals
+    and orders are kept as entries change, so every operation costs O(log n), amortised, in
+    the number of entries (plus the few prefixes one user holds).
     """
 
     def __init__(
@@ -99,13 +194,13 @@ class KVStore:
         clock: Callable[[], float],
         to_host: Callable[[PrefixKV], PrefixKV],
     ) -> None:
-        self._tiers = {Tier.HBM: _Tier(hbm_budget), Tier.DRAM: _Tier(dram_budget)}
+        self._tiers = {Tier.HBM: _Tier(hbm_budget, None), Tier.DRAM: _Tier(dram_budget, dram_ttl)}
         # per user: the keys the store holds, oldest first
         self._by_user: dict[tuple[UserId, ModelVersion], list[CacheKey]] = {}
-        self._dram_ttl = dram_ttl
         self._clock = clock
         self._to_host = to_host
-        self.counters: Counter[str] = Counter()
+        self._uses = itertools.count()
+        self.stats = KVStats()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -124,11 +219,11 @@ class KVStore:
 
     def get(self, key: CacheKey, tier: Tier) -> PrefixKV | None:
         """The cached prefix, marking it most recently used in that tier."""
-        entries = self._tiers[tier].entries
-        entry = entries.get(key)
+        t = self._tiers[tier]
+        entry = t.entries.get(key)
         if entry is None:
             return None
-        entries.move_to_end(key)
+        t.touch(entry, next(self._uses))
         return entry.kv
 
     def usage(self, tier: Tier) -> TierUsage:
@@ -157,33 +252,34 @@ class KVStore:
         now = self._clock()
         existing = hbm.entries.get(key)
         if existing is not None:
-            hbm.entries.move_to_end(key)
             if pin_for is not None:
-                existing.pinned_until = max(existing.pinned_until or 0.0, now + pin_for)
+                hbm.pin(existing, max(existing.pinned_until or 0.0, now + pin_for))
+            hbm.touch(existing, next(self._uses))
             if origin is not None:
                 existing.origin = origin
             return True
         self._supersede(key)  # the user's old prefixes are dead whether or not this one fits
         nbytes = kv.nbytes
         if hbm.pinned_bytes + nbytes > hbm.budget:
-            self.counters["hbm_rejected"] += 1
+            self.stats.hbm_rejected += 1
             return False
         while hbm.used + nbytes > hbm.budget:
-            self._demote(next(e for e in hbm.entries.values() if not e.pinned))
+            self._demote(hbm.least_recent())
         pinned_until = None if pin_for is None else now + pin_for
-        hbm.add(Entry(key, kv, nbytes, now, pinned_until, origin))
+        hbm.add(Entry(key, kv, nbytes, now, pinned_until, origin), next(self._uses))
         self._index(key)
-        self.counters["hbm_stored"] += 1
+        self.stats.stored[Tier.HBM] += 1
         return True
 
     def consume(self, key: CacheKey) -> None:
         """A Rank used the HBM entry: its relay is done; it becomes evictable."""
-        entry = self._tiers[Tier.HBM].entries.get(key)
+        hbm = self._tiers[Tier.HBM]
+        entry = hbm.entries.get(key)
         if entry is None:
             return
         if entry.pinned:
-            self.counters["relays_consumed"] += 1
-        entry.pinned_until = None
+            self.stats.relays_consumed += 1
+        hbm.unpin(entry)
 
     def put_host(self, key: CacheKey, kv: PrefixKV, origin: Origin | None = None) -> bool:
         """Store a host copy in DRAM (evicting LRU DRAM entries); False if too large.
@@ -192,29 +288,28 @@ class KVStore:
         """
         self.expire()
         dram = self._tiers[Tier.DRAM]
-        if key in dram.entries:
-            dram.entries.move_to_end(key)
+        held = dram.entries.get(key)
+        if held is not None:
+            dram.touch(held, next(self._uses))
             return True
         if kv.nbytes > dram.budget:
-            self.counters[f"dram_dropped_{Drop.TOO_LARGE}"] += 1
+            self.stats.dropped[Tier.DRAM, Drop.TOO_LARGE] += 1
             return False
         while dram.used + kv.nbytes > dram.budget:
-            self._drop(Tier.DRAM, next(iter(dram.entries)), Drop.EVICTED)
-        dram.add(Entry(key, kv, kv.nbytes, self._clock(), origin=origin))
+            self._drop(Tier.DRAM, dram.least_recent().key, Drop.EVICTED)
+        dram.add(Entry(key, kv, kv.nbytes, self._clock(), origin=origin), next(self._uses))
         self._index(key, newest=False)
-        self.counters["dram_stored"] += 1
+        self.stats.stored[Tier.DRAM] += 1
         return True
 
     def expire(self) -> None:
         """Release pins whose relay window ended; drop DRAM entries past their time to live."""
         now = self._clock()
-        for entry in self._tiers[Tier.HBM].entries.values():
-            if entry.pinned_until is not None and entry.pinned_until <= now:
-                entry.pinned_until = None
-                self.counters["relays_expired_unconsumed"] += 1
-        dram = self._tiers[Tier.DRAM]
-        stale = [k for k, e in dram.entries.items() if e.stored_at + self._dram_ttl <= now]
-        for key in stale:
+        hbm = self._tiers[Tier.HBM]
+        for key in hbm.pins.pop_due(now):
+            hbm.unpin(hbm.entries[key])
+            self.stats.relays_expired_unconsumed += 1
+        for key in self._tiers[Tier.DRAM].stale_at.pop_due(now):
             self._drop(Tier.DRAM, key, Drop.EXPIRED)
 
     # -- internals -------------------------------------------------------------------------
@@ -249,9 +344,9 @@ class KVStore:
 
     def _drop(self, tier: Tier, key: CacheKey, reason: Drop) -> None:
         entry = self._tiers[tier].remove(key)
-        self.counters[f"{tier}_dropped_{reason}"] += 1
+        self.stats.dropped[tier, reason] += 1
         if entry.pinned:
-            self.counters["relays_dropped_unconsumed"] += 1
+            self.stats.relays_dropped_unconsumed += 1
         if self.tier_of(key) is None:
             user = (key.user_id, key.model_version)
             keys = self._by_user[user]

@@ -1,5 +1,5 @@
 """The ranker's Prometheus metrics: latency observed per request; tiers, drops, relays and queues
-read from the engine's own counters and state when scraped."""
+read from the engine's own stats and state when scraped."""
 
 from collections.abc import Callable, Iterator
 
@@ -112,32 +112,32 @@ class RankerMetrics:
             ["tier"],
             {(t.value,): u.entries for t, u in usage.items()},
         )
-        counts = engine.store.counters
+        stats = engine.store.stats
         yield counter(
             "relaygr_ranker_kv_drops",
             "Prefix caches that left a tier, by reason (demoted: evicted from HBM with a DRAM "
             "copy kept; evicted: no copy kept; expired: past the DRAM time to live; superseded: "
             "the user's prefix changed; too_large: does not fit the tier at all)",
             ["tier", "reason"],
-            {(t.value, r.value): counts[f"{t}_dropped_{r}"] for t in Tier for r in Drop},
+            {(t.value, r.value): stats.dropped[t, r] for t in Tier for r in Drop},
         )
         yield counter(
             "relaygr_ranker_kv_stored",
             "Prefix caches stored into the tier",
             ["tier"],
-            {(t.value,): counts[f"{t}_stored"] for t in Tier},
+            {(t.value,): stats.stored[t] for t in Tier},
         )
         yield counter(
             "relaygr_ranker_kv_rejected",
             "Prefixes the device tier could not hold beside pinned relays",
             [],
-            {(): counts["hbm_rejected"]},
+            {(): stats.hbm_rejected},
         )
         yield counter(
             "relaygr_ranker_relays_consumed",
             "Relays (pinned pre-inferred prefixes) consumed by their Rank",
             [],
-            {(): counts["relays_consumed"]},
+            {(): stats.relays_consumed},
         )
         yield counter(
             "relaygr_ranker_relays_unconsumed",
@@ -145,8 +145,8 @@ class RankerMetrics:
             "was dropped while pinned (dropped)",
             ["reason"],
             {
-                ("expired",): counts["relays_expired_unconsumed"],
-                ("dropped",): counts["relays_dropped_unconsumed"],
+                ("expired",): stats.relays_expired_unconsumed,
+                ("dropped",): stats.relays_dropped_unconsumed,
             },
         )
         yield gauge(

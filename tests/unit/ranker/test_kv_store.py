@@ -5,7 +5,7 @@ import torch
 
 from relaygr.behaviours import UserId
 from services.ranker.digest import PrefixDigest, PrefixHasher
-from services.ranker.kv_store import CacheKey, KVStore, Tier
+from services.ranker.kv_store import CacheKey, Drop, KVStore, Tier
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
 
 VERSION = ModelVersion("hstu-test")
@@ -67,7 +67,7 @@ def test_unpinned_entries_leave_hbm_least_recently_used_first_into_dram() -> Non
     assert f.store.put_device(key("e"), kv_of(50), pin_for=None)  # needs two victims: c, then a
     assert f.tiers()["c"] == f.tiers()["a"] == Tier.DRAM
     assert f.copies == [30, 30, 30]
-    assert f.store.counters["hbm_dropped_demoted"] == 3
+    assert f.store.stats.dropped[Tier.HBM, Drop.DEMOTED] == 3
 
 
 def test_pinned_entries_are_never_evicted_and_refusal_changes_nothing() -> None:
@@ -79,7 +79,7 @@ def test_pinned_entries_are_never_evicted_and_refusal_changes_nothing() -> None:
     assert f.tiers()["c"] is None and f.store.usage(Tier.HBM).used_bytes == 80
     assert f.store.put_device(key("c"), kv_of(20), pin_for=None)
     assert f.store.usage(Tier.HBM).pinned_bytes == 80
-    assert f.store.counters["hbm_rejected"] == 1
+    assert f.store.stats.hbm_rejected == 1
 
 
 def test_relay_window_expiry_and_consumption_release_pins() -> None:
@@ -90,11 +90,11 @@ def test_relay_window_expiry_and_consumption_release_pins() -> None:
     assert not f.store.fits_device(1)
     f.clock.now += 0.001  # a's window ends exactly now
     assert f.store.fits_device(50) and not f.store.fits_device(51)
-    assert f.store.counters["relays_expired_unconsumed"] == 1
+    assert f.store.stats.relays_expired_unconsumed == 1
     f.store.consume(key("b"))
     assert f.store.fits_device(100)
-    assert f.store.counters["relays_consumed"] == 1
-    assert f.store.counters["relays_expired_unconsumed"] == 1  # consumed is not expired
+    assert f.store.stats.relays_consumed == 1
+    assert f.store.stats.relays_expired_unconsumed == 1  # consumed is not expired
 
 
 def test_repinning_a_resident_key_extends_its_window() -> None:
@@ -117,10 +117,10 @@ def test_dram_entries_expire_and_evict_lru() -> None:
     f.clock.now = 1040.0
     f.store.expire()
     assert f.tiers()["b"] is None and f.tiers()["c"] == Tier.DRAM
-    assert f.store.counters["dram_dropped_expired"] == 1
-    assert f.store.counters["dram_dropped_evicted"] == 1
+    assert f.store.stats.dropped[Tier.DRAM, Drop.EXPIRED] == 1
+    assert f.store.stats.dropped[Tier.DRAM, Drop.EVICTED] == 1
     assert not f.store.put_host(key("d"), kv_of(61))
-    assert f.store.counters["dram_dropped_too_large"] == 1
+    assert f.store.stats.dropped[Tier.DRAM, Drop.TOO_LARGE] == 1
 
 
 def test_a_new_prefix_supersedes_the_users_old_one_in_both_tiers() -> None:
@@ -132,8 +132,8 @@ def test_a_new_prefix_supersedes_the_users_old_one_in_both_tiers() -> None:
     assert f.store.tier_of(key("a", "old")) is None
     assert f.store.user_keys(UserId("a"), VERSION) == [key("a", "new")]
     assert (
-        f.store.counters["hbm_dropped_superseded"]
-        == f.store.counters["dram_dropped_superseded"]
+        f.store.stats.dropped[Tier.HBM, Drop.SUPERSEDED]
+        == f.store.stats.dropped[Tier.DRAM, Drop.SUPERSEDED]
         == 1
     )
 
