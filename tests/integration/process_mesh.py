@@ -3,8 +3,11 @@
 import glob
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from relaygr.local.mesh import MeshSpec
 from services.ranker.model import RankingModel
@@ -28,3 +31,15 @@ def tiny_mesh(tmp_path: Path, **spec: Any) -> tuple[MeshSpec, RankingModel]:
 def mesh_workdirs() -> set[str]:
     """The local meshes' temporary directories that exist now."""
     return set(glob.glob(f"{tempfile.gettempdir()}/relaygr-mesh-*"))
+
+
+@pytest.fixture
+def private_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temporary directory of this test's own for everything that asks `tempfile` (and, through
+    TMPDIR, its children), so `mesh_workdirs()` sees only this test's meshes, not another
+    process's running on the same machine."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    yield private

@@ -27,7 +27,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
-    tmp_path: Path, rng: np.random.Generator
+    tmp_path: Path, rng: np.random.Generator, private_tempdir: Path
 ) -> None:
     before = mesh_workdirs()
     # Everything is at risk.
@@ -63,7 +63,7 @@ def test_mesh_relays_end_to_end_and_leaves_nothing_behind(
     assert mesh_workdirs() == before
 
 
-def test_a_child_dying_during_start_up_stops_everything() -> None:
+def test_a_child_dying_during_start_up_stops_everything(private_tempdir: Path) -> None:
     before = mesh_workdirs()
     mesh = LocalMesh(MeshSpec(rankers=2, ranker_args=("--hbm-budget-mb", "-1")))
     with pytest.raises(RuntimeError, match="ranker-0 exited") as err:

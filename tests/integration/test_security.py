@@ -205,7 +205,7 @@ async def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
 
 
 def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
-    tmp_path: Path, rng: np.random.Generator
+    tmp_path: Path, rng: np.random.Generator, private_tempdir: Path
 ) -> None:
     """`relaygr up --tls`: a throwaway CA, etcd and every service process on mutual TLS; the
     relay runs end to end; plaintext callers are refused; the CA's files go with the mesh."""
