@@ -3,7 +3,7 @@
 import enum
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -13,6 +13,8 @@ class Reason(enum.StrEnum):
     HASH = "hash"  # the user's plain rendezvous owner
     SPILLED = "spilled"  # the owner was over the load bound; a later instance in the order took it
     DIRECTORY = "directory"  # the directory records where the user's cache lives
+    PREFERRED = "preferred"  # the sender (the trigger) found relay room there
+    ROOM = "room"  # the instances before it in the order have no relay room, as far as known
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,25 @@ def place(
     fits = [inst for inst in order if loads.get(inst, 0.0) + 1 <= bound]
     chosen = fits[0] if fits else min(order, key=lambda inst: loads.get(inst, 0.0))
     return _placement(chosen, Reason.HASH if chosen == owner else Reason.SPILLED, order, owner)
+
+
+def with_room(placement: Placement, preferred: str, full: Container[str]) -> Placement:
+    """The placement of a relay that should land where there is room.
+
+    `preferred` (empty: none), when it is in the order, goes first: the sender found room
+    there. The instances in `full` move to the end of the order, still tried last (rankers have
+    the final word on room). The owner and, unless the first instance changed, the reason stay.
+    """
+    order = list(placement.order)
+    first = [inst for inst in order if inst not in full] + [inst for inst in order if inst in full]
+    if preferred in order:
+        first.remove(preferred)
+        first.insert(0, preferred)
+    if first[0] == placement.instance:
+        reason = placement.reason
+    else:
+        reason = Reason.PREFERRED if first[0] == preferred else Reason.ROOM
+    return Placement(first[0], reason, tuple(first), placement.owner)
 
 
 def route_rank(user: str, instances: Iterable[str], directory: Mapping[str, str]) -> list[str]:

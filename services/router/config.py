@@ -39,6 +39,20 @@ class RouterConfig(ServiceOptions):
             " the Rank twice"
         ),
     )
+    observe_interval_ms: int = field(
+        default=1000,
+        metadata=helped(
+            "how often rankers' relay room is read (Describe), so PreInfers skip full rankers"
+            " (0: never; only refusals are learnt from)"
+        ),
+    )
+    refusal_cooldown_ms: int = field(
+        default=1000,
+        metadata=helped(
+            "a ranker that refused a PreInfer for room is tried last until it reports room"
+            " again, or this long"
+        ),
+    )
     placement: PlacementMode = field(
         default=PlacementMode.AFFINITY, metadata=helped("affinity, or random for ablation")
     )
@@ -53,8 +67,16 @@ class RouterConfig(ServiceOptions):
             object.__setattr__(self, "placement", PlacementMode(self.placement))
         except ValueError as err:
             raise ConfigError(f"router placement must be one of {list(PlacementMode)}") from err
-        positive = ("load_epsilon", "load_floor", "relay_window_ms", "max_tokens", "max_candidates")
+        positive = (
+            "load_epsilon", "load_floor", "relay_window_ms", "refusal_cooldown_ms", "max_tokens",
+            "max_candidates",
+        )  # fmt: skip
         require_positive(self, positive, "router")
+        if self.observe_interval_ms < 0:
+            raise ConfigError(
+                "router observe_interval_ms must be >= 0 (0: never), got "
+                f"{self.observe_interval_ms}"
+            )
         if self.rank_hedge_ms < 0:
             raise ConfigError(
                 f"router rank_hedge_ms must be >= 0 (0: never), got {self.rank_hedge_ms}"
@@ -69,4 +91,5 @@ class RouterConfig(ServiceOptions):
             relay_window_s=self.relay_window_ms / 1e3,
             rank_hedge_s=self.rank_hedge_ms / 1e3 or None,
             random_placement=self.placement is PlacementMode.RANDOM,
+            refusal_s=self.refusal_cooldown_ms / 1e3,
         )

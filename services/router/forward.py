@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 
 from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
 from relaygr.errors import Unavailable
-from relaygr.placement import Placement, Reason, directory_write, place, route_rank, shuffled
+from relaygr.placement import (
+    Placement,
+    Reason,
+    directory_write,
+    place,
+    route_rank,
+    shuffled,
+    with_room,
+)
+from relaygr.room import RelayRoom
 from services.router.load import WindowedLoad
 
 _log = logging.getLogger("services.router")
@@ -95,6 +104,18 @@ class ForwardSettings:
     relay_window_s: float
     rank_hedge_s: float | None = None
     random_placement: bool = False
+    # With a relay room view: a ranker that refused a PreInfer for room is tried last until it
+    # reports room again, or this long.
+    refusal_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RelayHint:
+    """What a PreInfer says about where it should land: the ranker the sender found room on
+    (`preferred`, empty: none) and its prefix tokens (what it would pin, per token)."""
+
+    preferred: str = ""
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +134,7 @@ class Route:
     reason: Reason | RankRoute | None
     placement: Placement | None = None
     known: tuple[str, float] | None = None
+    tokens: int = 0  # a PreInfer's prefix tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +168,8 @@ class RouterStats:
     `forwarded`: every answered call to a ranker by (method, status), failed-over ones included.
     `directory_writes`, `directory_write_failures`: placements written to the directory, and
     those lost to an unreachable store.
+    `refused_then_spilled`: PreInfers served by a ranker after an earlier one of their route
+    refused them for room (a round trip the room view exists to avoid).
     """
 
     placed: Counter[Reason] = field(default_factory=Counter)
@@ -156,6 +180,7 @@ class RouterStats:
     forwarded: Counter[tuple[Method, Status]] = field(default_factory=Counter)
     directory_writes: int = 0
     directory_write_failures: int = 0
+    refused_then_spilled: int = 0
 
 
 class Forwarder:
@@ -168,6 +193,11 @@ class Forwarder:
     `directory_write`), so store writes follow spill-overs and membership changes, not the
     request rate. The load of a ranker is the PreInfers this forwarder placed on it within the
     relay window (`load`).
+
+    With a relay `room` view (filled by a `relaygr.room_poll.RoomPoller` on the same clock), a
+    PreInfer goes first to its live `preferred` ranker, else to the first of its order with
+    room, trying those the view says are full last; a ranker's refusal for room marks it full,
+    and a served PreInfer is booked there until an observation covers it.
     """
 
     def __init__(
@@ -178,11 +208,13 @@ class Forwarder:
         connect: Connect,
         clock: Callable[[], float] = time.time,
         draw: Callable[[int], int] | None = None,
+        room: RelayRoom | None = None,
     ) -> None:
-        """`clock`: wall-clock seconds (directory expiry, load window). `draw` (an int in
-        [0, n) per call; default a fresh `random.Random`) orders rankers under random
-        placement."""
+        """`clock`: wall-clock seconds (directory expiry, load window, `room`). `draw` (an int
+        in [0, n) per call; default a fresh `random.Random`) orders rankers under random
+        placement. `room` (None: none) is the relay room view PreInfers are placed by."""
         self.settings = settings
+        self.room = room
         self._membership = membership
         self._directory = directory
         self._connect = connect
@@ -197,9 +229,10 @@ class Forwarder:
         user: str,
         request: bytes,
         time_remaining: Callable[[], float | None] = lambda: None,
+        hint: RelayHint | None = None,
     ) -> Served | Refused:
         """Route, forward and settle one request (what the servicer does around its span)."""
-        route = self.route(method, user)
+        route = self.route(method, user, hint)
         if isinstance(route, Refused):
             return route
         outcome = await self.forward(route, request, time_remaining)
@@ -207,9 +240,10 @@ class Forwarder:
             await self.settle(route, outcome)
         return outcome
 
-    def route(self, method: Method, user: str) -> Route | Refused:
+    def route(self, method: Method, user: str, hint: RelayHint | None = None) -> Route | Refused:
         """The rankers to try for `user`'s request, in order; a PreInfer with no live ranker to
-        place it on is refused at once (an empty route is refused by `forward`)."""
+        place it on is refused at once (an empty route is refused by `forward`). `hint`: what a
+        PreInfer says of where it should land."""
         view = self._membership.view()
         if self.settings.random_placement:
             return Route(method, user, tuple(shuffled(view, self._draw)), view, None)
@@ -220,13 +254,25 @@ class Forwarder:
             self.stats.rank_routes[reason] += 1
             return Route(method, user, tuple(order), view, reason)
         entry = self._directory.entry(user)
-        hint = {} if entry is None else {user: entry.instance_id}
+        recorded = {} if entry is None else {user: entry.instance_id}
         s = self.settings
-        placement = place(user, view, self.load.loads(), s.load_epsilon, hint, s.load_floor)
+        placement = place(user, view, self.load.loads(), s.load_epsilon, recorded, s.load_floor)
         if placement is None:
             return Refused(Status.UNAVAILABLE, NO_RANKER)
+        hint = hint or RelayHint()
+        room, now = self.room, self._clock()
+        full: set[str] = set()
+        if room is not None:
+            full = {
+                i for i in placement.order
+                if not room.fits(view[i], hint.tokens * view[i].kv_bytes_per_token, now)
+            }  # fmt: skip
+        if full or hint.preferred:
+            placement = with_room(placement, hint.preferred, full)
         known = None if entry is None else (entry.instance_id, entry.expires_at)
-        return Route(method, user, placement.order, view, placement.reason, placement, known)
+        return Route(
+            method, user, placement.order, view, placement.reason, placement, known, hint.tokens
+        )
 
     async def forward(
         self,
@@ -254,8 +300,8 @@ class Forwarder:
                 call = self._connect(route.view[instance].address, route.method)
                 answer = await call(request, time_remaining())
                 if not isinstance(answer, CallFailed):
-                    return self._served(route, answer, instance, attempt)
-                if (refused := self._failed(route.method, answer)) is not None:
+                    return self._served(route, answer, instance, attempt, failures)
+                if (refused := self._failed(route, instance, answer)) is not None:
                     return refused
                 failures.append((instance, answer))
         else:
@@ -275,6 +321,9 @@ class Forwarder:
             return  # a Rank: counted when routed
         self.load.add(served.instance)
         self.stats.placed[route.placement.reason] += 1
+        if self.room is not None:
+            nbytes = route.tokens * route.view[served.instance].kv_bytes_per_token
+            self.room.landed((route.user, route.tokens), served.instance, nbytes, self._clock())
         window_s = self.settings.relay_window_s
         owner = route.placement.owner
         if directory_write(served.instance, owner, route.known, self._clock(), window_s):
@@ -318,8 +367,8 @@ class Forwarder:
                     answer = finished.result()
                     if not isinstance(answer, CallFailed):
                         attempts = len(route.order) - len(waiting)
-                        return self._served(route, answer, instance, attempts)
-                    if (refused := self._failed(route.method, answer)) is not None:
+                        return self._served(route, answer, instance, attempts, failures)
+                    if (refused := self._failed(route, instance, answer)) is not None:
                         return refused
                     failures.append((instance, answer))
                 if not calls and waiting:
@@ -329,19 +378,33 @@ class Forwarder:
                 call.cancel()
         return failures
 
-    def _failed(self, method: Method, failed: CallFailed) -> Refused | None:
-        """Count a ranker's error; the caller's answer unless another ranker may serve."""
-        self.stats.forwarded[method, failed.status] += 1
+    def _failed(self, route: Route, instance: str, failed: CallFailed) -> Refused | None:
+        """Count a ranker's error, and learn from a refusal for room; the caller's answer
+        unless another ranker may serve."""
+        self.stats.forwarded[route.method, failed.status] += 1
+        no_room = route.method is Method.PRE_INFER and failed.status is Status.RESOURCE_EXHAUSTED
+        if no_room and self.room is not None:
+            self.room.refuse(instance, self._clock())
         if failed.status in TRY_NEXT:
             return None
         return Refused(failed.status, failed.details or failed.status.value)
 
-    def _served(self, route: Route, reply: bytes, instance: str, attempts: int) -> Served:
-        """Count a reply from `instance` after `attempts` calls."""
+    def _served(
+        self,
+        route: Route,
+        reply: bytes,
+        instance: str,
+        attempts: int,
+        failures: Sequence[tuple[str, CallFailed]],
+    ) -> Served:
+        """Count a reply from `instance` after `attempts` calls that met `failures`."""
         self.stats.forwarded[route.method, Status.OK] += 1
         fallback = instance != route.order[0]
         if fallback:
             self.stats.failed_over[route.method] += 1
+        refused = any(f.status is Status.RESOURCE_EXHAUSTED for _, f in failures)
+        if route.method is Method.PRE_INFER and refused:
+            self.stats.refused_then_spilled += 1
         return Served(reply, instance, attempts, fallback)
 
     async def _record(self, user: str, instance: str) -> None:

@@ -36,7 +36,9 @@ def register_router_metrics(
             "relaygr_router_placements",
             "Requests routed, by method and why the first ranker tried was chosen (hash: the "
             "user's rendezvous owner; spilled: the owner was over the load bound; directory: "
-            "the directory says where the user's cache lives; random: the placement ablation)",
+            "the directory says where the user's cache lives; preferred: the trigger found "
+            "relay room there; room: the rankers before it have no relay room; random: the "
+            "placement ablation)",
             ["method", "reason"],
             placements,
         )
@@ -51,6 +53,13 @@ def register_router_metrics(
             "Requests served by a ranker after an earlier one could not (fallback: a miss)",
             ["method"],
             {(m.value,): stats.failed_over[m] for m in Method},
+        )
+        yield counter(
+            "relaygr_router_refused_then_spilled",
+            "PreInfers served by a ranker after an earlier one refused them for room (a round"
+            " trip the relay room view avoids)",
+            [],
+            {(): stats.refused_then_spilled},
         )
         yield counter(
             "relaygr_router_hedges",

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
+from relaygr.room import RelayRoom
+from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry, metrics_address
 from services.router.config import ENV_PREFIX, RouterConfig
@@ -35,6 +38,8 @@ class RouterServer:
     pool: RankerPool
     maintenance: asyncio.Task[None]
     metrics_server: MetricsServer | None = None
+    poller: RoomPoller | None = None  # reads rankers' relay room (None: observe_interval_ms 0)
+    observe: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -56,7 +61,7 @@ class RouterServer:
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
-        await cancel_and_wait(self.maintenance)
+        await cancel_and_wait(self.maintenance, self.observe)
         await self.mesh.close()
         await self.pool.close()
 
@@ -77,7 +82,11 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     pool = RankerPool(options.channel_args()[:2], cfg, telemetry.client_interceptors())
     settings = cfg.forward_settings()
     limits = RequestLimits(cfg.max_tokens, cfg.max_candidates)
-    servicer = RouterServicer(cluster, cluster, pool, settings, limits, telemetry.tracer)
+    clock = time.time  # the forwarder's: directory expiry, load window, relay room
+    room = RelayRoom(settings.relay_window_s, settings.refusal_s)
+    servicer = RouterServicer(
+        cluster, cluster, pool, settings, limits, telemetry.tracer, clock, room=room
+    )
     register_router_metrics(telemetry.registry, servicer, cluster.view, lambda: mesh.etcd.connected)
     if settings.random_placement:
         _log.warning("placement is RANDOM: PreInfer and Rank ignore affinity (ablation only)")
@@ -94,7 +103,14 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     _log.info("router serving on port %d, %d rankers in view", server.port, len(cluster.view()))
     window_s = cfg.relay_window_ms / 1e3
     maintenance = asyncio.create_task(_maintain(cluster, pool, window_s), name="router-maintenance")
-    return RouterServer(server, servicer, mesh, pool, maintenance, metrics_server)
+    poller = observe = None
+    if cfg.observe_interval_ms:
+        poller = RoomPoller(
+            room, pool, cluster.view, cfg.observe_interval_ms / 1e3, clock,
+            telemetry.tracer, "router.observe",
+        )  # fmt: skip
+        observe = asyncio.create_task(poller.run(), name="router-observe")
+    return RouterServer(server, servicer, mesh, pool, maintenance, metrics_server, poller, observe)
 
 
 async def _maintain(cluster: EtcdMembershipDirectory, pool: RankerPool, window_s: float) -> None:

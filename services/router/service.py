@@ -17,6 +17,7 @@ from opentelemetry.trace import Tracer
 from relaygr.cluster import Directory, Membership
 from relaygr.errors import InvalidInput, ResourceExhausted, Unavailable
 from relaygr.pool import RankerPool
+from relaygr.room import RelayRoom
 from relaygr.tracing import Attributes, annotate, child_span
 from relaygr.v1 import router_pb2
 from services.router.forward import (
@@ -27,11 +28,12 @@ from services.router.forward import (
     Method,
     RankerCall,
     Refused,
+    RelayHint,
     Route,
     RouterStats,
     Status,
 )
-from services.router.limits import RequestLimits, check_limits
+from services.router.limits import RequestLimits, check_limits, packed_count
 from services.router.load import WindowedLoad
 
 SERVICE_NAME = "relaygr.v1.RouterService"
@@ -58,10 +60,14 @@ class RouterServicer:
         tracer: Tracer | None = None,
         clock: Callable[[], float] = time.time,
         draw: Callable[[int], int] | None = None,
+        room: RelayRoom | None = None,
     ) -> None:
         """`limits` (None: none) bound a request's tokens and candidates before it is forwarded.
-        `tracer` (None: off) traces each routing decision. `clock` and `draw`: see `Forwarder`."""
-        self.forwarder = Forwarder(settings, membership, directory, ranker_calls(pool), clock, draw)
+        `tracer` (None: off) traces each routing decision. `clock`, `draw` and `room`: see
+        `Forwarder`."""
+        self.forwarder = Forwarder(
+            settings, membership, directory, ranker_calls(pool), clock, draw, room
+        )
         self._limits = limits
         self._tracer = tracer
 
@@ -92,8 +98,9 @@ class RouterServicer:
     async def _route(
         self, method: Method, request: bytes, context: grpc.aio.ServicerContext
     ) -> bytes:
-        user = _user_id(request, _KIND[method], self._limits)
-        route = self.forwarder.route(method, user)
+        key = _routing_key(request, _KIND[method], self._limits)
+        hint = _hint(key) if method is Method.PRE_INFER else None
+        route = self.forwarder.route(method, key.user_id, hint)
         if isinstance(route, Refused):
             await _refuse(route, context)
         with child_span(self._tracer, "router.route", _decision(route)):
@@ -140,6 +147,7 @@ def _decision(route: Route) -> Attributes:
     }
     if route.placement is not None:
         decision["relaygr.placement.owner"] = route.placement.owner
+        decision["relaygr.placement.first"] = route.placement.instance
     return decision
 
 
@@ -153,9 +161,15 @@ async def _refuse(refused: Refused, context: grpc.aio.ServicerContext) -> NoRetu
     raise AssertionError("context.abort returned")  # it raises AbortError
 
 
-def _user_id(request: bytes, kind: str, limits: RequestLimits | None) -> str:
-    """The user id of a serialized PreInferRequest or RankRequest (field 2 of both), once the
-    request is known to be within `limits`."""
+def _hint(key: router_pb2.RoutingKey) -> RelayHint:
+    """Where a PreInfer (parsed as a RoutingKey) should land, and its prefix tokens."""
+    tokens = packed_count(key.user_features) + packed_count(key.long_term.item_ids)
+    return RelayHint(key.preferred_instance, tokens)
+
+
+def _routing_key(request: bytes, kind: str, limits: RequestLimits | None) -> router_pb2.RoutingKey:
+    """A serialized PreInferRequest or RankRequest parsed as a RoutingKey (the user id is field
+    2 of both), once the request is known to be within `limits`."""
     key = router_pb2.RoutingKey()
     try:
         key.ParseFromString(request)
@@ -163,4 +177,4 @@ def _user_id(request: bytes, kind: str, limits: RequestLimits | None) -> str:
         raise InvalidInput(f"request is not a valid {kind}: {err}") from err
     if limits is not None:
         check_limits(key, limits)
-    return key.user_id
+    return key

@@ -30,26 +30,50 @@ class TriggerConfig(ServiceOptions):
     margin_ms: float = field(
         default=5.0, metadata=helped("at risk when predicted full inference > slo_ms - margin_ms")
     )
+    expected_gap_ms: float = field(
+        default=1000.0,
+        metadata=helped(
+            "expected time from retrieval to the Rank, ms: a relay is admitted only where its"
+            " prefill, queued behind the ranker's, ends margin_ms before it (LOAD_LIMIT), and"
+            " its PreInfer tells the ranker when the Rank is due"
+        ),
+    )
     prefill_share: float = field(
-        default=0.5, metadata=helped("share of each ranker's compute time relays may take, 0..1")
+        default=0.5,
+        metadata=helped(
+            "deprecated, ignored: load is now checked against rankers' queued prefill"
+            " (expected_gap_ms)"
+        ),
     )
     burst_s: float = field(
-        default=2.0, metadata=helped("prefill budget a ranker may receive at once, in seconds")
+        default=2.0,
+        metadata=helped(
+            "deprecated, ignored: load is now checked against rankers' queued prefill"
+            " (expected_gap_ms)"
+        ),
     )
     relay_budget_share: float = field(
-        default=0.9, metadata=helped("share of each ranker's HBM budget relays may pin, 0..1")
+        default=0.9,
+        metadata=helped(
+            "share of each ranker's relay budget (its device tier, as it reports) this trigger"
+            " fills, 0..1: headroom for relays other senders have in flight"
+        ),
     )
     relay_window_ms: int = field(
         default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank")
     )
     refusal_cooldown_ms: int = field(
-        default=1000, metadata=helped("no relays to a ranker this long after it refused one")
+        default=1000,
+        metadata=helped(
+            "a ranker that refused a relay gets none until it reports room again, or this long"
+        ),
     )
     # Dispatch and observation.
     dispatch_queue: int = field(default=256, metadata=helped("admitted PreInfers waiting to send"))
     dispatch_concurrency: int = field(default=8, metadata=helped("PreInfers in flight at once"))
     observe_interval_ms: int = field(
-        default=1000, metadata=helped("how often rankers' pinned bytes are read (Describe)")
+        default=1000,
+        metadata=helped("how often rankers' relay room and queued prefill are read (Describe)"),
     )
     # Input limits, enforced before anything else.
     max_long_term: int = field(default=65536, metadata=helped("most long-term behaviours"))
@@ -65,8 +89,8 @@ class TriggerConfig(ServiceOptions):
         require_positive(
             self,
             (
-                "slo_ms", "prefill_share", "burst_s", "relay_budget_share", "relay_window_ms",
-                "refusal_cooldown_ms", "dispatch_queue", "dispatch_concurrency",
+                "slo_ms", "expected_gap_ms", "prefill_share", "burst_s", "relay_budget_share",
+                "relay_window_ms", "refusal_cooldown_ms", "dispatch_queue", "dispatch_concurrency",
                 "observe_interval_ms", "max_long_term", "max_short_term", "max_candidates",
                 "max_user_features",
             ),
@@ -86,6 +110,6 @@ class TriggerConfig(ServiceOptions):
 
 # What the live config key (`{etcd_prefix}/config/trigger`, a JSON object) may change.
 LIVE_FIELDS = (
-    "mode", "slo_ms", "margin_ms", "prefill_share", "burst_s", "relay_budget_share",
-    "relay_window_ms", "refusal_cooldown_ms",
+    "mode", "slo_ms", "margin_ms", "expected_gap_ms", "prefill_share", "burst_s",
+    "relay_budget_share", "relay_window_ms", "refusal_cooldown_ms",
 )  # fmt: skip

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,18 +29,25 @@ class Job:
     # The deciding request's trace context: the PreInfer is sent in it, so the relay's trace
     # continues from the decision (None: tracing off).
     trace_context: Context | None = None
+    preferred_instance: str = ""  # where the trigger found room ("": the router's own order)
+    rank_due_at: float | None = None  # when the Rank is expected, on the dispatcher's clock
 
     @property
     def user_id(self) -> str:
         return self.event.user_id
 
-    def pre_infer(self) -> common_pb2.PreInferRequest:
+    def pre_infer(self, now: float) -> common_pb2.PreInferRequest:
+        """The PreInfer as sent at `now`: the Rank is expected the rest of the gap later (at
+        least 1 ms: 0 would mean no expectation)."""
         e = self.event
+        due_in_ms = 0 if self.rank_due_at is None else max(1, round((self.rank_due_at - now) * 1e3))
         request = common_pb2.PreInferRequest(
             request_id=e.request_id,
             user_id=e.user_id,
             relay_window_ms=self.relay_window_ms,
             request_ts=e.request_ts,
+            rank_expected_in_ms=due_in_ms,
+            preferred_instance=self.preferred_instance,
         )
         request.user_features.extend(e.user_features)
         request.long_term.CopyFrom(e.long_term)
@@ -77,8 +85,16 @@ class Dispatcher:
     `stats` tallies failures by status and cancellations.
     """
 
-    def __init__(self, send: Send, capacity: int, concurrency: int) -> None:
+    def __init__(
+        self,
+        send: Send,
+        capacity: int,
+        concurrency: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: the one jobs' `rank_due_at` is on."""
         self._send = send
+        self._clock = clock
         self._on_outcome: Outcome = lambda *_: None
         self._queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=capacity)
         self._concurrency = concurrency
@@ -132,7 +148,9 @@ class Dispatcher:
             self._in_flight += 1
             try:
                 with attached(job.trace_context):
-                    reply = await self._send(job.pre_infer(), job.relay_window_ms / 1e3)
+                    reply = await self._send(
+                        job.pre_infer(self._clock()), job.relay_window_ms / 1e3
+                    )
             except asyncio.CancelledError:
                 self.stats.cancelled += 1
                 raise

@@ -47,6 +47,12 @@ def register_trigger_metrics(
             outcomes,
         )
         yield counter(
+            "relaygr_trigger_relays_landed_elsewhere",
+            "Relays the router placed on another ranker than the one the trigger found room on",
+            [],
+            {(): stats.landed_elsewhere},
+        )
+        yield counter(
             "relaygr_trigger_dispatch_failures",
             "PreInfers the router answered with an error, by status code",
             ["code"],

@@ -3,13 +3,10 @@
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf.message import DecodeError
-from opentelemetry.trace import Tracer
 
 from relaygr.aio import cancel_and_wait
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
@@ -18,11 +15,11 @@ from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
+from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry, metrics_address
 from relaygr.tls import open_channel
-from relaygr.tracing import root_span
-from relaygr.v1 import common_pb2, ranker_pb2, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from services.trigger.config import ENV_PREFIX, TriggerConfig
 from services.trigger.dispatch import Dispatcher
 from services.trigger.live_config import LiveConfig, live_config_key
@@ -123,9 +120,11 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     await cluster.start()
     watch = await mesh.etcd.watch_prefix(live.key, live.on_event)
     dispatcher.start(servicer.on_outcome)
-    observe = asyncio.create_task(
-        _observe(cfg, policy, cluster, pool, telemetry.tracer), name="trigger-observe"
-    )
+    poller = RoomPoller(
+        policy.room, pool, cluster.view, cfg.observe_interval_ms / 1e3,
+        tracer=telemetry.tracer, span_name="trigger.observe",
+    )  # fmt: skip
+    observe = asyncio.create_task(_observe(poller, pool), name="trigger-observe")
     await server.set_serving(True)
     _log.info(
         "trigger serving on port %d, mode %s, %d rankers in view",
@@ -139,39 +138,15 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     )  # fmt: skip
 
 
-async def _observe(
-    cfg: TriggerConfig,
-    policy: AdmissionPolicy,
-    cluster: EtcdMembershipDirectory,
-    pool: RankerPool,
-    tracer: Tracer | None = None,
-) -> None:
-    """Read every ranker's pinned bytes (Describe) each interval; forget what expired or left.
+async def _observe(poller: RoomPoller, pool: RankerPool) -> None:
+    """Read every ranker's relay room (Describe) each interval; close departed rankers' channels.
 
     With tracing on, each round is one trace (`trigger.observe`) holding its Describe calls.
     """
-    interval_s = cfg.observe_interval_ms / 1e3
-
-    async def describe(instance: str, address: str) -> None:
-        sent_at = time.monotonic()
-        try:
-            raw = await pool.call(address, "Describe")(b"", timeout=max(interval_s, 1.0))
-            info = ranker_pb2.RankerInfo.FromString(raw)
-        except grpc.aio.AioRpcError as err:
-            _log.debug("describe %s failed: %s", instance, err.code().name)
-            return
-        except DecodeError as err:
-            _log.warning("describe %s: malformed reply: %s", instance, err)
-            return
-        policy.ledger.observe(instance, info.hbm.pinned_bytes, sent_at)
-
     while True:
-        view = cluster.view()
-        with root_span(tracer, "trigger.observe", {"relaygr.rankers": len(view)}):
-            await asyncio.gather(*(describe(i, r.address) for i, r in view.items()))
-        policy.sweep(time.monotonic(), view)
+        view = await poller.poll_once()
         await pool.retain({r.address for r in view.values()}, grace_s=1.0)
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(poller.interval_s)
 
 
 async def _serve(cfg: TriggerConfig) -> None:

@@ -16,6 +16,7 @@ from relaygr.placement import route_rank
 from relaygr.tracing import child_span, current_context
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import InputLimits, prefix_from_proto
+from services.trigger.config import Mode
 from services.trigger.dispatch import Dispatcher, Failure, Job
 from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason
 
@@ -32,10 +33,12 @@ class TriggerStats:
     """The trigger's tallies: `decisions` answered, by reason (after a dropped dispatch turned
     ADMITTED into LOAD_LIMIT); admitted relays by outcome: `relayed` (resident on a ranker),
     `refused` (no room), `dispatch_failed` (any other error), `dispatch_dropped` (the dispatch
-    queue was full)."""
+    queue was full); `landed_elsewhere`: relayed ones the router placed on another ranker than
+    the one the trigger found room on."""
 
     decisions: Counter[Reason] = field(default_factory=Counter)
     relayed: int = 0
+    landed_elsewhere: int = 0
     refused: int = 0
     dispatch_failed: int = 0
     dispatch_dropped: int = 0
@@ -78,9 +81,10 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
     ) -> trigger_pb2.TriggerDecision:
         event = self._event(request)
         with child_span(self._tracer, "trigger.decide") as span:
-            decision = self.policy.decide(event, self._target(request.user_id), self._clock())
-            if decision.admitted and not self._dispatch(request, decision):
-                self.policy.ledger.fail(request.user_id, decision.digest)
+            now = self._clock()
+            decision = self.policy.decide(event, self._order(request.user_id), now)
+            if decision.admitted and not self._dispatch(request, decision, now):
+                self.policy.failed(request.user_id, decision.digest)
                 self.stats.dispatch_dropped += 1
                 decision = Decision(Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target)
             if span is not None:
@@ -128,34 +132,48 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
             lambda: fingerprint(prefix),
         )
 
-    def _target(self, user_id: str) -> RankerRecord | None:
-        """The ranker the router will most likely send the user's PreInfer to."""
+    def _order(self, user_id: str) -> list[RankerRecord]:
+        """The rankers the router would try for the user's PreInfer, in its order."""
         view = self._membership.view()
         recorded = self._directory.lookup(user_id)
-        order = route_rank(user_id, view, {} if recorded is None else {user_id: recorded})
-        return view[order[0]] if order else None
+        return [
+            view[i]
+            for i in route_rank(user_id, view, {} if recorded is None else {user_id: recorded})
+        ]
 
-    def _dispatch(self, request: trigger_pb2.RetrievalEvent, decision: Decision) -> bool:
-        window_ms = self.policy.cfg.relay_window_ms
-        return self._dispatcher.submit(
-            Job(decision, request, window_ms, current_context(self._tracer))
-        )
+    def _dispatch(
+        self, request: trigger_pb2.RetrievalEvent, decision: Decision, now: float
+    ) -> bool:
+        """Queue the relay; sequence-aware, it asks the router for the ranker with room."""
+        cfg = self.policy.cfg
+        preferred = decision.target if cfg.mode is Mode.SEQUENCE_AWARE else ""
+        due_at = now + cfg.expected_gap_ms / 1e3
+        context = current_context(self._tracer)
+        job = Job(decision, request, cfg.relay_window_ms, context, preferred, due_at)
+        return self._dispatcher.submit(job)
 
     def on_outcome(
         self, job: Job, reply: common_pb2.PreInferReply | None, failure: Failure | None
     ) -> None:
-        """Book a finished dispatch: a relay now resident, refused for room, or failed."""
+        """Book a finished dispatch: a relay now resident, refused for room, or failed.
+
+        A relay that landed elsewhere than the ranker the trigger found room on was refused
+        there (or that ranker was down): it is full until observed otherwise.
+        """
         now = self._clock()
-        ledger = self.policy.ledger
+        policy = self.policy
         if reply is not None:
             self.stats.relayed += 1
-            ledger.settle(job.user_id, job.decision.digest, reply.instance_id, reply.kv_bytes, now)
+            policy.settled(job.user_id, job.decision.digest, reply.instance_id, reply.kv_bytes, now)
+            if job.preferred_instance and reply.instance_id != job.preferred_instance:
+                self.stats.landed_elsewhere += 1
+                policy.room.refuse(job.preferred_instance, now)
         elif failure is not None and _refused_for_room(failure):
             self.stats.refused += 1
-            self.policy.refused(job.decision, job.user_id, now)
+            policy.refused(job.decision, job.user_id, now)
         else:
             self.stats.dispatch_failed += 1
-            ledger.fail(job.user_id, job.decision.digest)
+            policy.failed(job.user_id, job.decision.digest)
 
 
 def fingerprint(prefix: Prefix, tail: int = 64) -> str:

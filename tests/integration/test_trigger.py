@@ -97,12 +97,16 @@ async def test_a_burst_never_overfills_a_ranker(
     """40 long users at once: the trigger stops admitting before any ranker would refuse."""
     model = tiny_model()
     relay_bytes = (LONG + 4) * model.cfg.cache_bytes_per_token
+    # Issue 16 changed what this pins: a full ranker now passes the relay to the next one in the
+    # user's order, so the burst stops when both are full (NO_ROOM, was FOOTPRINT_LIMIT), and
+    # load is prefill queued within the expected gap (was a token bucket).
     if limit == "footprint":  # 3 relays fit 90% of each ranker's device tier
         ranker: dict[str, object] = {"hbm_budget_mb": 3.5 * relay_bytes / 2**20}
         trigger: dict[str, object] = {"relay_budget_share": 0.9}
-        expected = Reason.ADMISSION_REASON_FOOTPRINT_LIMIT
-    else:  # each ranker's bucket holds 20 ms of prefill, ~3 relays of ~8.2 ms
-        ranker, trigger = {"max_queued_prefills": 8}, {"prefill_share": 0.01, "burst_s": 2.0}
+        expected = Reason.ADMISSION_REASON_NO_ROOM
+    else:  # prefill must end within 27 - 1 = 26 ms: 3 relays of ~8.3 ms on each ranker
+        ranker = {"max_queued_prefills": 8}
+        trigger = {"expected_gap_ms": 27.0, "observe_interval_ms": 60_000}  # one observation
         expected = Reason.ADMISSION_REASON_LOAD_LIMIT
 
     async with running_mesh(etcd_server.endpoint, model) as mesh:

@@ -3,9 +3,9 @@
 - the base (`relaygr`, minus the local tooling in `relaygr.local` and the `relaygr` command line)
   never imports a service or the local tooling;
 - a service never imports another service, nor the local tooling;
-- the cores (model, KV store, scheduler, engine, placement, router forwarder, admission policy,
-  cost model) reach no transport and no tracing library, directly or through the project modules
-  they import.
+- the cores (model, KV store, scheduler, engine, placement, relay room, router forwarder,
+  admission policy, cost model) reach no transport and no tracing library, directly or through
+  the project modules they import.
 """
 
 import ast
@@ -27,6 +27,7 @@ CORES = (
     "services.trigger.policy",
     "services.router.forward",
     "relaygr.placement",
+    "relaygr.room",
 )
 FORBIDDEN_IN_CORES = ("grpc", "opentelemetry", "aetcd")
 

@@ -1,17 +1,17 @@
-"""Trigger admission: reasons in order, token-rate budget, relay footprint books, live config."""
+"""Trigger admission: reasons in order, room over the fallback order, queued prefill, live cfg."""
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 
 from relaygr.cluster import RankerRecord
 from relaygr.config import override_config
 from relaygr.errors import ConfigError
+from relaygr.room import RoomReport
 from services.trigger.config import LIVE_FIELDS, Mode, TriggerConfig
-from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason, TokenBucket
+from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason
 
 # A cost model of powers of two, so every prediction below is exact in binary:
 #   full(t, c) = 1 + t/8 + c/8 + t^2/2048 + c*t/256      prefill(t) = 1 + t/8 + t^2/2048
@@ -45,6 +45,11 @@ def ranker(instance_id: str = X, **overrides: Any) -> RankerRecord:
     )
     values.update(overrides)
     return RankerRecord(**values)
+
+
+def seen(pinned: int, budget: int = 10**9, queued_ms: float = 0.0) -> RoomReport:
+    """A ranker's Describe: `budget` is `ranker()`'s unless said otherwise."""
+    return RoomReport(pinned, budget, queued_ms)
 
 
 def config(**overrides: Any) -> TriggerConfig:
@@ -87,7 +92,7 @@ def relay(
     target: RankerRecord | None = None,
 ) -> Decision:
     """Admit a relay (asserting that it is admitted) and return its decision."""
-    decision = policy.decide(event(user, digest=digest), target or ranker(), now)
+    decision = policy.decide(event(user, digest=digest), [target or ranker()], now)
     assert decision.admitted, decision
     return decision
 
@@ -105,15 +110,15 @@ def _in_flight(policy: AdmissionPolicy, target: RankerRecord) -> None:
 
 def _settled(policy: AdmissionPolicy, target: RankerRecord) -> None:
     relay(policy, target=target)
-    policy.ledger.settle("user-0", "digest-a", X, NBYTES, 0.5)
+    policy.settled("user-0", "digest-a", X, NBYTES, 0.5)
 
 
 def _other_user_refused(policy: AdmissionPolicy, target: RankerRecord) -> None:
     policy.refused(relay(policy, "user-1", target=target), "user-1", 0.5)  # until 1.5 > NOW
 
 
-def _bucket_spent(policy: AdmissionPolicy, target: RankerRecord) -> None:
-    relay(policy, "user-1", target=target)  # rate 5/s, capacity 5: 5 - 17.5 + 5 * NOW = -7.5
+def _queue_busy(policy: AdmissionPolicy, target: RankerRecord) -> None:
+    relay(policy, "user-1", target=target)  # 17.5 ms queued: another 17.5 ends past 25 ms
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,7 +134,7 @@ class Case:
     before: Callable[[AdmissionPolicy, RankerRecord], None] = _nothing
 
 
-SPENT = {"prefill_share": 0.005, "burst_s": 1.0}  # 5 ms of prefill per second, 5 ms at once
+BUSY = {"expected_gap_ms": 30.0}  # a prefill must end within 30 - 5 = 25 ms: room for one
 SMALL_HBM = {"hbm_budget_bytes": 100_000}  # relay budget 90,000 < NBYTES
 
 CASES = [
@@ -144,7 +149,7 @@ CASES = [
     Case("same-digest-settled", Reason.ALREADY_CACHED, before=_settled),
     Case("new-digest-same-user", Reason.ADMITTED, digest="digest-b", before=_settled),
     Case("new-digest-while-in-flight", Reason.ADMITTED, digest="digest-b", before=_in_flight),
-    Case("dedup-before-load", Reason.IN_FLIGHT, cfg=SPENT, before=_in_flight),
+    Case("dedup-before-load", Reason.IN_FLIGHT, cfg=BUSY, before=_in_flight),
     Case(
         "dedup-before-footprint",  # a second relay of 96,000 would not fit 100,000
         Reason.IN_FLIGHT,
@@ -153,19 +158,19 @@ CASES = [
         before=_in_flight,
     ),
     Case("over-relay-budget", Reason.FOOTPRINT_LIMIT, target=SMALL_HBM),
-    Case("target-refused-recently", Reason.FOOTPRINT_LIMIT, before=_other_user_refused),
-    Case("bucket-spent", Reason.LOAD_LIMIT, cfg=SPENT, before=_bucket_spent),
+    Case("target-refused-recently", Reason.NO_ROOM, before=_other_user_refused),
+    Case("queue-busy", Reason.LOAD_LIMIT, cfg=BUSY, before=_queue_busy),
     Case(
         "footprint-before-load",
         Reason.FOOTPRINT_LIMIT,
-        cfg=SPENT,
-        before=lambda p, t: _bucket_spent(p, ranker()),
+        cfg=BUSY,
+        before=lambda p, t: _queue_busy(p, ranker()),
         target=SMALL_HBM,
     ),
     Case("all-not-at-risk", Reason.ADMITTED, mode=Mode.ALL, candidates=SAFE),
     Case("all-over-relay-budget", Reason.ADMITTED, mode=Mode.ALL, target=SMALL_HBM),
     Case("all-after-refusal", Reason.ADMITTED, mode=Mode.ALL, before=_other_user_refused),
-    Case("all-tiny-budget", Reason.ADMITTED, mode=Mode.ALL, cfg=SPENT, before=_bucket_spent),
+    Case("all-queue-busy", Reason.ADMITTED, mode=Mode.ALL, cfg=BUSY, before=_queue_busy),
     Case("all-in-flight", Reason.IN_FLIGHT, mode=Mode.ALL, before=_in_flight),
     Case("all-settled", Reason.ALREADY_CACHED, mode=Mode.ALL, before=_settled),
     Case("all-new-digest", Reason.ADMITTED, mode=Mode.ALL, digest="digest-b", before=_settled),
@@ -181,7 +186,7 @@ def test_admission_reason(case: Case) -> None:
     policy.reconfigure(config(**case.cfg, mode=case.mode))
     digest = Digest(case.digest)
     ev = event(digest=digest, candidates=case.candidates)
-    decision = policy.decide(ev, target if case.has_target else None, NOW)
+    decision = policy.decide(ev, [target] if case.has_target else [], NOW)
 
     predicted = PREDICTED[case.candidates]
     if case.reason in (Reason.RELAY_DISABLED, Reason.NO_RANKER):
@@ -198,20 +203,20 @@ def test_admission_reason(case: Case) -> None:
 
 def test_at_risk_boundary_is_exact_both_sides() -> None:
     policy = AdmissionPolicy(config())
-    assert policy.decide(event("a", candidates=SAFE), ranker(), NOW).reason is Reason.NOT_AT_RISK
-    assert policy.decide(event("b", candidates=AT_RISK), ranker(), NOW) == admitted()
+    assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW).reason is Reason.NOT_AT_RISK
+    assert policy.decide(event("b", candidates=AT_RISK), [ranker()], NOW) == admitted()
     # The same 45.625 prediction against a threshold moved by the margin, either side of it.
     policy.reconfigure(config(margin_ms=4.375))  # 50 - 4.375 = 45.625: within, not at risk
-    decision = policy.decide(event("c"), ranker(), NOW)
+    decision = policy.decide(event("c"), [ranker()], NOW)
     assert decision == Decision(Reason.NOT_AT_RISK, 45.625, X)
     policy.reconfigure(config(margin_ms=4.5))  # 45.5 < 45.625
-    assert policy.decide(event("c"), ranker(), NOW).admitted
+    assert policy.decide(event("c"), [ranker()], NOW).admitted
 
 
 def test_prediction_uses_prefix_plus_short_term_and_prefill_only_the_prefix() -> None:
     # history 100 + 28 = 128 tokens as before; prefill and bytes follow the 100 prefix tokens.
     ev = event(prefix=100, short_term=28)
-    decision = AdmissionPolicy(config()).decide(ev, ranker(kv_bytes_per_token=3), NOW)
+    decision = AdmissionPolicy(config()).decide(ev, [ranker(kv_bytes_per_token=3)], NOW)
     prefill = 1 + 100 / 8 + 100 * 100 / 2048
     assert decision == Decision(Reason.ADMITTED, 45.625, X, 300, prefill, "digest-a")
 
@@ -219,28 +224,28 @@ def test_prediction_uses_prefix_plus_short_term_and_prefill_only_the_prefix() ->
 def test_already_cached_until_settle_plus_window_then_admitted_again() -> None:
     policy = AdmissionPolicy(config())  # window 2 s
     relay(policy, now=0.0)
-    assert policy.decide(event(), ranker(), 1.9).reason is Reason.IN_FLIGHT
-    policy.ledger.settle("user-0", "digest-a", X, NBYTES, 1.0)  # resident until 3.0
-    assert policy.decide(event(), ranker(), 2.999).reason is Reason.ALREADY_CACHED
-    assert policy.decide(event(), ranker(), 3.0) == admitted()
+    assert policy.decide(event(), [ranker()], 1.9).reason is Reason.IN_FLIGHT
+    policy.settled("user-0", "digest-a", X, NBYTES, 1.0)  # resident until 3.0
+    assert policy.decide(event(), [ranker()], 2.999).reason is Reason.ALREADY_CACHED
+    assert policy.decide(event(), [ranker()], 3.0) == admitted()
 
 
 def test_in_flight_relay_that_never_settles_lapses_after_one_window() -> None:
     policy = AdmissionPolicy(config())
     relay(policy, now=0.0)
-    assert policy.decide(event(), ranker(), 1.999).reason is Reason.IN_FLIGHT
-    assert policy.decide(event(), ranker(), 2.0).admitted
+    assert policy.decide(event(), [ranker()], 1.999).reason is Reason.IN_FLIGHT
+    assert policy.decide(event(), [ranker()], 2.0).admitted
 
 
 @pytest.mark.parametrize(
-    ("pinned", "reason"), [(104_000, Reason.ADMITTED), (104_001, Reason.FOOTPRINT_LIMIT)]
+    ("pinned", "reason"), [(104_000, Reason.ADMITTED), (104_001, Reason.NO_ROOM)]
 )
 def test_footprint_boundary_is_exact(pinned: int, reason: Reason) -> None:
     # relay budget 400,000 * 0.5 = 200,000 = observed 104,000 + 96,000 exactly
     policy = AdmissionPolicy(config(relay_budget_share=0.5))
     target = ranker(hbm_budget_bytes=400_000)
-    policy.ledger.observe(X, pinned, NOW)
-    decision = policy.decide(event(), target, NOW)
+    policy.room.observe(X, seen(pinned, budget=400_000), NOW)
+    decision = policy.decide(event(), [target], NOW)
     assert decision.reason is reason
     assert decision.kv_bytes == NBYTES and decision.digest == "digest-a"
 
@@ -250,139 +255,45 @@ def test_footprint_counts_this_triggers_relays_on_the_same_target_only() -> None
     target = ranker(hbm_budget_bytes=400_000)  # 200,000: room for two relays of 96,000
     relay(policy, "a", target=target)
     relay(policy, "b", target=target)
-    assert policy.decide(event("c"), target, 0.0).reason is Reason.FOOTPRINT_LIMIT
+    assert policy.decide(event("c"), [target], 0.0).reason is Reason.NO_ROOM
     other = ranker("ranker-1", hbm_budget_bytes=400_000)
-    assert policy.decide(event("c"), other, 0.0).admitted
+    assert policy.decide(event("c"), [other], 0.0).admitted
 
 
 def test_refusal_blocks_the_target_until_the_cooldown_passes() -> None:
     policy = AdmissionPolicy(config(refusal_cooldown_ms=1000))
     decision = relay(policy, "a", now=10.0)
     policy.refused(decision, "a", 10.0)  # refused until 11.0
-    assert policy.ledger.held(X, 10.0) == 0  # the refused relay holds nothing
-    assert policy.decide(event("a"), ranker(), 10.0).reason is Reason.FOOTPRINT_LIMIT  # no dedup
-    assert policy.decide(event("b"), ranker(), 10.999).reason is Reason.FOOTPRINT_LIMIT
-    assert policy.decide(event("c", candidates=SAFE), ranker(), 10.5).reason is (Reason.NOT_AT_RISK)
-    assert policy.decide(event("d"), ranker("ranker-1"), 10.5).admitted  # other targets are fine
-    assert policy.decide(event("b"), ranker(), 11.0).admitted
+    assert policy.room.held(X, 10.0) == 0  # the refused relay holds nothing
+    assert policy.decide(event("a"), [ranker()], 10.0).reason is Reason.NO_ROOM
+    assert policy.decide(event("b"), [ranker()], 10.999).reason is Reason.NO_ROOM
+    assert policy.decide(event("c", candidates=SAFE), [ranker()], 10.5).reason is (
+        Reason.NOT_AT_RISK
+    )
+    assert policy.decide(event("d"), [ranker("ranker-1")], 10.5).admitted  # other targets are fine
+    assert policy.decide(event("b"), [ranker()], 11.0).admitted
 
 
 def test_an_observation_clears_a_refusal() -> None:
     policy = AdmissionPolicy(config(refusal_cooldown_ms=1000))
     policy.refused(relay(policy, "a", now=10.0), "a", 10.0)
-    assert policy.decide(event("b"), ranker(), 10.2).reason is Reason.FOOTPRINT_LIMIT
-    policy.ledger.observe(X, 0, 10.3)
-    assert policy.decide(event("b"), ranker(), 10.4).admitted
+    assert policy.decide(event("b"), [ranker()], 10.2).reason is Reason.NO_ROOM
+    policy.room.observe(X, seen(0), 10.3)
+    assert policy.decide(event("b"), [ranker()], 10.4).admitted
 
 
 def test_an_observation_sent_before_the_refusal_does_not_clear_it() -> None:
     policy = AdmissionPolicy(config(refusal_cooldown_ms=1000))
     policy.refused(relay(policy, "a", now=10.0), "a", 10.0)
-    policy.ledger.observe(X, 0, 9.9)  # a Describe already in flight when the ranker refused
-    assert policy.decide(event("b"), ranker(), 10.4).reason is Reason.FOOTPRINT_LIMIT
+    policy.room.observe(X, seen(0), 9.9)  # a Describe already in flight when the ranker refused
+    assert policy.decide(event("b"), [ranker()], 10.4).reason is Reason.NO_ROOM
 
 
 def test_a_late_answer_to_an_older_observation_is_ignored() -> None:
-    ledger = AdmissionPolicy(config()).ledger
-    ledger.observe(X, 7000, 2.0)
-    ledger.observe(X, 5000, 1.0)
-    assert ledger.held(X, 2.5) == 7000
-
-
-def test_sweep_forgets_the_buckets_of_departed_rankers() -> None:
-    policy = AdmissionPolicy(config(prefill_share=0.01, burst_s=1.0))
-    relay(policy, "a", now=0.0)  # spends ranker-0's bucket
-    assert policy.decide(event("b"), ranker(), 0.0).reason is Reason.LOAD_LIMIT
-    policy.sweep(0.0, {})
-    assert policy.decide(event("b"), ranker(), 0.0).admitted  # a ranker that returns starts full
-
-
-def test_load_limit_until_the_bucket_refills_per_target() -> None:
-    policy = AdmissionPolicy(config(prefill_share=0.01, burst_s=1.0))  # 10 ms/s, 10 ms at once
-    relay(policy, "a", now=0.0)  # a full bucket admits one prefill larger than it: 10 - 17.5
-    assert policy.decide(event("b"), ranker(), 0.0).reason is Reason.LOAD_LIMIT
-    assert policy.decide(event("b"), ranker(), 0.75).reason is Reason.LOAD_LIMIT  # level 0.0
-    assert policy.decide(event("c"), ranker("ranker-1"), 0.75).admitted  # its own bucket
-    assert policy.decide(event("b"), ranker(), 1.0).admitted  # level 2.5 > 0
-
-
-# -- token-rate budget ---------------------------------------------------------------------
-
-
-def assert_within_budget(
-    times: Sequence[float], amounts: Sequence[float], rate: float, capacity: float
-) -> None:
-    """Over every [t_i, t_j] the amounts taken sum to <= capacity + rate*T + their largest."""
-    t, p = np.asarray(times), np.asarray(amounts)
-    assert np.all(np.diff(t) >= 0)
-    sums = np.concatenate(([0.0], np.cumsum(p)))
-    for i in range(len(p)):
-        taken = sums[i + 1 :] - sums[i]
-        allowed = capacity + rate * (t[i:] - t[i]) + np.maximum.accumulate(p[i:])
-        worst = int(np.argmax(taken - allowed))
-        assert taken[worst] <= allowed[worst] + 1e-6, (t[i], t[i + worst])
-
-
-def test_token_bucket_takes_while_positive_and_refills_up_to_capacity() -> None:
-    bucket = TokenBucket(rate=100.0, capacity=100.0, now=0.0)
-    assert bucket.level(0.0) == 100.0
-    assert bucket.take(250.0, 0.0)  # larger than the capacity, yet taken from a full bucket
-    assert bucket.level(0.0) == -150.0
-    assert not bucket.take(1.0, 1.5)  # level exactly 0.0
-    assert bucket.level(1.5) == 0.0  # a refused take takes nothing
-    assert bucket.take(1.0, 1.75)  # 25.0 > 0
-    assert bucket.level(1.0) == 24.0  # time going back refills nothing
-    assert bucket.level(100.0) == 100.0  # capped
-
-
-def test_token_bucket_random_takes_stay_within_the_interval_bound(rng: np.random.Generator) -> None:
-    rate, capacity = 200.0, 50.0
-    bucket = TokenBucket(rate, capacity, now=0.0)
-    times = np.sort(rng.uniform(0.0, 10.0, size=2000))
-    times[rng.integers(1, len(times), size=100)] = times[rng.integers(0, len(times), 100)]
-    times = np.sort(times)  # with ties: several takes at one instant
-    amounts = rng.uniform(0.1, 3 * capacity, size=len(times))  # some larger than capacity
-    taken = [(t, a) for t, a in zip(times, amounts, strict=True) if bucket.take(a, t)]
-    assert any(a > capacity for _, a in taken)
-    assert_within_budget([t for t, _ in taken], [a for _, a in taken], rate, capacity)
-    total = sum(a for _, a in taken)
-    assert total >= 0.95 * rate * (times[-1] - times[0])  # saturated: the budget is used
-
-
-def test_burst_of_at_risk_events_stays_within_each_targets_prefill_budget(
-    rng: np.random.Generator,
-) -> None:
-    """1,500 at-risk events of distinct users over 10 s on 3 rankers: ~12x the prefill budget."""
-    cfg = config(prefill_share=0.25, burst_s=0.5, relay_window_ms=500)
-    rate, capacity = cfg.prefill_share * 1000, cfg.prefill_share * 1000 * cfg.burst_s
-    # prefill = prefix / 4 ms exactly; full inference >= (prefix + 200) / 4 > 45: all at risk
-    targets = [
-        ranker(f"ranker-{i}", fixed_ms=0.0, per_token_ms=0.25, per_pair_ms=0.0,
-               per_candidate_key_ms=0.0, kv_bytes_per_token=1, hbm_budget_bytes=10**12)
-        for i in range(3)
-    ]  # fmt: skip
-    members = {t.instance_id: t for t in targets}
-    policy = AdmissionPolicy(cfg)
-    times = np.sort(rng.uniform(0.0, 10.0, size=1500))
-    which = rng.integers(0, len(targets), size=len(times))
-    prefixes = rng.integers(20, 241, size=len(times))  # 5 .. 60 ms of prefill
-    booked: dict[str, list[tuple[float, float]]] = {i: [] for i in members}
-    first: dict[str, float] = {}
-    for n, (now, k, prefix) in enumerate(zip(times, which, prefixes, strict=True)):
-        target = targets[k]
-        first.setdefault(target.instance_id, float(now))
-        ev = event(f"user-{n}", digest=f"d-{n}", prefix=int(prefix), short_term=200)
-        decision = policy.decide(ev, target, float(now))
-        assert decision.reason in (Reason.ADMITTED, Reason.LOAD_LIMIT)
-        assert decision.prefill_ms == prefix / 4
-        if decision.admitted:
-            booked[target.instance_id].append((float(now), decision.prefill_ms))
-        if n % 100 == 0:
-            policy.ledger.sweep(float(now), members)
-    for instance, admissions in booked.items():
-        assert_within_budget([t for t, _ in admissions], [p for _, p in admissions], rate, capacity)
-        total, span = sum(p for _, p in admissions), times[-1] - first[instance]
-        assert 0.95 * rate * span <= total <= capacity + rate * span + 60.0
+    room = AdmissionPolicy(config()).room
+    room.observe(X, seen(7000), 2.0)
+    room.observe(X, seen(5000), 1.0)
+    assert room.held(X, 2.5) == 7000
 
 
 # -- footprint books -----------------------------------------------------------------------
@@ -391,111 +302,99 @@ def test_burst_of_at_risk_events_stays_within_each_targets_prefill_budget(
 def test_bytes_held_from_admission_until_an_observation_after_settle_shows_them_gone() -> None:
     policy = AdmissionPolicy(config())
     relay(policy, now=0.0)
-    ledger = policy.ledger
-    assert ledger.held(X, 0.0) == NBYTES
-    assert ledger.held("ranker-1", 0.0) == 0
-    ledger.settle("user-0", "digest-a", X, NBYTES, 0.5)
-    assert ledger.held(X, 0.5) == NBYTES
-    ledger.observe(X, 0, 0.4)  # sent before the settle: may predate the pin
-    assert ledger.held(X, 0.6) == NBYTES
-    ledger.observe(X, 0, 0.5)  # sent at the settle: the Rank consumed it
-    assert ledger.held(X, 0.6) == 0
-    assert policy.decide(event(), ranker(), 0.6).reason is Reason.ALREADY_CACHED
+    room = policy.room
+    assert room.held(X, 0.0) == NBYTES
+    assert room.held("ranker-1", 0.0) == 0
+    policy.settled("user-0", "digest-a", X, NBYTES, 0.5)
+    assert room.held(X, 0.5) == NBYTES
+    room.observe(X, seen(0), 0.4)  # sent before the settle: may predate the pin
+    assert room.held(X, 0.6) == NBYTES
+    room.observe(X, seen(0), 0.5)  # sent at the settle: the Rank consumed it
+    assert room.held(X, 0.6) == 0
+    assert policy.decide(event(), [ranker()], 0.6).reason is Reason.ALREADY_CACHED
 
 
 def test_a_covered_relay_still_pinned_is_counted_once() -> None:
     policy = AdmissionPolicy(config())
     relay(policy, now=0.0)
-    policy.ledger.settle("user-0", "digest-a", X, NBYTES, 0.5)
-    policy.ledger.observe(X, NBYTES + 1000, 0.7)  # its pin and another of 1,000 bytes
-    assert policy.ledger.held(X, 0.8) == NBYTES + 1000
+    policy.settled("user-0", "digest-a", X, NBYTES, 0.5)
+    policy.room.observe(X, seen(NBYTES + 1000), 0.7)  # its pin and another of 1,000 bytes
+    assert policy.room.held(X, 0.8) == NBYTES + 1000
 
 
 def test_settle_records_where_the_relay_landed_and_its_size() -> None:
     policy = AdmissionPolicy(config())
     relay(policy, now=0.0)
-    policy.ledger.settle("user-0", "digest-a", "ranker-1", 5000, 0.5)
-    assert (policy.ledger.held(X, 0.5), policy.ledger.held("ranker-1", 0.5)) == (0, 5000)
-    policy.ledger.settle("user-0", "digest-old", X, 7000, 0.6)  # not this relay: ignored
-    assert policy.ledger.held("ranker-1", 0.6) == 5000
+    policy.settled("user-0", "digest-a", "ranker-1", 5000, 0.5)
+    assert (policy.room.held(X, 0.5), policy.room.held("ranker-1", 0.5)) == (0, 5000)
+    policy.settled("user-0", "digest-old", X, 7000, 0.6)  # not this relay: ignored
+    assert policy.room.held("ranker-1", 0.6) == 5000
 
 
 def test_unobserved_relay_is_released_when_it_expires() -> None:
     policy = AdmissionPolicy(config())  # window 2 s
     relay(policy, now=0.0)
-    policy.ledger.settle("user-0", "digest-a", X, NBYTES, 0.5)
-    assert policy.ledger.held(X, 2.499) == NBYTES
-    assert policy.ledger.held(X, 2.5) == 0
+    policy.settled("user-0", "digest-a", X, NBYTES, 0.5)
+    assert policy.room.held(X, 2.499) == NBYTES
+    assert policy.room.held(X, 2.5) == 0
 
 
 def test_an_observation_counts_for_one_window_after_it_was_taken() -> None:
-    ledger = AdmissionPolicy(config()).ledger
-    ledger.observe(X, 5000, 1.0)
-    assert [ledger.held(X, t) for t in (1.0, 2.999, 3.0)] == [5000, 5000, 0]
-    ledger.observe(X, 7000, 2.0)  # the latest observation replaces the earlier one
-    assert ledger.held(X, 2.5) == 7000
+    room = AdmissionPolicy(config()).room
+    room.observe(X, seen(5000), 1.0)
+    assert [room.held(X, t) for t in (1.0, 2.999, 3.0)] == [5000, 5000, 0]
+    room.observe(X, seen(7000), 2.0)  # the latest observation replaces the earlier one
+    assert room.held(X, 2.5) == 7000
 
 
 def test_fail_returns_the_bytes_of_that_relay_only() -> None:
     policy = AdmissionPolicy(config())
     relay(policy, now=0.0)
-    policy.ledger.fail("user-0", "digest-other")
-    assert policy.ledger.held(X, 0.0) == NBYTES
-    policy.ledger.fail("user-0", "digest-a")
-    assert policy.ledger.held(X, 0.0) == 0
-    assert policy.decide(event(), ranker(), 0.0).admitted  # nothing left to deduplicate
+    policy.failed("user-0", "digest-other")
+    assert policy.room.held(X, 0.0) == NBYTES
+    policy.failed("user-0", "digest-a")
+    assert policy.room.held(X, 0.0) == 0
+    assert policy.decide(event(), [ranker()], 0.0).admitted  # nothing left to deduplicate
 
 
 def test_sweep_drops_expired_relays_and_departed_instances() -> None:
     policy = AdmissionPolicy(config())
-    ledger = policy.ledger
+    room = policy.room
     relay(policy, "old", now=0.0)  # expires at 2.0
     relay(policy, "new", now=1.0)  # expires at 3.0
-    ledger.observe(X, 10, 1.0)
-    ledger.observe("ranker-1", 20, 1.0)
+    room.observe(X, seen(10), 1.0)
+    room.observe("ranker-1", seen(20), 1.0)
     relay(policy, "elsewhere", now=1.0)
-    ledger.settle("elsewhere", "digest-a", "ranker-1", NBYTES, 1.0)
-    ledger.refuse(X, 1.0, 5.0)
-    ledger.refuse("ranker-1", 1.0, 5.0)
-    ledger.sweep(2.0, {X: ranker()})
-    assert set(ledger.relays) == {("new", "digest-a")}  # not expired, nor on a departed ranker
-    assert set(ledger.observed) == {X}
-    assert set(ledger.refusals) == {X}
-    assert ledger.held(X, 2.0) == 10 + NBYTES
+    policy.settled("elsewhere", "digest-a", "ranker-1", NBYTES, 1.0)
+    room.refuse(X, 1.0, 5.0)
+    room.refuse("ranker-1", 1.0, 5.0)
+    room.sweep(2.0, {X: ranker()})
+    assert set(room.relays) == {("new", "digest-a")}  # not expired, nor on a departed ranker
+    assert set(room.observed) == {X}
+    assert set(room.refusals) == {X}
+    assert room.held(X, 2.0) == 10 + NBYTES
 
 
 def test_reconfigure_applies_a_new_window() -> None:
     policy = AdmissionPolicy(config())
     policy.reconfigure(config(relay_window_ms=500))
     relay(policy, now=0.0)  # in flight until 0.5
-    assert policy.decide(event(), ranker(), 0.499).reason is Reason.IN_FLIGHT
-    assert policy.ledger.held(X, 0.5) == 0
+    assert policy.decide(event(), [ranker()], 0.499).reason is Reason.IN_FLIGHT
+    assert policy.room.held(X, 0.5) == 0
     relay(policy, "b", now=1.0)
-    policy.ledger.settle("b", "digest-a", X, NBYTES, 1.0)
-    assert [policy.ledger.held(X, t) for t in (1.499, 1.5)] == [NBYTES, 0]
-    policy.ledger.observe(X, 42, 2.0)
-    assert [policy.ledger.held(X, t) for t in (2.499, 2.5)] == [42, 0]
-
-
-def test_reconfigure_reshapes_existing_buckets() -> None:
-    policy = AdmissionPolicy(config(prefill_share=0.01, burst_s=1.0))  # 10 ms/s
-    relay(policy, "a", now=0.0)  # level -7.5
-    assert policy.decide(event("b"), ranker(), 0.1).reason is Reason.LOAD_LIMIT  # -6.5
-    policy.reconfigure(config(prefill_share=0.5, burst_s=2.0))  # 500 ms/s, 1,000 at once
-    assert policy.decide(event("b"), ranker(), 0.2).admitted  # -6.5 + 50 > 0
-    # Shrinking the capacity caps a full bucket: one more prefill, then nothing.
-    policy.reconfigure(config(prefill_share=0.01, burst_s=1.0))
-    assert policy.decide(event("c"), ranker(), 100.0).admitted  # min(10, ...) - 17.5
-    assert policy.decide(event("d"), ranker(), 100.0).reason is Reason.LOAD_LIMIT
+    policy.settled("b", "digest-a", X, NBYTES, 1.0)
+    assert [policy.room.held(X, t) for t in (1.499, 1.5)] == [NBYTES, 0]
+    policy.room.observe(X, seen(42), 2.0)
+    assert [policy.room.held(X, t) for t in (2.499, 2.5)] == [42, 0]
 
 
 def test_a_users_new_relay_keeps_the_pinned_bytes_of_the_previous_one() -> None:
     # RelayLedger: "A relay's bytes are released when it fails, expires, or is covered."
     policy = AdmissionPolicy(config())
     relay(policy, now=0.0, digest="digest-a")
-    policy.ledger.settle("user-0", "digest-a", X, NBYTES, 0.1)
+    policy.settled("user-0", "digest-a", X, NBYTES, 0.1)
     relay(policy, now=0.2, digest="digest-b")
-    assert policy.ledger.held(X, 0.2) == 2 * NBYTES
+    assert policy.room.held(X, 0.2) == 2 * NBYTES
 
 
 # -- live config ---------------------------------------------------------------------------
@@ -518,7 +417,7 @@ def test_live_override_accepted_and_applied_to_the_policy() -> None:
     assert base.mode is Mode.SEQUENCE_AWARE  # the base is untouched
     policy = AdmissionPolicy(base)
     policy.reconfigure(override_config(base, {"mode": "off"}, LIVE_FIELDS, SOURCE))
-    assert policy.decide(event(), ranker(), NOW).reason is Reason.RELAY_DISABLED
+    assert policy.decide(event(), [ranker()], NOW).reason is Reason.RELAY_DISABLED
 
 
 @pytest.mark.parametrize(
@@ -548,3 +447,153 @@ def test_live_override_rejected_naming_key_and_source(
     message = str(caught.value)
     for text in [SOURCE, *named]:
         assert text in message, message
+
+
+# -- the fallback order: room and time where the router will send it ------------------------
+
+Y, Z = "ranker-1", "ranker-2"
+ORDER = (X, Y, Z)  # the user's fallback order, owner first
+FULL = seen(10**9 - NBYTES + 1)  # one byte short of room for the relay
+BUSY_QUEUE = seen(0, queued_ms=1000 - 5 - PREFILL_MS + 0.25)  # the prefill would end 0.25 late
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Walk:
+    id: str
+    reason: Reason
+    target: str  # the decision's target: where admitted, else the owner
+    views: dict[str, RoomReport] = dataclasses.field(default_factory=dict)
+    refused: tuple[str, ...] = ()
+    budgets: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+WALKS = [
+    Walk("owner-has-room", Reason.ADMITTED, X),
+    Walk("owner-full-second-has-room", Reason.ADMITTED, Y, {X: FULL}),
+    Walk("owner-and-second-full", Reason.ADMITTED, Z, {X: FULL, Y: FULL}),
+    Walk("nobody-has-room", Reason.NO_ROOM, X, {X: FULL, Y: FULL, Z: FULL}),
+    Walk("owner-refused-second-has-room", Reason.ADMITTED, Y, refused=(X,)),
+    Walk("all-refused", Reason.NO_ROOM, X, refused=ORDER),
+    Walk("owner-too-small-ever", Reason.ADMITTED, Y, budgets={X: NBYTES - 1}),
+    Walk("larger-than-every-budget", Reason.FOOTPRINT_LIMIT, X, budgets=dict.fromkeys(ORDER, 1)),
+    Walk("too-small-or-full", Reason.NO_ROOM, X, {Y: FULL, Z: FULL}, budgets={X: 1}),
+    Walk("owner-queue-busy-second-idle", Reason.ADMITTED, Y, {X: BUSY_QUEUE}),
+    Walk("every-queue-busy", Reason.LOAD_LIMIT, X, dict.fromkeys(ORDER, BUSY_QUEUE)),
+    Walk("full-or-busy", Reason.LOAD_LIMIT, X, {X: FULL, Y: BUSY_QUEUE, Z: FULL}),
+    Walk("busy-or-full", Reason.LOAD_LIMIT, X, {X: BUSY_QUEUE, Y: FULL, Z: FULL}),
+]
+
+
+@pytest.mark.parametrize("walk", WALKS, ids=[w.id for w in WALKS])
+def test_admission_walks_the_fallback_order(walk: Walk) -> None:
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))  # gap 1,000 ms, margin 5
+    order = [ranker(i, hbm_budget_bytes=walk.budgets.get(i, 10**9)) for i in ORDER]
+    for instance, view in walk.views.items():
+        policy.room.observe(instance, view, NOW - 0.5)
+    for instance in walk.refused:
+        policy.room.refuse(instance, NOW - 0.1)
+    decision = policy.decide(event(), order, NOW)
+    assert decision == Decision(
+        walk.reason, PREDICTED[AT_RISK], walk.target, NBYTES, PREFILL_MS, "digest-a"
+    )
+    assert policy.room.held(walk.target, NOW) == (
+        (NBYTES if decision.admitted else 0)
+        + (FULL.pinned_bytes if walk.views.get(walk.target) == FULL else 0)
+    )
+
+
+def test_each_ranker_is_judged_by_its_own_bytes_per_token_and_cost_model() -> None:
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    owner = ranker(X, hbm_budget_bytes=NBYTES)  # room for exactly one relay
+    second = ranker(Y, kv_bytes_per_token=10, per_token_ms=0.25)  # prefill(96) = 1 + 24 + 4.5
+    assert policy.decide(event("a"), [owner, second], NOW).target == X
+    decision = policy.decide(event("b"), [owner, second], NOW)
+    assert decision == Decision(Reason.ADMITTED, PREDICTED[AT_RISK], Y, 960, 29.5, "digest-a")
+
+
+def test_the_owner_predicts_whether_the_request_is_at_risk() -> None:
+    slow = ranker(Y, per_candidate_key_ms=1.0)  # the second ranker alone would call it at risk
+    decision = AdmissionPolicy(config()).decide(event(candidates=SAFE), [ranker(), slow], NOW)
+    assert decision == Decision(Reason.NOT_AT_RISK, PREDICTED[SAFE], X)
+
+
+def test_mode_all_relays_to_the_owner_whatever_its_room() -> None:
+    policy = AdmissionPolicy(config(mode=Mode.ALL))
+    policy.room.observe(X, FULL, NOW)
+    decision = policy.decide(event(), [ranker(), ranker(Y)], NOW)
+    assert decision.admitted and decision.target == X
+
+
+def test_a_stale_view_ages_out_to_unknown() -> None:
+    policy = AdmissionPolicy(config())  # window 2 s: every pin it counted is gone after it
+    policy.room.observe(X, FULL, 1.0)
+    assert policy.room.report(X, 2.999) == FULL
+    assert policy.decide(event("a"), [ranker(), ranker(Y)], 2.999).target == Y
+    assert policy.room.report(X, 3.0) is None  # unknown: only this trigger's relays count
+    assert policy.room.held(X, 3.0) == 0
+    assert policy.decide(event("b"), [ranker(), ranker(Y)], 3.0).target == X
+
+
+def test_a_refusal_marks_the_ranker_full_until_an_observation_sent_after_it() -> None:
+    policy = AdmissionPolicy(config(refusal_cooldown_ms=1000))
+    order = [ranker(), ranker(Y)]
+    first = policy.decide(event("a"), order, 10.0)
+    assert first.target == X
+    policy.refused(first, "a", 10.1)
+    assert policy.decide(event("b"), order, 10.2).target == Y  # learnt: X is full
+    policy.room.observe(X, seen(0), 10.05)  # asked before the refusal: says nothing of it
+    assert policy.decide(event("c"), order, 10.3).target == Y
+    policy.room.observe(X, seen(0), 10.4)  # asked after it: room again
+    assert policy.decide(event("d"), order, 10.5).target == X
+
+
+def test_a_relay_that_landed_elsewhere_holds_its_bytes_there() -> None:
+    policy = AdmissionPolicy(config())
+    relay(policy, "a", now=0.0)
+    policy.settled("a", "digest-a", Y, NBYTES, 0.1)  # the router fell back to Y
+    assert (policy.room.held(X, 0.1), policy.room.held(Y, 0.1)) == (0, NBYTES)
+    # X refused it before queueing its prefill; Y ran it, and it is done
+    assert policy.room.queued_ms(X, 0.1) == policy.room.queued_ms(Y, 0.1) == 0.0
+
+
+# -- load: queued prefill in the cost model's milliseconds ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("queued_ms", "reason"),
+    [(1000 - 5 - PREFILL_MS, Reason.ADMITTED), (1000 - 5 - PREFILL_MS + 0.25, Reason.LOAD_LIMIT)],
+)
+def test_load_limit_boundary_is_exact(queued_ms: float, reason: Reason) -> None:
+    # the prefill must end by expected_gap_ms - margin_ms = 995 ms: queued + 17.5 <= 995
+    policy = AdmissionPolicy(config())
+    policy.room.observe(X, seen(0, queued_ms=queued_ms), NOW)
+    assert policy.decide(event(), [ranker()], NOW).reason is reason
+
+
+def test_prefill_admitted_since_the_observation_counts_until_one_sent_after_it() -> None:
+    policy = AdmissionPolicy(config(expected_gap_ms=45.0))  # 40 ms: two prefills of 17.5
+    policy.room.observe(X, seen(0, queued_ms=0.0), 0.0)
+    relay(policy, "a", now=0.1)
+    relay(policy, "b", now=0.2)
+    assert policy.room.queued_ms(X, 0.3) == 2 * PREFILL_MS
+    assert policy.decide(event("c"), [ranker()], 0.3).reason is Reason.LOAD_LIMIT
+    policy.room.observe(X, seen(0, queued_ms=PREFILL_MS), 0.15)  # "a" queued, "b" not yet sent
+    assert policy.room.queued_ms(X, 0.3) == 2 * PREFILL_MS
+    assert policy.decide(event("c"), [ranker()], 0.3).reason is Reason.LOAD_LIMIT
+    policy.room.observe(X, seen(0, queued_ms=0.0), 0.25)  # both done
+    assert policy.decide(event("c"), [ranker()], 0.3).admitted
+
+
+def test_a_failed_relay_releases_its_prefill_at_once() -> None:
+    policy = AdmissionPolicy(config(expected_gap_ms=30.0))  # room for one prefill
+    relay(policy, "a", now=0.0)
+    assert policy.decide(event("b"), [ranker()], 0.0).reason is Reason.LOAD_LIMIT
+    policy.failed("a", "digest-a")
+    assert policy.decide(event("b"), [ranker()], 0.0).admitted
+
+
+def test_an_old_queue_figure_ages_out_with_the_view() -> None:
+    policy = AdmissionPolicy(config())
+    policy.room.observe(X, seen(0, queued_ms=10_000.0), 0.0)
+    assert policy.decide(event("a"), [ranker()], 1.0).reason is Reason.LOAD_LIMIT
+    assert policy.decide(event("a"), [ranker()], 2.0).admitted

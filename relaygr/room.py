@@ -1,0 +1,239 @@
+"""Each ranker's relay room as one process sees it: the trigger and the router keep the same books.
+
+Pure: no I/O, time passed in as `now` (seconds of one clock, any origin). `relaygr.room_poll`
+fills a `RelayRoom` from the rankers' Describe; the owner books the relays it starts and the
+refusals it meets.
+"""
+
+import heapq
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+from relaygr.cluster import RankerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RoomReport:
+    """What a ranker said of its relay room (Describe): the device tier's pinned bytes and budget
+    (the ranker pins a relay only while pinned + its bytes <= budget) and the predicted compute
+    time of the background prefill queued or running."""
+
+    pinned_bytes: int
+    budget_bytes: int
+    queued_prefill_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class Relay:
+    """A relay this process started: in flight until settled, then resident until it expires."""
+
+    instance: str
+    nbytes: int
+    expires_at: float
+    prefill_ms: float = 0.0  # its predicted prefill on `instance`
+    admitted_at: float = 0.0
+    settled_at: float | None = None  # when its PreInfer came back; None while in flight
+    observed: bool = False  # a later observation of its ranker already counts its bytes
+    prefill_observed: bool = False  # ... and its prefill (queued then, or done)
+
+
+@dataclass(frozen=True, slots=True)
+class _Observation:
+    report: RoomReport
+    at: float  # when the question was sent
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    at: float
+    until: float
+
+
+@dataclass(slots=True)
+class RelayRoom:
+    """Relays started here and the room last observed on each ranker.
+
+    A relay is keyed by an owner-chosen key (the trigger: user id and prefix digest): a user's
+    newer prefix is a new relay, and the older one keeps its bytes until released, as the ranker
+    keeps pinned relays of a user.
+
+    Bytes: an instance holds its last observed pinned bytes, while that observation is fresh
+    (taken less than `window_s` ago: by then every pin it counted has been consumed or has
+    expired, so an older one says nothing, "unknown"), plus the relays not yet covered by an
+    observation. A relay is covered once an observation sent after it settled comes back: its
+    bytes are then in the observed figure if still pinned, or gone if its Rank consumed it. A
+    relay's bytes are released when it fails, expires, or is covered.
+
+    Prefill: an instance's queue is its last fresh observation's `queued_prefill_ms` plus the
+    prefill of relays admitted at or after that observation was sent (earlier ones were queued
+    or done when it was answered). A failed relay's prefill is released at once.
+
+    Refusals: an instance that refused a relay for room is full until an observation sent
+    after the refusal comes back, or `refusal_s` passes (its Describe may keep failing). An
+    observation older than the one held is ignored.
+    """
+
+    window_s: float
+    refusal_s: float = 1.0
+    relays: dict[Hashable, Relay] = field(default_factory=dict)
+    observed: dict[str, _Observation] = field(default_factory=dict)
+    refusals: dict[str, _Refusal] = field(default_factory=dict)
+    # Kept in step with `relays` so that a decision costs O(log n), not a scan: the uncovered
+    # bytes and prefill per instance, and a heap of (expires_at, key) whose stale entries are
+    # skipped.
+    _uncovered: Counter[str] = field(default_factory=Counter)
+    _unqueued: dict[str, float] = field(default_factory=dict)
+    _expiries: list[tuple[float, int, Hashable]] = field(default_factory=list)
+    _pushes: int = 0  # tie-breaker: keys need not be ordered
+
+    # -- the view -------------------------------------------------------------------------
+
+    def report(self, instance: str, now: float) -> RoomReport | None:
+        """The instance's last observation while fresh; None: unknown."""
+        seen = self.observed.get(instance)
+        if seen is None or now >= seen.at + self.window_s:
+            return None
+        return seen.report
+
+    def held(self, instance: str, now: float) -> int:
+        """Bytes pinned on the instance, as far as this process knows."""
+        self._expire(now)
+        seen = self.report(instance, now)
+        return (0 if seen is None else seen.pinned_bytes) + self._uncovered[instance]
+
+    def budget(self, record: RankerRecord) -> int:
+        """The instance's relay budget: what it last reported, else what it registered."""
+        seen = self.observed.get(record.instance_id)
+        return record.hbm_budget_bytes if seen is None else seen.report.budget_bytes
+
+    def queued_ms(self, instance: str, now: float) -> float:
+        """Predicted background prefill ahead of a relay sent to the instance now."""
+        seen = self.report(instance, now)
+        return (0.0 if seen is None else seen.queued_prefill_ms) + self._unqueued.get(instance, 0.0)
+
+    def refused(self, instance: str, now: float) -> bool:
+        refusal = self.refusals.get(instance)
+        return refusal is not None and now < refusal.until
+
+    def fits(self, record: RankerRecord, nbytes: int, now: float, share: float = 1.0) -> bool:
+        """Would `nbytes` more fit `share` of the instance's relay budget now? Not after a
+        refusal not yet cleared."""
+        instance = record.instance_id
+        if self.refused(instance, now):
+            return False
+        return self.held(instance, now) + nbytes <= self.budget(record) * share
+
+    # -- relays ---------------------------------------------------------------------------
+
+    def live(self, key: Hashable, now: float) -> Relay | None:
+        self._expire(now)
+        return self.relays.get(key)
+
+    def start(self, key: Hashable, relay: Relay) -> None:
+        self._remove(key)
+        self._add(key, relay)
+
+    def settle(self, key: Hashable, instance: str, nbytes: int, now: float) -> None:
+        """The relay's PreInfer came back: it is pinned on `instance` for a window from now.
+        Its prefill, done, stays booked until an observation covers it (the queue figure
+        reported before then may still count it)."""
+        relay = self._remove(key)
+        if relay is None:
+            return  # failed or swept meanwhile
+        # Served elsewhere (the router fell back): that ranker ran the prefill, which is done.
+        moved = relay.instance != instance
+        self._add(
+            key,
+            Relay(
+                instance, nbytes, now + self.window_s, relay.prefill_ms, relay.admitted_at, now,
+                prefill_observed=relay.prefill_observed or moved,
+            ),
+        )  # fmt: skip
+
+    def landed(self, key: Hashable, instance: str, nbytes: int, now: float) -> None:
+        """A relay seen only once resident (the router books what it placed): pinned on
+        `instance` for a window from now."""
+        relay = Relay(instance, nbytes, now + self.window_s, 0.0, now, now, prefill_observed=True)
+        self.start(key, relay)
+
+    def fail(self, key: Hashable) -> None:
+        self._remove(key)
+
+    # -- learning -------------------------------------------------------------------------
+
+    def refuse(self, instance: str, now: float, until: float | None = None) -> None:
+        """The instance refused a relay for want of room: full until an observation sent
+        after now, or `until` (default: `refusal_s` from now)."""
+        self.refusals[instance] = _Refusal(now, now + self.refusal_s if until is None else until)
+
+    def observe(self, instance: str, report: RoomReport, sent_at: float) -> None:
+        """The instance answered `report` when asked at `sent_at`."""
+        seen = self.observed.get(instance)
+        if seen is not None and sent_at < seen.at:
+            return  # a late answer to an older question
+        self.observed[instance] = _Observation(report, sent_at)
+        refusal = self.refusals.get(instance)
+        if refusal is not None and refusal.at < sent_at:
+            del self.refusals[instance]
+        for relay in self.relays.values():
+            if relay.instance != instance:
+                continue
+            if not relay.prefill_observed and relay.admitted_at < sent_at:
+                relay.prefill_observed = True
+                self._unqueue(instance, relay.prefill_ms)
+            covered = relay.settled_at is not None and relay.settled_at <= sent_at
+            if covered and not relay.observed:
+                relay.observed = True
+                self._uncover(relay)
+
+    def sweep(self, now: float, instances: Mapping[str, object]) -> None:
+        """Forget expired relays, and relays, observations and refusals of rankers that left."""
+        self._expire(now)
+        for key in [k for k, r in self.relays.items() if r.instance not in instances]:
+            self._remove(key)
+        for table in (self.observed, self.refusals):
+            for instance in [i for i in table if i not in instances]:
+                del table[instance]
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _add(self, key: Hashable, relay: Relay) -> None:
+        self.relays[key] = relay
+        if not relay.observed:
+            self._uncovered[relay.instance] += relay.nbytes
+        if not relay.prefill_observed:
+            self._unqueued[relay.instance] = (
+                self._unqueued.get(relay.instance, 0.0) + relay.prefill_ms
+            )
+        self._pushes += 1
+        heapq.heappush(self._expiries, (relay.expires_at, self._pushes, key))
+
+    def _remove(self, key: Hashable) -> Relay | None:
+        relay = self.relays.pop(key, None)
+        if relay is None:
+            return None
+        if not relay.observed:
+            self._uncover(relay)
+        if not relay.prefill_observed:
+            self._unqueue(relay.instance, relay.prefill_ms)
+        return relay
+
+    def _uncover(self, relay: Relay) -> None:
+        self._uncovered[relay.instance] -= relay.nbytes
+        if not self._uncovered[relay.instance]:
+            del self._uncovered[relay.instance]
+
+    def _unqueue(self, instance: str, prefill_ms: float) -> None:
+        left = self._unqueued.get(instance, 0.0) - prefill_ms
+        if left > 1e-9:
+            self._unqueued[instance] = left
+        else:  # the last one (a float sum may leave a tiny residue)
+            self._unqueued.pop(instance, None)
+
+    def _expire(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            expires_at, _, key = heapq.heappop(self._expiries)
+            relay = self.relays.get(key)
+            if relay is not None and relay.expires_at == expires_at:  # else a stale entry
+                self._remove(key)
