@@ -176,12 +176,16 @@ async def test_a_relay_is_two_traces_linked_at_the_ranker(
     assert compute.parent_id == rank.span_id
     assert one(ranking, name="ranker.queue").attributes["relaygr.priority"] == "rank"
 
-    # The trigger's Describe polling carries context too: a round is one trace of its own.
+    # The trigger's and (since issue 16) the router's Describe polling carry context too: a
+    # round is one trace of its own.
     describe = [
         s for s in spans if s.name == "/relaygr.v1.RankerService/Describe" and s.kind == SERVER
     ]
-    observe = {s.span_id: s for s in spans if s.name == "trigger.observe"}
-    calls = {s.span_id: s for s in spans if s.service == "relaygr-trigger" and s.kind == CLIENT}
+    rounds = ("trigger.observe", "router.observe")
+    observe = {s.span_id: s for s in spans if s.name in rounds}
+    assert {s.name for s in observe.values()} == set(rounds)
+    pollers = ("relaygr-trigger", "relaygr-router")
+    calls = {s.span_id: s for s in spans if s.service in pollers and s.kind == CLIENT}
     assert describe and all(calls[s.parent_id].parent_id in observe for s in describe)
     # Health checks are never traced.
     assert not [s for s in spans if "grpc.health" in s.name]
