@@ -12,13 +12,14 @@ import torch
 from relaygr.behaviours import Prefix, RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
+from services.ranker.chunks import Span, chunk_ms, extension_spans, prefill_spans
 from services.ranker.digest import PrefixHasher
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.model import RankingModel
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import ComputeScheduler, Job, Priority
+from services.ranker.scheduler import ComputeScheduler, Job, Priority, Steps
 from services.ranker.validation import validate_prefix, validate_rank_input
 
 
@@ -45,6 +46,9 @@ _WORK = {
     _Source.EXTEND: Work.EXTEND,
     _Source.PREFILL: Work.PREFILL,
 }
+# A Rank computes its prefix itself only when that is predicted sooner than waiting by more than
+# rounding: the two sums of the same costs differ in their last bits, and ties wait.
+_SOONER = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,18 @@ class _Inflight:
     # What the landed entry records as its origin: the requester, except that a Rank's reload
     # of a host copy keeps the copy's producer (the content is the same).
     origin: Origin | None = None
+    # A Rank restarted this PreInfer's job as its own computation (it was predicted sooner).
+    taken_over: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How to make a prefix device-resident: the job's steps and each step's predicted time."""
+
+    source: _Source
+    steps: Steps
+    computed_tokens: int  # prefix tokens it computes (0 for a reload)
+    step_ms: tuple[float, ...]
 
 
 class RankerEngine:
@@ -90,11 +106,14 @@ class RankerEngine:
 
     Runs on one asyncio loop; the store and the in-flight table are touched only from it, the
     model only from the scheduler's worker. Per cache key at most one computation or reload is
-    in flight (single flight): a PreInfer or Rank that finds one joins it, and a Rank joining
-    background work promotes it to rank priority. A finished prefix is stored before it leaves
-    the in-flight table, so no request ever sees neither. A miss is served by full inference,
-    computed as prefill + rank (the same work), which leaves the prefix cached for return visits.
-    Waits, jobs and the origin of each cache go to the observer; what it does changes nothing.
+    in flight (single flight): a PreInfer or Rank that finds one joins it. Background prefill is
+    ordered by when its Rank is expected. A Rank that finds background work for its prefix
+    either waits for it, promoting it to rank priority, or restarts it as its own one-call
+    computation, whichever the cost model predicts finishes first. A finished prefix is stored
+    before it leaves the in-flight table, so no request ever sees neither. A miss is served by
+    full inference, computed as prefill + rank (the same work), which leaves the prefix cached
+    for return visits. Waits, jobs and the origin of each cache go to the observer; what it does
+    changes nothing.
     """
 
     def __init__(
@@ -123,8 +142,14 @@ class RankerEngine:
     # -- PreInfer --------------------------------------------------------------------------
 
     async def pre_infer(
-        self, prefix: Prefix, relay_window_s: float | None, deadline: float | None
+        self,
+        prefix: Prefix,
+        relay_window_s: float | None,
+        deadline: float | None,
+        rank_expected_in_s: float | None = None,
     ) -> PreInferResult:
+        """`rank_expected_in_s`: when its Rank is expected, from now (None: unknown, assume the
+        end of the relay window); background prefill runs earliest expected Rank first."""
         validate_prefix(prefix, self.model.cfg)
         if self.draining:
             raise Unavailable("ranker is draining: send pre-inference elsewhere")
@@ -151,9 +176,14 @@ class RankerEngine:
                     f"prefix of {prefix.num_tokens} tokens needs {nbytes} bytes; the device "
                     f"tier has {self._free_for_pins()} bytes not pinned by other relays"
                 )
-            inflight = self._start(key, prefix, Priority.BACKGROUND, deadline, window, origin)
+            due = self.scheduler.clock() + (rank_expected_in_s or window)
+            inflight = self._start(key, prefix, Priority.BACKGROUND, deadline, window, origin, due)
             await asyncio.shield(inflight.task)
-            outcome = _PRE_INFER_OUTCOME[inflight.source]
+            outcome = (
+                PreInferOutcome.JOINED_INFLIGHT  # the computation became the Rank's
+                if inflight.taken_over
+                else _PRE_INFER_OUTCOME[inflight.source]
+            )
         kv = self.store.get(key, Tier.HBM)
         if kv is None or not self.store.put_device(key, kv, pin_for=window, origin=origin):
             raise ResourceExhausted("the device tier cannot hold this prefix beside pinned relays")
@@ -183,24 +213,30 @@ class RankerEngine:
         consumed = self._entry_origin(key, Tier.HBM) if kv is not None else None
         computed = len(request.short_term) + candidates
         outcome = CacheOutcome.HBM_HIT
+        mine: _Inflight | None = None  # the computation of the prefix this Rank made
         if kv is None and key in self._inflight:
             inflight = self._inflight[key]
-            self.scheduler.promote(inflight.job, deadline)
-            outcome = CacheOutcome.WAITED_INFLIGHT
-            consumed = inflight.origin
-            relayed = inflight.relay
-            with (
-                self._observer.waiting_inflight(),
-                contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
-            ):
+            if self._take_over(key, inflight, request.prefix, deadline, own):
+                mine = inflight
                 kv = await asyncio.shield(inflight.task)
+            else:
+                self.scheduler.promote(inflight.job, deadline)
+                outcome = CacheOutcome.WAITED_INFLIGHT
+                consumed = inflight.origin
+                relayed = inflight.relay
+                with (
+                    self._observer.waiting_inflight(),
+                    contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
+                ):
+                    kv = await asyncio.shield(inflight.task)
         if kv is None:
-            inflight = self._start(key, request.prefix, Priority.RANK, deadline, None, own)
-            kv = await asyncio.shield(inflight.task)
-            outcome = _RANK_OUTCOME[inflight.source]
-            computed += inflight.computed_tokens
+            mine = self._start(key, request.prefix, Priority.RANK, deadline, None, own)
+            kv = await asyncio.shield(mine.task)
+        if mine is not None:
+            outcome = _RANK_OUTCOME[mine.source]
+            computed += mine.computed_tokens
             relayed = False
-            consumed = inflight.origin if inflight.source is _Source.RELOAD else None
+            consumed = mine.origin if mine.source is _Source.RELOAD else None
         scores = await self._run(
             "rank",
             Work.RANK,
@@ -249,16 +285,28 @@ class RankerEngine:
         deadline: float | None,
         pin_for: float | None,
         origin: Origin | None = None,
+        due: float | None = None,
     ) -> _Inflight:
         """Submit the cheapest way to make `key` device-resident, as the one in-flight job.
 
-        `pin_for` is the relay window of a PreInfer (None: a Rank's); `origin` the requester's.
+        `pin_for` is the relay window of a PreInfer (None: a Rank's); `origin` the requester's;
+        `due` when the result is wanted (orders background work). Background work runs in
+        chunks, so that ranks overtake it; rank work in one call (rank jobs run first-in
+        first-out and a started one resumes first, so chunks would only add calls).
         """
-        source, steps, computed = self._plan(key, prefix)
+        chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
+        plan = self._plan(key, prefix, chunk)
+        source, computed = plan.source, plan.computed_tokens
         if source is _Source.RELOAD and pin_for is None:
-            held = self._entry_origin(key, Tier.DRAM)
-            origin = held if held is not None else origin
-        job = self.scheduler.submit(f"{source}:{key.user_id}", steps, priority, deadline)
+            origin = self._reload_origin(key, origin)
+        job = self.scheduler.submit(
+            f"{source}:{key.user_id}",
+            plan.steps,
+            priority,
+            deadline,
+            due=due,
+            step_ms=plan.step_ms,
+        )
         # _land first runs on the loop's next turn, when the entry below is in the table.
         task = asyncio.get_running_loop().create_task(self._land(key, job, pin_for))
         # Its waiters may all be gone (deadline, disconnect): the outcome is then nobody's.
@@ -267,36 +315,81 @@ class RankerEngine:
         self._inflight[key] = inflight
         return inflight
 
+    def _take_over(
+        self,
+        key: CacheKey,
+        inflight: _Inflight,
+        prefix: Prefix,
+        deadline: float | None,
+        origin: Origin | None,
+    ) -> bool:
+        """Whether a Rank computes its prefix itself rather than wait for its in-flight job.
+
+        Waiting promotes the job, so its remaining chunks run next; computing takes one call in
+        the same place. Rank work is waited for; background work is restarted as the Rank's
+        one call when the cost model predicts that call finishes sooner than the job's
+        remaining chunks (each chunk pays a call's fixed cost), so one computation per key
+        still holds. The job's current chunk cannot be stopped: a job on the worker is waited
+        for.
+        """
+        job = inflight.job
+        if job.priority is not Priority.BACKGROUND:
+            return False
+        plan = self._plan(key, prefix, None)
+        sooner = sum(plan.step_ms) < job.remaining_ms * (1 - _SOONER)
+        if not sooner or not self.scheduler.restart(job, plan.steps, plan.step_ms, deadline):
+            plan.steps.close()
+            return False
+        inflight.source, inflight.computed_tokens = plan.source, plan.computed_tokens
+        inflight.relay, inflight.taken_over = False, True
+        if plan.source is _Source.RELOAD:
+            inflight.origin = self._reload_origin(key, origin)
+        return True
+
+    def _reload_origin(self, key: CacheKey, origin: Origin | None) -> Origin | None:
+        """A reload's content is its host copy's: it keeps the copy's producer when known."""
+        held = self._entry_origin(key, Tier.DRAM)
+        return held if held is not None else origin
+
     async def _land(self, key: CacheKey, job: Job, pin_for: float | None) -> PrefixKV:
-        inflight = self._inflight[key]
-        work = _WORK[inflight.source]
+        inflight = self._inflight[key]  # its source may change while queued (a Rank's take-over)
         try:
             kv: PrefixKV = await asyncio.wrap_future(job.future)
             # may not fit; the waiters still use it
             self.store.put_device(key, kv, pin_for=pin_for, origin=inflight.origin)
-            self._observer.prefix_landed(job, work, inflight.computed_tokens, kv)
+            self._observer.prefix_landed(job, _WORK[inflight.source], inflight.computed_tokens, kv)
             return kv
         except BaseException:
-            self._observer.prefix_failed(job, work)
+            self._observer.prefix_failed(job, _WORK[inflight.source])
             raise
         finally:
             del self._inflight[key]
 
-    def _plan(
-        self, key: CacheKey, prefix: Prefix
-    ) -> tuple[_Source, Generator[None, None, Any], int]:
+    def _plan(self, key: CacheKey, prefix: Prefix, chunk: int | None) -> _Plan:
         """Reload a host copy when cheaper than recomputing, else extend a cached shorter
-        prefix of the user's, else prefill."""
+        prefix of the user's, else prefill; computing in `chunk`-token steps (None: one call)."""
         device = self.model.device
+        cost = self.cost_model
         held = self.store.peek(key, Tier.DRAM)
-        if held is not None and self.cost_model.reload_is_cheaper(held.nbytes, prefix.num_tokens):
+        if held is not None and cost.reload_is_cheaper(held.nbytes, prefix.num_tokens):
             host = held.kv
-            return _Source.RELOAD, self._once(lambda: host.to(device)), 0
+            move = (cost.reload_ms(held.nbytes),)
+            return _Plan(_Source.RELOAD, self._once(lambda: host.to(device)), 0, move)
+        size = chunk if chunk is not None else max(prefix.num_tokens, 1)
+        features, behaviours = len(prefix.user_features), len(prefix.long_term)
         base = self._extendable(key, prefix)
         if base is not None:
             delta = prefix.num_tokens - base.num_tokens
-            return _Source.EXTEND, self._extend_steps(base, prefix), delta
-        return _Source.PREFILL, self._prefill_steps(prefix), prefix.num_tokens
+            spans = extension_spans(features, base.num_behaviours, behaviours, size)
+            bring = 0.0 if base.device == device else cost.reload_ms(base.nbytes)
+            steps = self._extend_steps(base, prefix, size)
+            return _Plan(_Source.EXTEND, steps, delta, (bring, *self._spans_ms(spans)))
+        spans = prefill_spans(features, behaviours, size)
+        steps = self._prefill_steps(prefix, size)
+        return _Plan(_Source.PREFILL, steps, prefix.num_tokens, self._spans_ms(spans))
+
+    def _spans_ms(self, spans: list[Span]) -> tuple[float, ...]:
+        return tuple(chunk_ms(self.cost_model, span) for span in spans)
 
     def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
         """The user's newest cached prefix that is a strict prefix of `prefix`, if any."""
@@ -310,24 +403,24 @@ class RankerEngine:
                 return entry.kv
         return None
 
-    def _prefill_steps(self, prefix: Prefix) -> Generator[None, None, PrefixKV]:
+    def _prefill_steps(self, prefix: Prefix, chunk: int) -> Generator[None, None, PrefixKV]:
         """Chunked prefill: the first chunk prefills, the rest extend (the same operation)."""
-        chunk = self.settings.prefill_chunk_tokens
         first = max(chunk - len(prefix.user_features), 0)
         head = Prefix(prefix.user_id, prefix.user_features, prefix.long_term.slice(0, first))
         kv = self.model.prefill(head)
         yield
-        return (yield from self._extend_from(kv, prefix, start=first))
+        return (yield from self._extend_from(kv, prefix, first, chunk))
 
-    def _extend_steps(self, base: PrefixKV, prefix: Prefix) -> Generator[None, None, PrefixKV]:
+    def _extend_steps(
+        self, base: PrefixKV, prefix: Prefix, chunk: int
+    ) -> Generator[None, None, PrefixKV]:
         kv = base.to(self.model.device)  # a host-tier base is brought over first
         yield
-        return (yield from self._extend_from(kv, prefix, start=base.num_behaviours))
+        return (yield from self._extend_from(kv, prefix, base.num_behaviours, chunk))
 
     def _extend_from(
-        self, kv: PrefixKV, prefix: Prefix, start: int
+        self, kv: PrefixKV, prefix: Prefix, start: int, chunk: int
     ) -> Generator[None, None, PrefixKV]:
-        chunk = self.settings.prefill_chunk_tokens
         for begin in range(start, len(prefix.long_term), chunk):
             kv = self.model.extend(kv, prefix.long_term.slice(begin, begin + chunk))
             yield

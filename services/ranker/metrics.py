@@ -156,6 +156,13 @@ class RankerMetrics:
             {(p.name.lower(),): engine.scheduler.depth(p) for p in Priority},
         )
         yield gauge(
+            "relaygr_ranker_queued_prefill_seconds",
+            "Predicted compute time of the background prefill queued or running (the cost "
+            "model's), which a PreInfer admitted now would wait behind if its Rank is due later",
+            [],
+            {(): engine.scheduler.queued_background_ms() / 1e3},
+        )
+        yield gauge(
             "relaygr_ranker_inflight_prefixes",
             "Prefix computations and reloads in flight",
             [],

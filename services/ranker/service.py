@@ -65,8 +65,9 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         start = time.perf_counter()
         prefix = prefix_from_proto(request, self.limits)
         window = request.relay_window_ms / 1e3 if request.relay_window_ms else None
+        expected = request.rank_expected_in_ms / 1e3 if request.rank_expected_in_ms else None
         deadline = absolute_deadline(context.time_remaining(), time.monotonic())
-        result = await self.engine.pre_infer(prefix, window, deadline)
+        result = await self.engine.pre_infer(prefix, window, deadline, expected)
         if self._metrics is not None:
             self._metrics.observe_pre_infer(result.outcome, time.perf_counter() - start)
         return common_pb2.PreInferReply(
@@ -147,4 +148,5 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             ),
             relay_enabled=engine.settings.relay_enabled,
             intra_op_threads=torch.get_num_threads(),
+            queued_prefill_ms=engine.scheduler.queued_background_ms(),
         )

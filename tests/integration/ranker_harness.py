@@ -23,6 +23,10 @@ COST = CostModel(
     reload_ms_per_mb=0.01,
 )  # fmt: skip
 
+# No cost per model call: a Rank that finds its prefix queued waits for it (chunks cost no more
+# than one call computing it), so "waited in flight" is the predicted-sooner choice.
+NO_CALL_COST = replace(COST, fixed_ms=0.0)
+
 BASE = RankerConfig(
     listen="127.0.0.1:0",
     plaintext=True,  # tests/integration/test_security.py runs the same services over mTLS

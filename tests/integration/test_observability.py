@@ -287,6 +287,7 @@ async def test_metrics_move_with_a_known_sequence(
         assert _value(ranker, drops, tier="hbm", reason="demoted") == 0
         assert _value(ranker, "relaygr_ranker_queue_depth", priority="rank") == 0
         assert _value(ranker, "relaygr_ranker_inflight_prefixes") == 0
+        assert _value(ranker, "relaygr_ranker_queued_prefill_seconds") == 0
         assert _value(ranker, "relaygr_etcd_connected") == 1
         assert _value(ranker, "process_cpu_seconds_total") > 0  # the standard process set
 

@@ -1,6 +1,7 @@
 """RankerService on a real gRPC server over loopback: the relay, its outcomes, its limits."""
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -12,7 +13,14 @@ from relaygr.v1 import common_pb2, ranker_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
 from services.ranker.scheduler import Priority
-from tests.integration.ranker_harness import Gate, poll, running_ranker, tiny_model
+from tests.integration.ranker_harness import (
+    COST,
+    NO_CALL_COST,
+    Gate,
+    poll,
+    running_ranker,
+    tiny_model,
+)
 from tests.unit.ranker.factories import behaviours, prefix, rank_input, rel_err
 
 Outcome = common_pb2.CacheOutcome
@@ -26,7 +34,7 @@ async def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.
     model = tiny_model()
     kv_bytes = 305 * (model.cfg.kv_bytes_per_token + 8)
 
-    async with running_ranker(model, hbm_budget_mb=2.5 * kv_bytes / 2**20) as r:
+    async with running_ranker(model, NO_CALL_COST, hbm_budget_mb=2.5 * kv_bytes / 2**20) as r:
         seen: dict[int, float] = {}
         relayed: list[tuple[int, bool]] = []
 
@@ -304,7 +312,7 @@ async def test_a_rank_outlives_the_deadline_of_the_pre_infer_it_waits_for(
 ) -> None:
     model = tiny_model()
 
-    async with running_ranker(model) as r:
+    async with running_ranker(model, NO_CALL_COST) as r:
         request = rank_input(rng, prefix(rng, 200))
         gate = Gate(r)
         await gate.wait_entered()
@@ -320,3 +328,26 @@ async def test_a_rank_outlives_the_deadline_of_the_pre_infer_it_waits_for(
         reply = await ranked
         assert reply.cache_outcome == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
         assert rel_err(r.scores(reply), _expected(model, request)) <= 1e-5
+
+
+async def test_describe_reports_queued_prefill_time_and_pre_infer_sets_its_due(
+    rng: np.random.Generator,
+) -> None:
+    async with running_ranker() as r:  # 64-token chunks, COST: 1 ms a call
+        gate = Gate(r)
+        await gate.wait_entered()
+        assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_prefill_ms == 0.0
+        p = prefix(rng, 100, user_id="a")  # 104 tokens: two calls
+        msg = pre_infer_request_to_proto(p)
+        msg.rank_expected_in_ms = 5_000
+        sent = time.monotonic()
+        pre = asyncio.ensure_future(r.stub.PreInfer(msg))
+        await poll(lambda: r.engine.inflight() == 1)
+        [inflight] = r.engine._inflight.values()
+        assert inflight.job.due is not None
+        assert sent + 5.0 <= inflight.job.due <= time.monotonic() + 5.0
+        info = await r.stub.Describe(ranker_pb2.DescribeRequest())
+        assert info.queued_prefill_ms == pytest.approx(COST.prefill_ms(104) + COST.fixed_ms)
+        gate.open()
+        assert (await pre).outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
+        assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_prefill_ms == 0.0

@@ -4,9 +4,9 @@ requests ask for it at the same time."""
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,12 @@ DEAR_RELOAD = CostModel(
     fixed_ms=1.0, per_token_ms=0.01, per_pair_ms=1e-6, per_candidate_key_ms=1e-5,
     reload_ms_per_mb=1e6,
 )  # fmt: skip
+# No cost per model call: a prefill in chunks costs what it costs in one call, so a Rank that
+# finds its prefix queued never computes it sooner itself, and waits.
+NO_CALL_COST = replace(CHEAP_RELOAD, fixed_ms=0.0)
+# A model call costs far more than a chunk's tokens: chunks that have not run yet are dearer
+# than one call computing the prefix.
+DEAR_CALL = replace(CHEAP_RELOAD, fixed_ms=5.0)
 MODEL = RankingModel(tiny_config(), seed=7)
 TOKENS = 100  # long-term behaviours per prefix
 USER_FEATURES = 4
@@ -72,17 +78,33 @@ class Counting(NoopObserver):
         self.scored.append(work)
 
 
+def virtual_time(clock: Clock) -> Callable[[Job], None]:
+    """An executor on which each step takes exactly its predicted time on `clock` (and
+    unpredicted work none): what the cost model foresees is what happens."""
+
+    def run(job: Job) -> None:
+        clock.now += job.next_step_ms / 1e3
+        next(job.steps)
+
+    return run
+
+
 @contextmanager
 def running_engine(
-    hbm_prefixes: float = 4.0, relay_enabled: bool = True, cost: CostModel = CHEAP_RELOAD
+    hbm_prefixes: float = 4.0,
+    relay_enabled: bool = True,
+    cost: CostModel = CHEAP_RELOAD,
+    executor: Callable[[Clock], Callable[[Job], None]] | None = None,
 ) -> Iterator[tuple[RankerEngine, Counting]]:
-    """An engine whose device tier holds `hbm_prefixes` prefixes of TOKENS behaviours."""
+    """An engine whose device tier holds `hbm_prefixes` prefixes of TOKENS behaviours;
+    `executor` (of the clock): how the scheduler's worker runs a step."""
     clock = Clock()
     store = KVStore(
         int(hbm_prefixes * KV_BYTES), 8 * KV_BYTES, dram_ttl=600.0, clock=clock,
         to_host=lambda kv: kv.to("cpu"),
     )  # fmt: skip
-    scheduler = ComputeScheduler({Priority.RANK: 64, Priority.BACKGROUND: 64}, clock=clock)
+    run = {} if executor is None else {"executor": executor(clock)}
+    scheduler = ComputeScheduler({Priority.RANK: 64, Priority.BACKGROUND: 64}, clock=clock, **run)
     settings = EngineSettings(relay_enabled, relay_window_s=30.0, prefill_chunk_tokens=64)
     observer = Counting()
     scheduler.start()
@@ -178,7 +200,7 @@ def test_dram_hit_reloads_the_host_copy(rng: np.random.Generator) -> None:
 
 def test_a_rank_behind_its_queued_pre_infer_waits_for_it(rng: np.random.Generator) -> None:
     request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
-    with running_engine() as (engine, observer):
+    with running_engine(cost=NO_CALL_COST) as (engine, observer):
 
         async def scenario() -> tuple[PreInferResult, RankResult]:
             gate = Gate(engine.scheduler)

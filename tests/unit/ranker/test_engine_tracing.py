@@ -26,9 +26,10 @@ from services.ranker.tracing_observer import TracingObserver
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
 
-# Reloading a host copy is far cheaper than recomputing: DRAM hits reload.
+# Reloading a host copy is far cheaper than recomputing: DRAM hits reload. No cost per model
+# call: a Rank waits for its queued PreInfer (chunks cost no more than one call).
 COST = CostModel(
-    fixed_ms=1.0, per_token_ms=0.01, per_pair_ms=1e-6, per_candidate_key_ms=1e-5,
+    fixed_ms=0.0, per_token_ms=0.01, per_pair_ms=1e-6, per_candidate_key_ms=1e-5,
     reload_ms_per_mb=0.01,
 )  # fmt: skip
 MODEL = RankingModel(tiny_config(), seed=7)
