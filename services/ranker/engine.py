@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -169,7 +170,13 @@ class RankerEngine:
             scores = await self._run(
                 "full",
                 Work.FULL_FORWARD,
-                self._once(lambda: self.model.full_forward(request)),
+                self._timed(
+                    self._once(lambda: self.model.full_forward(request)),
+                    Work.FULL_FORWARD,
+                    request.history_tokens,
+                    None,
+                    candidates,
+                ),
                 deadline,
             )
             computed = request.history_tokens + candidates
@@ -204,10 +211,16 @@ class RankerEngine:
         scores = await self._run(
             "rank",
             Work.RANK,
-            self._once(
-                lambda: self.model.rank(
-                    kv, request.short_term, request.candidates, request.request_ts
-                )
+            self._timed(
+                self._once(
+                    lambda: self.model.rank(
+                        kv, request.short_term, request.candidates, request.request_ts
+                    )
+                ),
+                Work.RANK,
+                request.history_tokens,
+                kv.num_tokens,
+                candidates,
             ),
             deadline,
         )
@@ -295,8 +308,12 @@ class RankerEngine:
         base = self._extendable(key, prefix)
         if base is not None:
             delta = prefix.num_tokens - base.num_tokens
-            return _Source.EXTEND, self._extend_steps(base, prefix), delta
-        return _Source.PREFILL, self._prefill_steps(prefix), prefix.num_tokens
+            steps = self._extend_steps(base, prefix)
+            timed = self._timed(steps, Work.EXTEND, prefix.num_tokens, base.num_tokens, 0)
+            return _Source.EXTEND, timed, delta
+        steps = self._prefill_steps(prefix)
+        timed = self._timed(steps, Work.PREFILL, prefix.num_tokens, None, 0)
+        return _Source.PREFILL, timed, prefix.num_tokens
 
     def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
         """The user's newest cached prefix that is a strict prefix of `prefix`, if any."""
@@ -332,6 +349,41 @@ class RankerEngine:
             kv = self.model.extend(kv, prefix.long_term.slice(begin, begin + chunk))
             yield
         return kv
+
+    def _timed(
+        self,
+        steps: Generator[None, None, Any],
+        work: Work,
+        tokens: int,
+        cached_tokens: int | None,
+        candidates: int,
+    ) -> Generator[None, None, Any]:
+        """`steps`, reporting their compute time once they complete (`EngineObserver.computed`).
+
+        Only the steps themselves are timed, on the worker: not the queue before them nor other
+        jobs run between them, so the cost model learns compute, not load.
+        """
+        seconds = 0.0
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    self._sync()
+                    seconds += time.perf_counter() - start
+                    self._observer.computed(work, tokens, cached_tokens, candidates, seconds)
+                    return done.value
+                self._sync()
+                seconds += time.perf_counter() - start
+                yield
+        finally:
+            steps.close()  # a job cancelled between steps: its generator ends with it
+
+    def _sync(self) -> None:
+        # A GPU runs kernels asynchronously: wait for them, or the time is the launch's.
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     @staticmethod
     def _once(fn: Callable[[], Any]) -> Generator[None, None, Any]:
