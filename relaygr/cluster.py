@@ -14,7 +14,10 @@ from relaygr.cost import CostModel
 from relaygr.errors import InvalidInput
 
 _MAX_PORT = 65535
-_COSTS = ("fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb")
+_COSTS = (
+    "fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb",
+    "median_abs_rel_error",
+)  # fmt: skip
 
 T = TypeVar("T")
 
@@ -40,6 +43,10 @@ class RankerRecord:
     per_pair_ms: float
     per_candidate_key_ms: float
     reload_ms_per_mb: float
+    # How far to trust the cost model (`CostModel.median_abs_rel_error` and `samples`); absent
+    # from an older ranker's record, read as 0 (not known).
+    median_abs_rel_error: float = 0.0
+    cost_samples: int = 0
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -52,7 +59,9 @@ class RankerRecord:
 
     def cost_model(self) -> CostModel:
         """The latency model the ranker published."""
-        return CostModel(**{name: getattr(self, name) for name in _COSTS})
+        return CostModel(
+            **{name: getattr(self, name) for name in _COSTS}, samples=self.cost_samples
+        )
 
     def to_json(self) -> bytes:
         return _to_json(self)
@@ -212,8 +221,10 @@ def _from_json(cls: type[T], data: bytes) -> T:
         raise InvalidInput(f"{kind}: not valid JSON: {err}") from err
     if not isinstance(raw, dict):
         raise InvalidInput(f"{kind}: expected a JSON object, got {type(raw).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    missing = [n for n in names if n not in raw]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    required = [f.name for f in fields if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in raw]
     if missing:
         raise InvalidInput(f"{kind}: missing fields {', '.join(missing)}")
-    return cls(**{n: raw[n] for n in names})
+    # A field with a default was added later: a record written before it lacks it.
+    return cls(**{f.name: raw[f.name] for f in fields if f.name in raw})

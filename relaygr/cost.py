@@ -12,6 +12,10 @@ class CostModel:
 
     full = fixed + per_token * (t + c) + per_pair * t^2 / 2 + per_candidate_key * c * t
     prefill = fixed + per_token * t + per_pair * t^2 / 2
+
+    `median_abs_rel_error` and `samples` say how far to trust it: the median of
+    |predicted - measured| / measured over the `samples` timed runs it was fitted to (0 and 0:
+    not fitted here, e.g. given by configuration or a test).
     """
 
     fixed_ms: float
@@ -19,6 +23,8 @@ class CostModel:
     per_pair_ms: float
     per_candidate_key_ms: float
     reload_ms_per_mb: float
+    median_abs_rel_error: float = 0.0
+    samples: int = 0
 
     def full_ms(self, tokens: int, candidates: int) -> float:
         return (

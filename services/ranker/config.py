@@ -49,10 +49,29 @@ class RankerConfig(ServiceOptions):
     calibration_lengths: tuple[int, ...] = field(
         # The quadratic (attention) term only shows at long lengths: a fit that stops at 2k
         # predicts an 8k history at half its real cost, and the trigger then misjudges risk.
-        default=(512, 2048, 6144),
+        # Spread over the range so that no one length decides a coefficient.
+        default=(256, 512, 1024, 2048, 4096, 8192),
         metadata=helped("history lengths timed at start-up; span the lengths you serve"),
     )
     calibration_candidates: int = field(default=64, metadata=helped("candidates when calibrating"))
+    calibration_repeats: int = field(
+        default=3, metadata=helped("timed runs per calibration length (the median is fitted)")
+    )
+    calibration_lock_dir: Path | None = field(
+        default=None,
+        metadata=helped(
+            "directory of the host-wide calibration lock: rankers sharing it calibrate one at a"
+            " time (default: the temporary directory)"
+        ),
+    )
+    cost_refit_interval_s: float = field(
+        default=5.0,
+        metadata=helped("how often the cost model is refitted to the compute timings served"),
+    )
+    cost_republish_interval_s: float = field(
+        default=30.0,
+        metadata=helped("least time between republications of a changed cost model to the mesh"),
+    )
     threads: int = field(
         default=0,
         metadata=helped(
@@ -81,7 +100,8 @@ class RankerConfig(ServiceOptions):
         positive = (
             "hbm_budget_mb", "dram_ttl_s", "relay_window_ms", "max_relay_window_ms",
             "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
-            "calibration_candidates", "lease_ttl_s",
+            "calibration_candidates", "calibration_repeats", "cost_refit_interval_s",
+            "cost_republish_interval_s", "lease_ttl_s",
         )  # fmt: skip
         require_positive(self, positive, "ranker")
         if self.dram_budget_mb < 0:

@@ -1,93 +1,114 @@
 """Calibration of a ranker's latency model (`relaygr.cost.CostModel`) at start-up."""
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 
-from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
+from relaygr.behaviours import Behaviours, Prefix, UserId
 from relaygr.cost import CostModel
+from services.ranker.cost_fit import Sample, fit_cost_model
 from services.ranker.model import RankingModel
+from services.ranker.prefix_kv import PrefixKV
 from services.ranker.synthetic import random_behaviours
 
+__all__ = ["Sample", "calibrate", "fit_cost_model", "measure"]
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    tokens: int
-    candidates: int
-    ms: float
+Timer = Callable[[], float]
 
 
-def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostModel:
-    """Least-squares fit of the four non-negative coefficients to measured runs.
+def measure(
+    model: RankingModel,
+    lengths: Sequence[int],
+    candidates: int,
+    chunk_tokens: int = 512,
+    repeats: int = 3,
+    timer: Timer = time.perf_counter,
+) -> list[Sample]:
+    """Time, on this device, the work of a miss as the engine serves it at each of `lengths`:
+    chunked prefill, then ranking `candidates` on the prefix. Returns per length the median
+    prefill (candidates 0) and the median prefill + rank (a full inference).
 
-    Prefill samples have candidates == 0. Coefficients that come out negative (noise on a
-    term the lengths barely exercise) are clamped to zero and the rest refitted.
+    Rounds interleave the lengths, so a burst of load elsewhere on the host slows one run of
+    several lengths rather than every run of one: the median drops it. Lengths beyond the
+    model's history limit are clamped to it.
     """
-    rows = np.array(
-        [[1.0, s.tokens + s.candidates, s.tokens**2 / 2, s.candidates * s.tokens] for s in samples]
-    )
-    target = np.array([s.ms for s in samples])
-    active = np.ones(4, dtype=bool)
-    coef = np.zeros(4)
-    for _ in range(4):
-        solution, *_ = np.linalg.lstsq(rows[:, active], target, rcond=None)
-        coef[:] = 0.0
-        coef[active] = solution
-        if (coef >= 0).all():
-            break
-        active &= coef > 0
-    fixed, per_token, per_pair, per_candidate_key = (float(c) for c in np.clip(coef, 0.0, None))
-    return CostModel(fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb)
+    cfg = model.cfg
+    lengths = sorted({min(max(1, n), cfg.max_history_tokens) for n in lengths})
+    candidates = min(candidates, cfg.max_candidates)
+    rng = np.random.default_rng(0)
+    items = rng.integers(0, 1 << 40, candidates)
+    prefixes = {
+        n: Prefix(
+            UserId("calibration"),
+            np.zeros(0, np.int64),
+            random_behaviours(rng, n, 1_700_000_000, 60 * n, cfg.num_actions),
+        )
+        for n in lengths
+    }
+
+    def timed(fn: Callable[[], PrefixKV | torch.Tensor]) -> tuple[float, PrefixKV | torch.Tensor]:
+        start = timer()
+        out = fn()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        return (timer() - start) * 1e3, out
+
+    def run(n: int) -> tuple[float, float]:
+        prefill_ms, kv = timed(lambda: _chunked_prefill(model, prefixes[n], chunk_tokens))
+        assert isinstance(kv, PrefixKV)
+        rank_ms, _ = timed(lambda: model.rank(kv, Behaviours.empty(), items, 1_800_000_000))
+        return prefill_ms, rank_ms
+
+    for n in {lengths[0], lengths[-1]}:  # warm-up: first calls and the largest buffers
+        run(n)
+    runs: dict[int, list[tuple[float, float]]] = {n: [] for n in lengths}
+    for _ in range(max(1, repeats)):
+        for n in lengths:
+            runs[n].append(run(n))
+    samples = []
+    for n, timings in runs.items():
+        samples.append(Sample(n, 0, statistics.median(p for p, _ in timings)))
+        samples.append(Sample(n, candidates, statistics.median(p + r for p, r in timings)))
+    return samples
 
 
 def calibrate(
     model: RankingModel,
     lengths: Sequence[int],
     candidates: int,
-    timer: Callable[[], float] = time.perf_counter,
-    repeats: int = 2,
+    timer: Timer = time.perf_counter,
+    repeats: int = 3,
+    chunk_tokens: int = 512,
 ) -> CostModel:
     """Time full inference and prefill on this device at `lengths` and fit the cost model."""
-    rng = np.random.default_rng(0)
-    samples: list[Sample] = []
-
-    def timed(fn: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            start = timer()
-            fn()
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            best = min(best, (timer() - start) * 1e3)
-        return best
-
-    for length in lengths:
-        behaviours = random_behaviours(
-            rng, length, 1_700_000_000, 60 * length, model.cfg.num_actions
-        )
-        prefix = Prefix(UserId("calibration"), np.zeros(0, np.int64), behaviours)
-        items = rng.integers(0, 1 << 40, candidates)
-        request = RankInput(prefix, Behaviours.empty(), items, 1_800_000_000)
-        model.prefill(prefix)  # warm-up at this size
-        samples.append(Sample(length, 0, timed(partial(model.prefill, prefix))))
-        samples.append(Sample(length, candidates, timed(partial(model.full_forward, request))))
-    return fit_cost_model(samples, reload_ms_per_mb=_reload_ms_per_mb(model.device, timer))
+    samples = measure(model, lengths, candidates, chunk_tokens, repeats, timer)
+    return fit_cost_model(samples, reload_ms_per_mb=reload_ms_per_mb(model.device, timer))
 
 
-def _reload_ms_per_mb(device: torch.device, timer: Callable[[], float]) -> float:
+def _chunked_prefill(model: RankingModel, prefix: Prefix, chunk: int) -> PrefixKV:
+    """The prefix computed as the engine's background prefill computes it: a first chunk of
+    `chunk` tokens (user features included), then extensions of `chunk` behaviours."""
+    first = max(chunk - len(prefix.user_features), 0)
+    head = Prefix(prefix.user_id, prefix.user_features, prefix.long_term.slice(0, first))
+    kv = model.prefill(head)
+    for begin in range(first, len(prefix.long_term), chunk):
+        kv = model.extend(kv, prefix.long_term.slice(begin, begin + chunk))
+    return kv
+
+
+def reload_ms_per_mb(device: torch.device, timer: Timer = time.perf_counter) -> float:
     """Host-to-device copy time per MiB (a host memcpy when the device is the CPU)."""
     host = torch.empty(16 * 2**20, dtype=torch.uint8)
     if device.type == "cuda":
         host = host.pin_memory()
-    best = float("inf")
-    for _ in range(3):
+    times = []
+    for _ in range(5):
         start = timer()
         host.to(device, copy=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, (timer() - start) * 1e3)
-    return best / 16
+        times.append((timer() - start) * 1e3)
+    return statistics.median(times) / 16

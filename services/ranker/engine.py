@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -199,7 +200,13 @@ class RankerEngine:
             scores = await self._run(
                 "full",
                 Work.FULL_FORWARD,
-                self._once(lambda: self.model.full_forward(request)),
+                self._timed(
+                    self._once(lambda: self.model.full_forward(request)),
+                    Work.FULL_FORWARD,
+                    request.history_tokens,
+                    None,
+                    candidates,
+                ),
                 deadline,
             )
             computed = request.history_tokens + candidates
@@ -240,10 +247,16 @@ class RankerEngine:
         scores = await self._run(
             "rank",
             Work.RANK,
-            self._once(
-                lambda: self.model.rank(
-                    kv, request.short_term, request.candidates, request.request_ts
-                )
+            self._timed(
+                self._once(
+                    lambda: self.model.rank(
+                        kv, request.short_term, request.candidates, request.request_ts
+                    )
+                ),
+                Work.RANK,
+                request.history_tokens,
+                kv.num_tokens,
+                candidates,
             ),
             deadline,
         )
@@ -383,10 +396,12 @@ class RankerEngine:
             spans = extension_spans(features, base.num_behaviours, behaviours, size)
             bring = 0.0 if base.device == device else cost.reload_ms(base.nbytes)
             steps = self._extend_steps(base, prefix, size)
-            return _Plan(_Source.EXTEND, steps, delta, (bring, *self._spans_ms(spans)))
+            timed = self._timed(steps, Work.EXTEND, prefix.num_tokens, base.num_tokens, 0)
+            return _Plan(_Source.EXTEND, timed, delta, (bring, *self._spans_ms(spans)))
         spans = prefill_spans(features, behaviours, size)
         steps = self._prefill_steps(prefix, size)
-        return _Plan(_Source.PREFILL, steps, prefix.num_tokens, self._spans_ms(spans))
+        timed = self._timed(steps, Work.PREFILL, prefix.num_tokens, None, 0)
+        return _Plan(_Source.PREFILL, timed, prefix.num_tokens, self._spans_ms(spans))
 
     def _spans_ms(self, spans: list[Span]) -> tuple[float, ...]:
         return tuple(chunk_ms(self.cost_model, span) for span in spans)
@@ -425,6 +440,41 @@ class RankerEngine:
             kv = self.model.extend(kv, prefix.long_term.slice(begin, begin + chunk))
             yield
         return kv
+
+    def _timed(
+        self,
+        steps: Generator[None, None, Any],
+        work: Work,
+        tokens: int,
+        cached_tokens: int | None,
+        candidates: int,
+    ) -> Generator[None, None, Any]:
+        """`steps`, reporting their compute time once they complete (`EngineObserver.computed`).
+
+        Only the steps themselves are timed, on the worker: not the queue before them nor other
+        jobs run between them, so the cost model learns compute, not load.
+        """
+        seconds = 0.0
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    self._sync()
+                    seconds += time.perf_counter() - start
+                    self._observer.computed(work, tokens, cached_tokens, candidates, seconds)
+                    return done.value
+                self._sync()
+                seconds += time.perf_counter() - start
+                yield
+        finally:
+            steps.close()  # a job cancelled between steps: its generator ends with it
+
+    def _sync(self) -> None:
+        # A GPU runs kernels asynchronously: wait for them, or the time is the launch's.
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     @staticmethod
     def _once(fn: Callable[[], Any]) -> Generator[None, None, Any]:

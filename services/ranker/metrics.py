@@ -155,6 +155,20 @@ class RankerMetrics:
             ["priority"],
             {(p.name.lower(),): engine.scheduler.depth(p) for p in Priority},
         )
+        cost = engine.cost_model
+        yield gauge(
+            "relaygr_ranker_cost_model_error",
+            "Median |predicted - measured| / measured compute time of the cost model in use, over"
+            " the timed runs it was fitted to (calibration, then served work; 0: not fitted here)",
+            [],
+            {(): cost.median_abs_rel_error},
+        )
+        yield gauge(
+            "relaygr_ranker_cost_model_samples",
+            "Timed runs the cost model in use was fitted to",
+            [],
+            {(): cost.samples},
+        )
         yield gauge(
             "relaygr_ranker_queued_prefill_seconds",
             "Predicted compute time of the background prefill queued or running (the cost "

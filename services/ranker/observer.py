@@ -1,5 +1,6 @@
 """What the ranker engine reports as it serves (waits, compute, relay links): port and no-op."""
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from enum import StrEnum
 from typing import NewType, Protocol
@@ -82,6 +83,22 @@ class EngineObserver(Protocol):
         """Held while an evicted device prefix is copied to host memory."""
         ...
 
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None:
+        """A PREFILL, EXTEND, RANK or FULL_FORWARD job completed after `seconds` of compute: the
+        sum of its own steps on the worker, queueing and other jobs' steps between them
+        excluded. `tokens`: history tokens it covers; `cached_tokens`: those it found cached
+        (None: it started from nothing, a prefill or full inference); `candidates`: scored.
+
+        Called on the compute worker thread, not the event loop: keep it short and thread-safe.
+        """
+        ...
+
+
+# Where compute timings go: the arguments of `EngineObserver.computed`.
+ComputeSink = Callable[[Work, int, int | None, int, float], None]
+
 
 _NOTHING: nullcontext[None] = nullcontext(None)
 
@@ -120,3 +137,20 @@ class NoopObserver:
 
     def demoting(self, kv: PrefixKV) -> AbstractContextManager[object]:
         return _NOTHING
+
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None:
+        pass
+
+
+class TimingObserver(NoopObserver):
+    """Observes only compute timings, passing each to `sink` (a ranker's cost learner)."""
+
+    def __init__(self, sink: ComputeSink) -> None:
+        self._sink = sink
+
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None:
+        self._sink(work, tokens, cached_tokens, candidates, seconds)

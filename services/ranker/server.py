@@ -25,13 +25,16 @@ from relaygr.telemetry import Telemetry, metrics_address
 from relaygr.v1 import ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint
 from services.ranker.config import ENV_PREFIX, RankerConfig
-from services.ranker.cost_model import calibrate
+from services.ranker.cost_fit import Sample, fit_cost_model
+from services.ranker.cost_learner import CostLearner, Republisher
+from services.ranker.cost_model import measure, reload_ms_per_mb
 from services.ranker.engine import EngineSettings, RankerEngine
+from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
 from services.ranker.model_config import ModelConfig
-from services.ranker.observer import EngineObserver, NoopObserver
+from services.ranker.observer import ComputeSink, EngineObserver, NoopObserver, Work
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Priority
 from services.ranker.service import SERVICE_NAME, RankerServicer
@@ -106,7 +109,63 @@ def ranker_record(
         per_pair_ms=cost.per_pair_ms,
         per_candidate_key_ms=cost.per_candidate_key_ms,
         reload_ms_per_mb=cost.reload_ms_per_mb,
+        median_abs_rel_error=cost.median_abs_rel_error,
+        cost_samples=cost.samples,
     )
+
+
+def calibrate_alone(cfg: RankerConfig, model: RankingModel) -> tuple[CostModel, list[Sample]]:
+    """Calibrate under the host-wide lock: rankers sharing this host's cores time their model
+    one at a time, each with the cores to itself, as it will serve (blocks; run in a thread)."""
+    _log.info("waiting for the host's calibration lock")
+    with host_lock(cfg.calibration_lock_dir) as path:
+        _log.info("calibrating (holding %s)", path)
+        samples = measure(
+            model,
+            cfg.calibration_lengths,
+            cfg.calibration_candidates,
+            cfg.prefill_chunk_tokens,
+            cfg.calibration_repeats,
+        )
+        reload = reload_ms_per_mb(model.device)
+    return fit_cost_model(samples, reload), samples
+
+
+def timing_sink(learner: CostLearner) -> ComputeSink:
+    """The engine's compute timings, as the learner's samples."""
+
+    def sink(
+        work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None:
+        learner.observe(Sample(tokens, candidates, seconds * 1e3, cached_tokens))
+
+    return sink
+
+
+async def keep_learning(
+    ranker: "RankerServer",
+    learner: CostLearner,
+    cfg: RankerConfig,
+    record: Callable[[CostModel], RankerRecord],
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Refit the cost model every `cost_refit_interval_s` from what was served; the engine and
+    Describe use each refit at once, the membership gets it when it changed materially (at most
+    once per `cost_republish_interval_s`)."""
+    probes = [(n, cfg.calibration_candidates) for n in cfg.calibration_lengths]
+    republisher = Republisher(
+        learner.model, clock(), probes, min_interval_s=cfg.cost_republish_interval_s
+    )
+    while True:
+        await asyncio.sleep(cfg.cost_refit_interval_s)  # a period, not a synchronisation
+        model = await asyncio.to_thread(learner.refit)
+        if model is None or ranker.engine is None:
+            continue
+        ranker.engine.cost_model = model
+        if ranker.mesh is not None and republisher.offer(model, clock()):
+            _log.info("republishing the cost model refitted to served work: %s", model)
+            with contextlib.suppress(Unavailable):  # etcd down: the next change goes
+                await ranker.mesh.cluster.register(record(model), cfg.lease_ttl_s)
 
 
 @dataclass(slots=True)
@@ -120,6 +179,7 @@ class RankerServer:
     engine: RankerEngine | None = None
     mesh: MeshLink | None = None
     metrics_server: MetricsServer | None = None
+    learning: "asyncio.Task[None] | None" = None  # refits the cost model from served work
 
     @property
     def port(self) -> int:
@@ -136,6 +196,11 @@ class RankerServer:
         Not bounded by `grace_s`: queued compute is finished, then the server's stop bounds
         the RPCs still waiting on it.
         """
+        if self.learning is not None:
+            self.learning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.learning
+            self.learning = None
         if self.mesh is not None:
             with contextlib.suppress(Unavailable):  # etcd down: the lease lapses by itself
                 await self.mesh.cluster.deregister(self.instance_id)
@@ -162,7 +227,8 @@ async def start_ranker(
 ) -> RankerServer:
     """Start serving: health answers NOT_SERVING at once, SERVING when model and cost are ready.
 
-    `model` and `cost_model` may be given (tests, benchmarks) to skip loading and calibration.
+    `model` and `cost_model` may be given (tests, benchmarks) to skip loading and calibration;
+    a given cost model is kept as given. A calibrated one keeps learning from served work.
     Torch's intra-op threads are the process's, not this server's: `_serve` sets them from
     `cfg.threads` before calling this; an embedding process sets its own.
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
@@ -183,12 +249,15 @@ async def start_ranker(
     ranker = RankerServer(server, servicer, instance_id, metrics_server=metrics_server)
     if model is None:
         model = await asyncio.to_thread(load_model, cfg)
+    learner = None
     if cost_model is None:
-        cost_model = await asyncio.to_thread(
-            calibrate, model, cfg.calibration_lengths, cfg.calibration_candidates
-        )
-        _log.info("calibrated %s: %s", model.device, cost_model)
-    ranker.engine = build_engine(cfg, model, cost_model, observer=engine_observer(telemetry.tracer))
+        calibrated, samples = await asyncio.to_thread(calibrate_alone, cfg, model)
+        _log.info("calibrated %s: %s", model.device, calibrated)
+        cost_model, learner = calibrated, CostLearner(samples, calibrated)
+    timings = None if learner is None else timing_sink(learner)
+    ranker.engine = build_engine(
+        cfg, model, cost_model, observer=engine_observer(telemetry.tracer, timings)
+    )
     metrics.engine = ranker.engine
     servicer.configure(instance_id, str(model.device))
     servicer.attach(ranker.engine)
@@ -199,6 +268,16 @@ async def start_ranker(
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         await mesh.cluster.register(
             ranker_record(instance_id, address, model, cost_model, cfg), cfg.lease_ttl_s
+        )
+    if learner is not None:
+        address = cfg.advertise_address or f"127.0.0.1:{server.port}"
+        ranker.learning = asyncio.create_task(
+            keep_learning(
+                ranker,
+                learner,
+                cfg,
+                lambda cost: ranker_record(instance_id, address, model, cost, cfg),
+            )
         )
     _log.info(
         "ranker %s serving on port %d: model %s on %s, relay %s",

@@ -145,6 +145,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 per_pair_ms=cost.per_pair_ms,
                 per_candidate_key_ms=cost.per_candidate_key_ms,
                 reload_ms_per_mb=cost.reload_ms_per_mb,
+                median_abs_rel_error=cost.median_abs_rel_error,
+                samples=cost.samples,
             ),
             relay_enabled=engine.settings.relay_enabled,
             intra_op_threads=torch.get_num_threads(),

@@ -16,7 +16,15 @@ from relaygr.tracing import (
     recording,
     sampled_span_context,
 )
-from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
+from services.ranker.observer import (
+    ComputeSink,
+    EngineObserver,
+    NoopObserver,
+    Operation,
+    Origin,
+    TimingObserver,
+    Work,
+)
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import Job
@@ -30,9 +38,12 @@ class SpanOrigin:
     operation: Operation
 
 
-def engine_observer(tracer: Tracer | None) -> EngineObserver:
-    """The observer for a service's tracer: spans with one, nothing at all without (None)."""
-    return NoopObserver() if tracer is None else TracingObserver(tracer)
+def engine_observer(tracer: Tracer | None, timings: ComputeSink | None = None) -> EngineObserver:
+    """The observer for a service's tracer: spans with one, nothing at all without (None); and
+    compute timings passed to `timings` either way (None: not kept)."""
+    if tracer is not None:
+        return TracingObserver(tracer, timings)
+    return NoopObserver() if timings is None else TimingObserver(timings)
 
 
 class TracingObserver:
@@ -42,8 +53,15 @@ class TracingObserver:
     timed by the compute worker. A Rank links to the span whose prefix cache it consumed.
     """
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, timings: ComputeSink | None = None) -> None:
         self._tracer = tracer
+        self._timings = timings
+
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None:
+        if self._timings is not None:
+            self._timings(work, tokens, cached_tokens, candidates, seconds)
 
     def origin(self, operation: Operation) -> Origin | None:
         span_context = sampled_span_context()

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from relaygr.cost import CostModel
 from services.ranker.cost_model import Sample, calibrate, fit_cost_model
@@ -44,6 +45,15 @@ def test_reload_is_chosen_only_when_cheaper() -> None:
 
 def test_calibration_on_this_device_predicts_growth() -> None:
     model = RankingModel(tiny_config(), seed=1)
-    cost = calibrate(model, lengths=(64, 256, 1024), candidates=16, repeats=1)
+    # Median of three interleaved runs per length, fitted robustly: one run slowed by load
+    # elsewhere on the host no longer bends the fit. One intra-op thread, as each ranker of a
+    # local mesh runs: on a loaded host, several threads' barriers wait for descheduled peers,
+    # and every call of this tiny model then takes the same ~100s of ms whatever its length.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cost = calibrate(model, lengths=(64, 256, 1024), candidates=16)
+    finally:
+        torch.set_num_threads(threads)
     assert cost.full_ms(2048, 16) > cost.full_ms(256, 16) > 0
     assert cost.reload_ms_per_mb > 0

@@ -1,0 +1,122 @@
+"""Robust, non-negative fit of a ranker's cost model to timed runs, and the fit's error."""
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from relaygr.cost import CostModel
+
+# Tukey's bisquare tuning constant (95% efficiency on Gaussian noise) and Huber's, for the
+# first iterations: Huber converges from a least-squares start that outliers may have pulled
+# far; the bisquare then gives gross outliers no weight at all.
+_TUKEY = 4.685
+_HUBER = 1.345
+_HUBER_ITERATIONS = 4
+_ITERATIONS = 30
+# Relative residuals below this are noise, whatever the data's own spread: a scale floor keeps
+# near-exact data (every residual ~0) from making every sample an outlier.
+_MIN_SCALE = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One timed run of `ms`: `tokens` history tokens and `candidates` scored.
+
+    `cached_tokens` None: the run started from nothing (a prefill or full inference), so it
+    paid the fixed cost; an int: it extended, or scored on, a cached prefix of that many tokens
+    and computed only the rest, with no fixed cost of its own (the model's full inference is
+    prefill + rank, so a rank's overheads are carried by its per-token terms).
+    """
+
+    tokens: int
+    candidates: int
+    ms: float
+    cached_tokens: int | None = None
+
+    def features(self) -> tuple[float, float, float, float]:
+        """The coefficients' multipliers: (fixed, per_token, per_pair, per_candidate_key)."""
+        cached = self.cached_tokens or 0
+        return (
+            1.0 if self.cached_tokens is None else 0.0,
+            float(self.tokens - cached + self.candidates),
+            (self.tokens**2 - cached**2) / 2,
+            float(self.candidates * self.tokens),
+        )
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares over few columns, exactly: the optimum is the least-squares
+    solution on its own support, so the best non-negative solution over every support is it."""
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = a / norms  # columns span ~10 orders of magnitude (1 against t^2)
+    best, best_residual = np.zeros(a.shape[1]), float(np.linalg.norm(b))
+    for mask in itertools.product((True, False), repeat=a.shape[1]):
+        active = np.array(mask)
+        if not active.any():
+            continue
+        solution, *_ = np.linalg.lstsq(scaled[:, active], b, rcond=None)
+        if (solution < 0).any():
+            continue
+        coef = np.zeros(a.shape[1])
+        coef[active] = solution
+        residual = float(np.linalg.norm(scaled @ coef - b))
+        if residual < best_residual:
+            best, best_residual = coef, residual
+    return best / norms
+
+
+def _weights(residuals: np.ndarray, tukey: bool) -> np.ndarray:
+    scale = max(1.4826 * float(np.median(np.abs(residuals))), _MIN_SCALE)
+    u = np.abs(residuals) / scale
+    if tukey:
+        return np.where(u < _TUKEY, (1 - (u / _TUKEY) ** 2) ** 2, 0.0)
+    return np.where(u <= _HUBER, 1.0, _HUBER / np.maximum(u, 1e-12))
+
+
+def relative_errors(model: CostModel, samples: Sequence[Sample]) -> np.ndarray:
+    """|predicted - measured| / measured of each sample under `model`."""
+    rows = np.array([s.features() for s in samples])
+    measured = np.array([s.ms for s in samples])
+    coef = np.array(
+        [model.fixed_ms, model.per_token_ms, model.per_pair_ms, model.per_candidate_key_ms]
+    )
+    return np.abs(rows @ coef - measured) / measured
+
+
+def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostModel:
+    """Fit the four non-negative coefficients to `samples`, resisting outliers.
+
+    Minimises relative, not absolute, error (a 100 ms run and a 4 s run count alike: the model
+    must hold across the length range) by iteratively reweighted non-negative least squares:
+    Huber weights, then Tukey's bisquare, on residuals scaled by their median absolute value.
+    The model carries the median relative error over all samples and their count.
+    """
+    usable = [s for s in samples if s.ms > 0]
+    if not usable:
+        raise ValueError("no timed samples to fit a cost model to")
+    rows = np.array([s.features() for s in usable])
+    measured = np.array([s.ms for s in usable])
+    relative = rows / measured[:, None]  # each row scaled to its measurement: relative error
+    ones = np.ones(len(usable))
+    weights = ones
+    coef = np.zeros(4)
+    for i in range(_ITERATIONS):
+        root = np.sqrt(weights)
+        new = _nnls(relative * root[:, None], ones * root)
+        residuals = relative @ new - ones
+        weights = _weights(residuals, tukey=i >= _HUBER_ITERATIONS)
+        if weights.sum() < 4:  # too few inliers to fit four coefficients: keep them all
+            weights = ones
+        done = i > _HUBER_ITERATIONS and np.allclose(new, coef, rtol=1e-6, atol=1e-12)
+        coef = new
+        if done:
+            break
+    fixed, per_token, per_pair, per_candidate_key = (float(c) for c in coef)
+    fitted = CostModel(fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb)
+    error = float(np.median(relative_errors(fitted, usable)))
+    return CostModel(
+        fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb, error, len(usable)
+    )
