@@ -34,7 +34,8 @@ _PRE_INFER = "/relaygr.v1.RouterService/PreInfer"
 
 @dataclass(frozen=True, slots=True)
 class FloodSettings:
-    duration_s: float = 6.0
+    duration_s: float = 6.0  # at least this long, and on until every tier has been full
+    max_duration_s: float = 60.0  # or until this, on a machine too slow to fill them
     concurrency: int = 8  # PreInfers in flight at once
     # Pins end soon: flood prefixes become evictable, fall to the host tier and out of it.
     relay_window_ms: int = 2000
@@ -58,6 +59,13 @@ class RankerWatch:
     peak_dram: int = 0
     polls: int = 0
     violations: list[str] = field(default_factory=list)
+
+    def filled(self, prefix_bytes: int) -> bool:
+        """Both tiers have held all but two prefixes' worth of their budgets."""
+        return (
+            min(self.peak_hbm - self.hbm_budget, self.peak_dram - self.dram_budget)
+            > -2 * prefix_bytes
+        )
 
 
 @dataclass(slots=True)
@@ -154,11 +162,20 @@ async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
         body = template.SerializeToString()
         statuses: Counter[str] = Counter()
         users = itertools.count()
-        end = time.monotonic() + settings.duration_s
+        start = time.monotonic()
+        prefix_bytes = dims.max_history_tokens * dims.kv_bytes_per_token
         pre_infer = routers.unary_unary(_PRE_INFER)  # bytes in, bytes out
 
+        def flooding() -> bool:
+            # A fixed duration proves nothing on a loaded machine that fills no tier in it.
+            elapsed = time.monotonic() - start
+            filled = all(w.filled(prefix_bytes) for w in watches)
+            return elapsed < settings.max_duration_s and (
+                elapsed < settings.duration_s or not filled
+            )
+
         async def worker() -> None:
-            while time.monotonic() < end:
+            while flooding():
                 # Serialized messages concatenate as a merge: the template plus this user.
                 user = common_pb2.PreInferRequest(user_id=f"flood-{next(users)}")
                 try:
@@ -182,7 +199,7 @@ async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
                 watch.violations.append(f"RSS {rss / MIB:.0f} MiB > {watch.limit_rss / MIB:.0f}")
 
         async def watch_all() -> None:
-            while time.monotonic() < end:
+            while flooding():
                 await asyncio.gather(*(poll(w) for w in watches))
                 await asyncio.sleep(settings.poll_s)
 
@@ -192,7 +209,7 @@ async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
             sent=sum(statuses.values()),
             statuses=dict(statuses),
             prefix_tokens=dims.max_history_tokens,
-            prefix_bytes=dims.max_history_tokens * dims.kv_bytes_per_token,
+            prefix_bytes=prefix_bytes,
             overhead_bytes=overhead,
             rankers=watches,
         )
