@@ -67,7 +67,10 @@ LENGTH_STEP = 512
 
 def mesh_spec(kind: str, model_path: Path, args: argparse.Namespace) -> MeshSpec:
     ranker = ranker_args(model_path, args.hbm_mb)
-    trigger = ("--slo-ms", str(args.slo_ms), "--margin-ms", str(args.margin_ms))
+    trigger = (
+        "--slo-ms", str(args.slo_ms), "--margin-ms", str(args.margin_ms),
+        "--expected-gap-ms", str(args.gap_ms),
+    )  # fmt: skip
     base = MeshSpec(rankers=2, ranker_args=ranker, trigger_args=trigger)
     return {
         "system": base,

@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> dict:
                 "--slo-ms", str(args.slo_ms), "--margin-ms", str(args.margin_ms),
                 "--relay-budget-share", str(args.relay_share),
                 "--prefill-share", str(args.prefill_share),
+                "--expected-gap-ms", str(args.gap_ms),
             ),
         )  # fmt: skip
         with LocalMesh(mesh_spec) as mesh:

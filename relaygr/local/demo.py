@@ -192,7 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = MeshSpec(
             rankers=2,
             ranker_args=("--model-config", str(model_path), "--device", "cpu"),
-            trigger_args=("--slo-ms", str(knobs["slo_ms"]), "--margin-ms", str(knobs["margin_ms"])),
+            trigger_args=(
+                "--slo-ms",
+                str(knobs["slo_ms"]),
+                "--margin-ms",
+                str(knobs["margin_ms"]),
+                "--expected-gap-ms",
+                str(spec.gap_s * 1e3),
+            ),
         )
         for kind in dict.fromkeys(p[2] for p in phases):
             mesh_spec = base

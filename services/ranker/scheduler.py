@@ -272,15 +272,17 @@ class ComputeScheduler:
             ms = job.next_step_ms
             try:
                 self._executor(job)
+            # The books close before the waiter hears: what it reads next (the event log, the
+            # queued total) already counts this job as finished.
             except StopIteration as done:
                 job.finished_ns = time.time_ns()
-                job.future.set_result(done.value)
                 self._end(job, "done")
+                job.future.set_result(done.value)
                 continue
             except Exception as err:  # delivered to the waiter, which maps it to a status
                 job.finished_ns = time.time_ns()
-                job.future.set_exception(err)
                 self._end(job, "failed")
+                job.future.set_exception(err)
                 continue
             with self._cond:
                 self._ran_step(job, ms)
@@ -296,8 +298,9 @@ class ComputeScheduler:
         if not job.future.set_running_or_notify_cancel():
             outcome = "cancelled"
         elif job.deadline is not None and self.clock() > job.deadline:
+            self._end(job, "expired")
             job.future.set_exception(DeadlineExceeded(f"{job.name}: deadline passed while queued"))
-            outcome = "expired"
+            return False
         else:
             job.started_ns = time.time_ns()
             return True

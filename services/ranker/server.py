@@ -114,11 +114,18 @@ def ranker_record(
     )
 
 
-def calibrate_alone(cfg: RankerConfig, model: RankingModel) -> tuple[CostModel, list[Sample]]:
-    """Calibrate under the host-wide lock: rankers sharing this host's cores time their model
-    one at a time, each with the cores to itself, as it will serve (blocks; run in a thread)."""
+def calibrate_alone(
+    cfg: RankerConfig, model: RankingModel | None
+) -> tuple[RankingModel, CostModel, list[Sample]]:
+    """Load the model (None: from `cfg`) and calibrate it under the host-wide lock: rankers
+    sharing this host's cores time their model one at a time, each with the cores to itself, as
+    it will serve (blocks; run in a thread). Loading is inside the lock too: a ranker starting
+    torch and building its weights takes the cores another's timings need (measured: a ranker
+    timed beside two loading ones published costs 1.4-1.5x too high)."""
     _log.info("waiting for the host's calibration lock")
     with host_lock(cfg.calibration_lock_dir) as path:
+        if model is None:
+            model = load_model(cfg)
         _log.info("calibrating (holding %s)", path)
         samples = measure(
             model,
@@ -128,7 +135,7 @@ def calibrate_alone(cfg: RankerConfig, model: RankingModel) -> tuple[CostModel, 
             cfg.calibration_repeats,
         )
         reload = reload_ms_per_mb(model.device)
-    return fit_cost_model(samples, reload), samples
+    return model, fit_cost_model(samples, reload), samples
 
 
 def timing_sink(learner: CostLearner) -> ComputeSink:
@@ -247,19 +254,19 @@ async def start_ranker(
     )
     instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
     ranker = RankerServer(server, servicer, instance_id, metrics_server=metrics_server)
-    if model is None:
-        model = await asyncio.to_thread(load_model, cfg)
     learner = None
     if cost_model is None:
-        calibrated, samples = await asyncio.to_thread(calibrate_alone, cfg, model)
-        _log.info("calibrated %s: %s", model.device, calibrated)
+        loaded, calibrated, samples = await asyncio.to_thread(calibrate_alone, cfg, model)
+        _log.info("calibrated %s: %s", loaded.device, calibrated)
         cost_model, learner = calibrated, CostLearner(samples, calibrated)
+    else:
+        loaded = model if model is not None else await asyncio.to_thread(load_model, cfg)
     timings = None if learner is None else timing_sink(learner)
     ranker.engine = build_engine(
-        cfg, model, cost_model, observer=engine_observer(telemetry.tracer, timings)
+        cfg, loaded, cost_model, observer=engine_observer(telemetry.tracer, timings)
     )
     metrics.engine = ranker.engine
-    servicer.configure(instance_id, str(model.device))
+    servicer.configure(instance_id, str(loaded.device))
     servicer.attach(ranker.engine)
     await server.set_serving(True)
     if cfg.etcd_endpoints:
@@ -267,7 +274,7 @@ async def start_ranker(
         metrics.etcd_connected = lambda: ranker.mesh is not None and ranker.mesh.etcd.connected
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         await mesh.cluster.register(
-            ranker_record(instance_id, address, model, cost_model, cfg), cfg.lease_ttl_s
+            ranker_record(instance_id, address, loaded, cost_model, cfg), cfg.lease_ttl_s
         )
     if learner is not None:
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
@@ -276,15 +283,15 @@ async def start_ranker(
                 ranker,
                 learner,
                 cfg,
-                lambda cost: ranker_record(instance_id, address, model, cost, cfg),
+                lambda cost: ranker_record(instance_id, address, loaded, cost, cfg),
             )
         )
     _log.info(
         "ranker %s serving on port %d: model %s on %s, relay %s",
         instance_id,
         server.port,
-        model.model_version,
-        model.device,
+        loaded.model_version,
+        loaded.device,
         "on" if cfg.relay_enabled else "off (bypass)",
     )
     return ranker

@@ -34,8 +34,8 @@ class TriggerConfig(ServiceOptions):
         default=1000.0,
         metadata=helped(
             "expected time from retrieval to the Rank, ms: a relay is admitted only where its"
-            " prefill, queued behind the ranker's, ends margin_ms before it (LOAD_LIMIT), and"
-            " its PreInfer tells the ranker when the Rank is due"
+            " prefill, queued behind the ranker's, starts before the Rank arrives (else"
+            " LOAD_LIMIT), and its PreInfer tells the ranker when the Rank is due"
         ),
     )
     prefill_share: float = field(

@@ -66,10 +66,10 @@ class AdmissionPolicy:
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
     order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
     there (`RelayRoom.fits`: no unexpired refusal either) and its prefill, queued behind the
-    ranker's reported and this trigger's unreported prefill, ends within expected_gap_ms -
-    margin_ms; none -> LOAD_LIMIT if the relay had room somewhere, else NO_ROOM if it fits some
-    ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays every event that is not a
-    duplicate to the owner. An admitted relay is booked at once on its target.
+    ranker's reported and this trigger's unreported prefill, starts before its Rank is expected
+    (expected_gap_ms); none -> LOAD_LIMIT if the relay had room somewhere, else NO_ROOM if it
+    fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays every event that
+    is not a duplicate to the owner. An admitted relay is booked at once on its target.
     """
 
     def __init__(self, cfg: TriggerConfig) -> None:
@@ -119,7 +119,11 @@ class AdmissionPolicy:
         """The first ranker of `order` with room and time for the relay (ADMITTED there), or
         why there is none."""
         cfg = self.cfg
-        deadline_ms = cfg.expected_gap_ms - cfg.margin_ms
+        # The Rank arrives after the gap and then either waits for its prefix or computes it in
+        # full, whichever the ranker predicts is sooner: a relay whose prefill starts before
+        # then saves its Rank the prefill already done; one that would start later saves
+        # nothing and only adds background work.
+        start_by_ms = cfg.expected_gap_ms
         reason = Reason.FOOTPRINT_LIMIT
         for ranker in order:
             nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
@@ -130,7 +134,7 @@ class AdmissionPolicy:
                 continue
             reason = Reason.LOAD_LIMIT
             decided = self._decision(event, ranker, predicted, digest)
-            if self.room.queued_ms(ranker.instance_id, now) + decided.prefill_ms <= deadline_ms:
+            if self.room.queued_ms(ranker.instance_id, now) < start_by_ms:
                 return decided
         return Decision(reason)
 

@@ -104,9 +104,9 @@ async def test_a_burst_never_overfills_a_ranker(
         ranker: dict[str, object] = {"hbm_budget_mb": 3.5 * relay_bytes / 2**20}
         trigger: dict[str, object] = {"relay_budget_share": 0.9}
         expected = Reason.ADMISSION_REASON_NO_ROOM
-    else:  # prefill must end within 27 - 1 = 26 ms: 3 relays of ~8.3 ms on each ranker
+    else:  # a prefill must start within 20 ms: 3 relays of ~8.3 ms on each ranker
         ranker = {"max_queued_prefills": 8}
-        trigger = {"expected_gap_ms": 27.0, "observe_interval_ms": 60_000}  # one observation
+        trigger = {"expected_gap_ms": 20.0, "observe_interval_ms": 60_000}  # one observation
         expected = Reason.ADMISSION_REASON_LOAD_LIMIT
 
     async with running_mesh(etcd_server.endpoint, model) as mesh:

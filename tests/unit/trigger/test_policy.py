@@ -134,7 +134,7 @@ class Case:
     before: Callable[[AdmissionPolicy, RankerRecord], None] = _nothing
 
 
-BUSY = {"expected_gap_ms": 30.0}  # a prefill must end within 30 - 5 = 25 ms: room for one
+BUSY = {"expected_gap_ms": PREFILL_MS}  # one queued prefill: the next would start too late
 SMALL_HBM = {"hbm_budget_bytes": 100_000}  # relay budget 90,000 < NBYTES
 
 CASES = [
@@ -454,7 +454,7 @@ def test_live_override_rejected_naming_key_and_source(
 Y, Z = "ranker-1", "ranker-2"
 ORDER = (X, Y, Z)  # the user's fallback order, owner first
 FULL = seen(10**9 - NBYTES + 1)  # one byte short of room for the relay
-BUSY_QUEUE = seen(0, queued_ms=1000 - 5 - PREFILL_MS + 0.25)  # the prefill would end 0.25 late
+BUSY_QUEUE = seen(0, queued_ms=1000)  # the prefill would start as its Rank arrives: too late
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -561,17 +561,17 @@ def test_a_relay_that_landed_elsewhere_holds_its_bytes_there() -> None:
 
 @pytest.mark.parametrize(
     ("queued_ms", "reason"),
-    [(1000 - 5 - PREFILL_MS, Reason.ADMITTED), (1000 - 5 - PREFILL_MS + 0.25, Reason.LOAD_LIMIT)],
+    [(1000 - 0.25, Reason.ADMITTED), (1000, Reason.LOAD_LIMIT)],
 )
 def test_load_limit_boundary_is_exact(queued_ms: float, reason: Reason) -> None:
-    # the prefill must end by expected_gap_ms - margin_ms = 995 ms: queued + 17.5 <= 995
+    # the prefill must start before its Rank is expected: queued < expected_gap_ms = 1000
     policy = AdmissionPolicy(config())
     policy.room.observe(X, seen(0, queued_ms=queued_ms), NOW)
     assert policy.decide(event(), [ranker()], NOW).reason is reason
 
 
 def test_prefill_admitted_since_the_observation_counts_until_one_sent_after_it() -> None:
-    policy = AdmissionPolicy(config(expected_gap_ms=45.0))  # 40 ms: two prefills of 17.5
+    policy = AdmissionPolicy(config(expected_gap_ms=2 * PREFILL_MS))  # a third starts too late
     policy.room.observe(X, seen(0, queued_ms=0.0), 0.0)
     relay(policy, "a", now=0.1)
     relay(policy, "b", now=0.2)
@@ -585,7 +585,7 @@ def test_prefill_admitted_since_the_observation_counts_until_one_sent_after_it()
 
 
 def test_a_failed_relay_releases_its_prefill_at_once() -> None:
-    policy = AdmissionPolicy(config(expected_gap_ms=30.0))  # room for one prefill
+    policy = AdmissionPolicy(config(expected_gap_ms=PREFILL_MS))  # room for one prefill
     relay(policy, "a", now=0.0)
     assert policy.decide(event("b"), [ranker()], 0.0).reason is Reason.LOAD_LIMIT
     policy.failed("a", "digest-a")
