@@ -43,8 +43,9 @@ def git_commit() -> str:
     without git or outside a repository."""
     try:
         head = _git("rev-parse", "HEAD")
-        # Results being written (a benchmark saves after each seed) do not make the code dirty.
-        dirty = bool(_git("status", "--porcelain", "--", ".", ":!bench/results"))
+        # Results and docs being written (a benchmark saves and renders after each seed) do not
+        # make the code dirty.
+        dirty = bool(_git("status", "--porcelain", "--", ".", ":!bench/results", ":!docs"))
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}-dirty" if dirty else head
