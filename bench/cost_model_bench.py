@@ -24,7 +24,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-from report import add_render_arguments, machine_info, publish, reproduce_command, run_stamp
+from report import (
+    add_render_arguments,
+    comma_ints,
+    machine_info,
+    publish,
+    reproduce_command,
+    run_stamp,
+)
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.local.mesh import LocalMesh, MeshSpec
@@ -197,16 +204,12 @@ def render(saved: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(s) for s in text.split(",")]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--starts", type=int, default=3, help="fresh meshes")
-    parser.add_argument("--lengths", type=parse_ints, default=[256, 2048, 8192], help="N,N")
+    parser.add_argument("--lengths", type=comma_ints, default=[256, 2048, 8192], help="N,N")
     parser.add_argument("--candidates", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="Ranks per length per ranker")
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))

@@ -42,7 +42,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from report import add_render_arguments, machine_info, publish, reproduce_command, run_stamp
+from report import (
+    add_render_arguments,
+    comma_ints,
+    machine_info,
+    publish,
+    reproduce_command,
+    run_stamp,
+)
 
 from relaygr.behaviours import UserId
 from services.ranker import kv_store
@@ -304,15 +311,11 @@ def render(saved: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_sizes(text: str) -> list[int]:
-    return [int(s) for s in text.split(",")]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=parse_sizes, default=[100, 10_000], help="N,N")
+    parser.add_argument("--sizes", type=comma_ints, default=[100, 10_000], help="N,N")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=10, help="stores per repeat")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per store")

@@ -80,6 +80,11 @@ RECORDED = ("command", "machine")
 RECORDED_MACHINE = ("date", "commit", "machine", "threads")
 
 
+def comma_ints(text: str) -> list[int]:
+    """An option's "N,N,..." as integers (argparse `type=`)."""
+    return [int(s) for s in text.split(",")]
+
+
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     """--no-docs and --from-json: every benchmark can re-render a saved result, running nothing."""
     parser.add_argument("--no-docs", action="store_true", help="only print; do not update docs/")
