@@ -45,7 +45,9 @@ def git_commit() -> str:
         head = _git("rev-parse", "HEAD")
         # Results and docs being written (a benchmark saves and renders after each seed) do not
         # make the code dirty.
-        dirty = bool(_git("status", "--porcelain", "--", ".", ":!bench/results", ":!docs"))
+        # (Pathspecs from the top: git runs in bench/.)
+        outputs = (":(top,exclude)bench/results", ":(top,exclude)docs")
+        dirty = bool(_git("status", "--porcelain", "--", ":(top)", *outputs))
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}-dirty" if dirty else head
