@@ -174,6 +174,10 @@ class MemoryCluster:
             return None
         return placement
 
+    def placements(self) -> int:
+        """Directory entries held, expired ones not yet noticed included."""
+        return len(self._placements)
+
     def lookup(self, user_id: str) -> str | None:
         placement = self.entry(user_id)
         return None if placement is None else placement.instance_id

@@ -37,6 +37,19 @@ class CostModel:
     def prefill_ms(self, tokens: int) -> float:
         return self.fixed_ms + self.per_token_ms * tokens + self.per_pair_ms * tokens * tokens / 2
 
+    def rank_ms(self, cached_tokens: int, new_tokens: int, candidates: int) -> float:
+        """One call on a cached prefix of `cached_tokens`: computing `new_tokens` (the short-term
+        behaviours) on top of it and scoring `candidates` against all of them. A prefill of
+        t tokens followed by this call costs `full_ms(t + new_tokens, candidates)` plus one
+        more call's fixed cost."""
+        tokens = cached_tokens + new_tokens
+        return (
+            self.fixed_ms
+            + self.per_token_ms * (new_tokens + candidates)
+            + self.per_pair_ms * (new_tokens * cached_tokens + new_tokens * new_tokens / 2)
+            + self.per_candidate_key_ms * candidates * tokens
+        )
+
     def reload_ms(self, nbytes: int) -> float:
         return self.reload_ms_per_mb * nbytes / 2**20
 

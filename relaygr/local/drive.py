@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -89,6 +89,16 @@ async def set_trigger_mode(
     raise TimeoutError(f"trigger did not switch to mode {mode}")
 
 
+class Scheduled(Protocol):
+    """An arrival as a run's sums see it (`Arrival`, or the simulator's `Visit`)."""
+
+    @property
+    def at(self) -> float: ...
+
+    @property
+    def prefix_tokens(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One sent arrival: its Rank, and its retrieval event when the driver had a trigger.
@@ -145,7 +155,7 @@ class Point:
         cls,
         label: str,
         rate: float,
-        arrivals: Sequence[Arrival],
+        arrivals: Sequence[Scheduled],
         records: Sequence[RequestRecord],
         warmup_s: float,
     ) -> Point:
@@ -169,7 +179,7 @@ class Point:
             relayed=sum(r.relayed for r in answered),
             reasons=dict(reasons),
             relayed_tokens=sum(
-                arrivals[r.index].request.prefix.num_tokens for r in counted if r.admitted
+                arrivals[r.index].prefix_tokens for r in counted if r.admitted
             ),
             duration_s=(arrivals[-1].at - warmup_s) if counted else 0.0,
             latencies_ms=latencies,

@@ -20,12 +20,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId, as_int64
 from relaygr.errors import InvalidInput
 from services.ranker.synthetic import DEFAULT_ACTIONS, ITEM_ID_BITS
+
+V_co = TypeVar("V_co", covariant=True)
 
 T0 = 1_700_000_000
 HISTORY_SPAN_S = 10**7  # a first-seen user's long-term behaviours lie in the ~4 months before T0
@@ -84,6 +87,10 @@ class Arrival:
     at: float  # seconds from the start: retrieval (PreInfer) time; Rank at at + gap
     request: RankInput
 
+    @property
+    def prefix_tokens(self) -> int:
+        return self.request.prefix.num_tokens
+
 
 def zipf_ranks(rng: np.random.Generator, users: int, s: float, size: int) -> np.ndarray:
     """`size` user indices in [0, users), index k drawn with weight ~ (k + 1)^-s.
@@ -110,6 +117,22 @@ def _behaviours(rng: np.random.Generator, n: int, low: int, high: int) -> Behavi
         rng.integers(1, DEFAULT_ACTIONS, n),
         _sorted_times(rng, n, low, high),
     )
+
+
+def first_length(rng: np.random.Generator, spec: WorkloadSpec) -> int:
+    """A first-seen user's long-term length: the first draw of the user's own generator."""
+    return int(np.clip(
+        rng.lognormal(math.log(spec.median_long_term), spec.long_term_sigma),
+        spec.min_long_term, spec.max_long_term,
+    ))  # fmt: skip
+
+
+def new_behaviours(rng: np.random.Generator, spec: WorkloadSpec, room: int) -> int:
+    """How many long-term behaviours a return visit brings (at most `room`): the first draws
+    of the visit's own generator."""
+    if room <= 0 or rng.random() >= spec.new_behaviours_p:
+        return 0
+    return min(int(rng.integers(1, spec.new_behaviours_max + 1)), room)
 
 
 @dataclass(slots=True)
@@ -142,19 +165,14 @@ class Population:
     def _first_history(self, user: int) -> tuple[np.ndarray, Behaviours]:
         spec = self.spec
         rng = np.random.default_rng((self.seed, user))
-        n = int(np.clip(
-            rng.lognormal(math.log(spec.median_long_term), spec.long_term_sigma),
-            spec.min_long_term, spec.max_long_term,
-        ))  # fmt: skip
+        n = first_length(rng, spec)
         features = rng.integers(0, 1 << 40, spec.user_features)
         return features, _behaviours(rng, n, T0 - HISTORY_SPAN_S, T0 - HISTORY_SPAN_S // 2)
 
     def _new_behaviours(self, user: int, visit: int, room: int, low: int, high: int) -> Behaviours:
         rng = np.random.default_rng((self.seed, user, visit))
-        if room <= 0 or rng.random() >= self.spec.new_behaviours_p:
-            return Behaviours.empty()
-        n = min(int(rng.integers(1, self.spec.new_behaviours_max + 1)), room)
-        return _behaviours(rng, n, low, high)
+        n = new_behaviours(rng, self.spec, room)
+        return _behaviours(rng, n, low, high) if n else Behaviours.empty()
 
     def history(self, user: int, now: int) -> Prefix:
         """User `user`'s prefix at a visit at `now` (Unix seconds, not before its last visit).
@@ -186,7 +204,29 @@ class Population:
         return self.visit(user, now)
 
 
+class Visitors(Protocol[V_co]):
+    """A population the arrival process draws from (`Population`, or the simulator's, which
+    keeps lengths only)."""
+
+    @property
+    def spec(self) -> WorkloadSpec: ...
+
+    @property
+    def rng(self) -> np.random.Generator: ...
+
+    def visit(self, user: int, now: int) -> V_co: ...
+
+    def history(self, user: int, now: int) -> object: ...
+
+
 def poisson_arrivals(population: Population, rate: float, duration_s: float) -> list[Arrival]:
+    """`poisson_visits` of a `Population`, as arrivals."""
+    return [Arrival(at, request) for at, request in poisson_visits(population, rate, duration_s)]
+
+
+def poisson_visits(
+    population: Visitors[V_co], rate: float, duration_s: float
+) -> list[tuple[float, V_co]]:
     """Open-loop schedule of `rate` visits per second for `duration_s`, fixed before anything
     is sent: sessions start as a Poisson process at rate * (1 - revisit_p) (so that visits,
     returns included, average `rate`), each visit followed by a return with `revisit_p`.
@@ -197,7 +237,7 @@ def poisson_arrivals(population: Population, rate: float, duration_s: float) -> 
     spec, rng = population.spec, population.rng
     start_rate = rate * (1.0 - spec.revisit_p)
     pending: list[tuple[float, int, int]] = []  # (time, tie-breaker, user) of return visits
-    arrivals: list[Arrival] = []
+    arrivals: list[tuple[float, V_co]] = []
     t = -burn_in_s(spec) + float(rng.exponential(1.0 / start_rate))
     order = 0
     while True:
@@ -211,7 +251,7 @@ def poisson_arrivals(population: Population, rate: float, duration_s: float) -> 
         else:
             break
         if at >= 0:
-            arrivals.append(Arrival(at, population.visit(user, T0 + int(at))))
+            arrivals.append((at, population.visit(user, T0 + int(at))))
         else:
             population.history(user, T0 + int(at))
         if rng.random() < spec.revisit_p:

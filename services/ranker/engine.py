@@ -5,7 +5,6 @@ import contextlib
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import torch
@@ -13,43 +12,31 @@ import torch
 from relaygr.behaviours import Prefix, RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from services.ranker.chunks import Span, chunk_ms, extension_spans, prefill_spans
 from services.ranker.digest import PrefixHasher
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.model import RankingModel
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.plan import Held, Source, cheapest, sooner
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Job, Priority, Steps
 from services.ranker.validation import validate_prefix, validate_rank_input
 
-
-class _Source(StrEnum):
-    """How a missing device-resident prefix gets made."""
-
-    RELOAD = "reload"
-    EXTEND = "extend"
-    PREFILL = "prefill"
-
-
 _PRE_INFER_OUTCOME = {
-    _Source.RELOAD: PreInferOutcome.RELOADED,
-    _Source.EXTEND: PreInferOutcome.EXTENDED,
-    _Source.PREFILL: PreInferOutcome.COMPUTED,
+    Source.RELOAD: PreInferOutcome.RELOADED,
+    Source.EXTEND: PreInferOutcome.EXTENDED,
+    Source.PREFILL: PreInferOutcome.COMPUTED,
 }
 _RANK_OUTCOME = {
-    _Source.RELOAD: CacheOutcome.DRAM_HIT,
-    _Source.EXTEND: CacheOutcome.EXTENDED,
-    _Source.PREFILL: CacheOutcome.MISS,
+    Source.RELOAD: CacheOutcome.DRAM_HIT,
+    Source.EXTEND: CacheOutcome.EXTENDED,
+    Source.PREFILL: CacheOutcome.MISS,
 }
 _WORK = {
-    _Source.RELOAD: Work.RELOAD,
-    _Source.EXTEND: Work.EXTEND,
-    _Source.PREFILL: Work.PREFILL,
+    Source.RELOAD: Work.RELOAD,
+    Source.EXTEND: Work.EXTEND,
+    Source.PREFILL: Work.PREFILL,
 }
-# A Rank computes its prefix itself only when that is predicted sooner than waiting by more than
-# rounding: the two sums of the same costs differ in their last bits, and ties wait.
-_SOONER = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +69,7 @@ class RankResult:
 class _Inflight:
     job: Job
     task: asyncio.Task[PrefixKV]
-    source: _Source
+    source: Source
     computed_tokens: int  # prefix tokens this job computes (0 for a reload)
     relay: bool  # started by a PreInfer (its entry lands pinned for a relay window)
     # What the landed entry records as its origin: the requester, except that a Rank's reload
@@ -96,7 +83,7 @@ class _Inflight:
 class _Plan:
     """How to make a prefix device-resident: the job's steps and each step's predicted time."""
 
-    source: _Source
+    source: Source
     steps: Steps
     computed_tokens: int  # prefix tokens it computes (0 for a reload)
     step_ms: tuple[float, ...]
@@ -120,7 +107,7 @@ class RankerEngine:
     def __init__(
         self,
         model: RankingModel,
-        store: KVStore,
+        store: KVStore[PrefixKV],
         scheduler: ComputeScheduler,
         cost_model: CostModel,
         settings: EngineSettings,
@@ -243,7 +230,7 @@ class RankerEngine:
             outcome = _RANK_OUTCOME[mine.source]
             computed += mine.computed_tokens
             relayed = False
-            consumed = mine.origin if mine.source is _Source.RELOAD else None
+            consumed = mine.origin if mine.source is Source.RELOAD else None
         scores = await self._run(
             "rank",
             Work.RANK,
@@ -310,7 +297,7 @@ class RankerEngine:
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
         plan = self._plan(key, prefix, chunk)
         source, computed = plan.source, plan.computed_tokens
-        if source is _Source.RELOAD and pin_for is None:
+        if source is Source.RELOAD and pin_for is None:
             origin = self._reload_origin(key, origin)
         job = self.scheduler.submit(
             f"{source}:{key.user_id}",
@@ -349,13 +336,14 @@ class RankerEngine:
         if job.priority is not Priority.BACKGROUND:
             return False
         plan = self._plan(key, prefix, None)
-        sooner = sum(plan.step_ms) < job.remaining_ms * (1 - _SOONER)
-        if not sooner or not self.scheduler.restart(job, plan.steps, plan.step_ms, deadline):
+        if not sooner(sum(plan.step_ms), job.remaining_ms) or not self.scheduler.restart(
+            job, plan.steps, plan.step_ms, deadline
+        ):
             plan.steps.close()
             return False
         inflight.source, inflight.computed_tokens = plan.source, plan.computed_tokens
         inflight.relay, inflight.taken_over = False, True
-        if plan.source is _Source.RELOAD:
+        if plan.source is Source.RELOAD:
             inflight.origin = self._reload_origin(key, origin)
         return True
 
@@ -379,32 +367,39 @@ class RankerEngine:
             del self._inflight[key]
 
     def _plan(self, key: CacheKey, prefix: Prefix, chunk: int | None) -> _Plan:
-        """Reload a host copy when cheaper than recomputing, else extend a cached shorter
-        prefix of the user's, else prefill; computing in `chunk`-token steps (None: one call)."""
+        """The cheapest way to make `key` device-resident (`plan.cheapest`) and its steps:
+        computing in `chunk`-token steps (None: one call)."""
         device = self.model.device
-        cost = self.cost_model
         held = self.store.peek(key, Tier.DRAM)
-        if held is not None and cost.reload_is_cheaper(held.nbytes, prefix.num_tokens):
-            host = held.kv
-            move = (cost.reload_ms(held.nbytes),)
-            return _Plan(_Source.RELOAD, self._once(lambda: host.to(device)), 0, move)
-        size = chunk if chunk is not None else max(prefix.num_tokens, 1)
-        features, behaviours = len(prefix.user_features), len(prefix.long_term)
         base = self._extendable(key, prefix)
-        if base is not None:
-            delta = prefix.num_tokens - base.num_tokens
-            spans = extension_spans(features, base.num_behaviours, behaviours, size)
-            bring = 0.0 if base.device == device else cost.reload_ms(base.nbytes)
-            steps = self._extend_steps(base, prefix, size)
-            timed = self._timed(steps, Work.EXTEND, prefix.num_tokens, base.num_tokens, 0)
-            return _Plan(_Source.EXTEND, timed, delta, (bring, *self._spans_ms(spans)))
-        spans = prefill_spans(features, behaviours, size)
-        steps = self._prefill_steps(prefix, size)
-        timed = self._timed(steps, Work.PREFILL, prefix.num_tokens, None, 0)
-        return _Plan(_Source.PREFILL, timed, prefix.num_tokens, self._spans_ms(spans))
-
-    def _spans_ms(self, spans: list[Span]) -> tuple[float, ...]:
-        return tuple(chunk_ms(self.cost_model, span) for span in spans)
+        costed = cheapest(
+            self.cost_model,
+            len(prefix.user_features),
+            len(prefix.long_term),
+            None if held is None else _held(held.kv, device),
+            None if base is None else _held(base, device),
+            chunk,
+        )
+        size = chunk if chunk is not None else max(prefix.num_tokens, 1)
+        steps: Generator[None, None, Any]
+        if costed.source is Source.RELOAD:
+            assert held is not None
+            host = held.kv
+            steps = self._once(lambda: host.to(device))
+        elif costed.source is Source.EXTEND:
+            assert base is not None
+            steps = self._timed(
+                self._extend_steps(base, prefix, size),
+                Work.EXTEND,
+                prefix.num_tokens,
+                base.num_tokens,
+                0,
+            )
+        else:
+            steps = self._timed(
+                self._prefill_steps(prefix, size), Work.PREFILL, prefix.num_tokens, None, 0
+            )
+        return _Plan(costed.source, steps, costed.computed_tokens, costed.step_ms)
 
     def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
         """The user's newest cached prefix that is a strict prefix of `prefix`, if any."""
@@ -496,3 +491,7 @@ class RankerEngine:
     def _entry_origin(self, key: CacheKey, tier: Tier) -> Origin | None:
         entry = self.store.peek(key, tier)
         return None if entry is None else entry.origin
+
+
+def _held(kv: PrefixKV, device: torch.device) -> Held:
+    return Held(kv.num_behaviours, kv.num_tokens, kv.nbytes, kv.device == device)

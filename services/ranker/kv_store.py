@@ -5,12 +5,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Generic, Protocol, TypeVar
 
 from relaygr.behaviours import UserId
 from services.ranker.digest import PrefixDigest
 from services.ranker.keyed_heap import KeyedHeap
 from services.ranker.observer import Origin
-from services.ranker.prefix_kv import ModelVersion, PrefixKV
+from services.ranker.prefix_kv import ModelVersion
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +50,21 @@ class KVStats:
     relays_dropped_unconsumed: int = 0  # entries that left a tier while still pinned
 
 
+class Cached(Protocol):
+    """What the store needs of a cached prefix: its size. The ranker stores `PrefixKV`; the
+    simulator stores sizes alone."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+KV = TypeVar("KV", bound=Cached)
+
+
 @dataclass(slots=True)
-class Entry:
+class Entry(Generic[KV]):
     key: CacheKey
-    kv: PrefixKV
+    kv: KV
     nbytes: int
     stored_at: float
     pinned_until: float | None = None  # relay window end while awaiting its Rank
@@ -68,7 +80,7 @@ class Entry:
 
 
 @dataclass(slots=True)
-class _Tier:
+class _Tier(Generic[KV]):
     """One tier's entries, with running totals and orders kept as entries change.
 
     Invariants: `used` and `pinned_bytes` are the sizes of all and of the pinned entries.
@@ -82,7 +94,7 @@ class _Tier:
 
     budget: int
     ttl: float | None
-    entries: dict[CacheKey, Entry] = field(default_factory=dict)
+    entries: dict[CacheKey, Entry[KV]] = field(default_factory=dict)
     lru: OrderedDict[CacheKey, None] = field(default_factory=OrderedDict)
     released: KeyedHeap[CacheKey] = field(default_factory=KeyedHeap)
     pins: KeyedHeap[CacheKey] = field(default_factory=KeyedHeap)
@@ -90,7 +102,7 @@ class _Tier:
     used: int = 0
     pinned_bytes: int = 0
 
-    def add(self, entry: Entry, use: int) -> None:
+    def add(self, entry: Entry[KV], use: int) -> None:
         """Add an entry at its first use (`use` is the newest use number)."""
         key = entry.key
         self.entries[key] = entry
@@ -104,7 +116,7 @@ class _Tier:
         if self.ttl is not None:
             self.stale_at.set(key, entry.stored_at + self.ttl)
 
-    def remove(self, key: CacheKey) -> Entry:
+    def remove(self, key: CacheKey) -> Entry[KV]:
         """Take the entry out; it keeps its pin, so the caller can tell it was pinned."""
         entry = self.entries.pop(key)
         self.used -= entry.nbytes
@@ -116,7 +128,7 @@ class _Tier:
         self.stale_at.discard(key)
         return entry
 
-    def touch(self, entry: Entry, use: int) -> None:
+    def touch(self, entry: Entry[KV], use: int) -> None:
         """Mark the entry most recently used (`use` is the newest use number)."""
         entry.last_use = use
         key = entry.key
@@ -127,7 +139,7 @@ class _Tier:
                 self.released.discard(key)
                 self.lru[key] = None
 
-    def pin(self, entry: Entry, until: float) -> None:
+    def pin(self, entry: Entry[KV], until: float) -> None:
         if entry.pinned_until is None:
             self.pinned_bytes += entry.nbytes
             if self.lru.pop(entry.key, True):
@@ -136,7 +148,7 @@ class _Tier:
             entry.pinned_until = until
             self.pins.set(entry.key, until)
 
-    def unpin(self, entry: Entry) -> None:
+    def unpin(self, entry: Entry[KV]) -> None:
         if entry.pinned_until is None:
             return
         key = entry.key
@@ -148,7 +160,7 @@ class _Tier:
         else:
             self.released.set(key, entry.last_use)
 
-    def least_recent(self) -> Entry:
+    def least_recent(self) -> Entry[KV]:
         """The unpinned entry used longest ago; the caller knows there is one."""
         oldest = next(iter(self.lru), None)
         first = None if oldest is None else self.entries[oldest]
@@ -169,7 +181,7 @@ class TierUsage:
     entries: int
 
 
-class KVStore:
+class KVStore(Generic[KV]):
     """Prefix caches in two tiers, each under a byte budget that no operation exceeds.
 
     HBM holds entries on the serving device. An entry stored by a PreInfer is pinned until a
@@ -192,9 +204,12 @@ class KVStore:
         dram_budget: int,
         dram_ttl: float,
         clock: Callable[[], float],
-        to_host: Callable[[PrefixKV], PrefixKV],
+        to_host: Callable[[KV], KV],
     ) -> None:
-        self._tiers = {Tier.HBM: _Tier(hbm_budget, None), Tier.DRAM: _Tier(dram_budget, dram_ttl)}
+        self._tiers: dict[Tier, _Tier[KV]] = {
+            Tier.HBM: _Tier(hbm_budget, None),
+            Tier.DRAM: _Tier(dram_budget, dram_ttl),
+        }
         # per user: the keys the store holds, oldest first
         self._by_user: dict[tuple[UserId, ModelVersion], list[CacheKey]] = {}
         self._clock = clock
@@ -214,10 +229,10 @@ class KVStore:
                 return tier
         return None
 
-    def peek(self, key: CacheKey, tier: Tier) -> Entry | None:
+    def peek(self, key: CacheKey, tier: Tier) -> Entry[KV] | None:
         return self._tiers[tier].entries.get(key)
 
-    def get(self, key: CacheKey, tier: Tier) -> PrefixKV | None:
+    def get(self, key: CacheKey, tier: Tier) -> KV | None:
         """The cached prefix, marking it most recently used in that tier."""
         t = self._tiers[tier]
         entry = t.entries.get(key)
@@ -239,7 +254,7 @@ class KVStore:
     # -- changes ---------------------------------------------------------------------------
 
     def put_device(
-        self, key: CacheKey, kv: PrefixKV, pin_for: float | None, origin: Origin | None = None
+        self, key: CacheKey, kv: KV, pin_for: float | None, origin: Origin | None = None
     ) -> bool:
         """Store `kv` in HBM, pinned for `pin_for` seconds (None: unpinned, LRU from the start).
 
@@ -281,7 +296,7 @@ class KVStore:
             self.stats.relays_consumed += 1
         hbm.unpin(entry)
 
-    def put_host(self, key: CacheKey, kv: PrefixKV, origin: Origin | None = None) -> bool:
+    def put_host(self, key: CacheKey, kv: KV, origin: Origin | None = None) -> bool:
         """Store a host copy in DRAM (evicting LRU DRAM entries); False if too large.
 
         A demotion, not a new prefix: it supersedes nothing.

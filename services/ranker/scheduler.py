@@ -253,7 +253,53 @@ class ComputeScheduler:
                 return job
         return None
 
+    # -- stepping --------------------------------------------------------------------------
+
+    def take(self) -> Job | None:
+        """The next job to step, without waiting; None when every queue is empty.
+
+        What the worker thread does between steps, for a caller that runs the steps itself (a
+        simulator on a virtual clock, which then calls `step`). A job due its first step that
+        must not run (deadline passed, future cancelled) is settled here and skipped.
+        """
+        while True:
+            with self._cond:
+                job = self._take()
+                if job is None:
+                    return None
+                self._taken(job)
+            if job.started_ns == 0 and not self._begin(job):
+                continue
+            return job
+
+    def step(self, job: Job) -> bool:
+        """Run `job`'s next step (through the executor) and book it: True when the job ended
+        (its future holds the result or the error), False when it went back to its queue."""
+        ms = job.next_step_ms
+        try:
+            self._executor(job)
+        # The books close before the waiter hears: what it reads next (the event log, the
+        # queued total) already counts this job as finished.
+        except StopIteration as done:
+            job.finished_ns = time.time_ns()
+            self._end(job, "done")
+            job.future.set_result(done.value)
+            return True
+        except Exception as err:  # delivered to the waiter, which maps it to a status
+            job.finished_ns = time.time_ns()
+            self._end(job, "failed")
+            job.future.set_exception(err)
+            return True
+        with self._cond:
+            self._ran_step(job, ms)
+            self._enqueue(job, resume=True)
+        return False
+
     # -- worker ----------------------------------------------------------------------------
+
+    def _taken(self, job: Job) -> None:
+        job.queued = False
+        self._log("step", job)
 
     def _next(self) -> Job | None:
         with self._cond:
@@ -261,32 +307,14 @@ class ComputeScheduler:
                 if self._stopping:
                     return None
                 self._cond.wait()
-            job.queued = False
-            self._log("step", job)
+            self._taken(job)
             return job
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
             if job.started_ns == 0 and not self._begin(job):
                 continue
-            ms = job.next_step_ms
-            try:
-                self._executor(job)
-            # The books close before the waiter hears: what it reads next (the event log, the
-            # queued total) already counts this job as finished.
-            except StopIteration as done:
-                job.finished_ns = time.time_ns()
-                self._end(job, "done")
-                job.future.set_result(done.value)
-                continue
-            except Exception as err:  # delivered to the waiter, which maps it to a status
-                job.finished_ns = time.time_ns()
-                self._end(job, "failed")
-                job.future.set_exception(err)
-                continue
-            with self._cond:
-                self._ran_step(job, ms)
-                self._enqueue(job, resume=True)
+            self.step(job)
 
     def _end(self, job: Job, outcome: str) -> None:
         with self._cond:

@@ -300,8 +300,8 @@ class Forwarder:
                 call = self._connect(route.view[instance].address, route.method)
                 answer = await call(request, time_remaining())
                 if not isinstance(answer, CallFailed):
-                    return self._served(route, answer, instance, attempt, failures)
-                if (refused := self._failed(route, instance, answer)) is not None:
+                    return self.answered(route, answer, instance, attempt, failures)
+                if (refused := self.failed(route, instance, answer)) is not None:
                     return refused
                 failures.append((instance, answer))
         else:
@@ -312,22 +312,27 @@ class Forwarder:
         return _refusal(route.method, failures)
 
     async def settle(self, route: Route, served: Served) -> None:
-        """Book a served request: its placement's load and count, and the directory write a
-        PreInfer placed off its hash owner needs."""
+        """Book a served request (`book`) and write the directory when it must be told."""
+        if self.book(route, served):
+            await self.record(route.user, served.instance)
+
+    def book(self, route: Route, served: Served) -> bool:
+        """Book a served request: its placement's load and count, and the relay on the room
+        view. True when the directory must learn where the user went (a PreInfer placed off its
+        hash owner and not yet recorded there for half a relay window: `directory_write`)."""
         if route.reason is None:
             self.stats.placed_random[route.method] += 1
-            return
+            return False
         if route.placement is None:
-            return  # a Rank: counted when routed
+            return False  # a Rank: counted when routed
         self.load.add(served.instance)
         self.stats.placed[route.placement.reason] += 1
+        now = self._clock()
         if self.room is not None:
             nbytes = route.tokens * route.view[served.instance].kv_bytes_per_token
-            self.room.landed((route.user, route.tokens), served.instance, nbytes, self._clock())
+            self.room.landed((route.user, route.tokens), served.instance, nbytes, now)
         window_s = self.settings.relay_window_s
-        owner = route.placement.owner
-        if directory_write(served.instance, owner, route.known, self._clock(), window_s):
-            await self._record(route.user, served.instance)
+        return directory_write(served.instance, route.placement.owner, route.known, now, window_s)
 
     async def _hedged(
         self,
@@ -367,8 +372,8 @@ class Forwarder:
                     answer = finished.result()
                     if not isinstance(answer, CallFailed):
                         attempts = len(route.order) - len(waiting)
-                        return self._served(route, answer, instance, attempts, failures)
-                    if (refused := self._failed(route, instance, answer)) is not None:
+                        return self.answered(route, answer, instance, attempts, failures)
+                    if (refused := self.failed(route, instance, answer)) is not None:
                         return refused
                     failures.append((instance, answer))
                 if not calls and waiting:
@@ -378,7 +383,7 @@ class Forwarder:
                 call.cancel()
         return failures
 
-    def _failed(self, route: Route, instance: str, failed: CallFailed) -> Refused | None:
+    def failed(self, route: Route, instance: str, failed: CallFailed) -> Refused | None:
         """Count a ranker's error, and learn from a refusal for room; the caller's answer
         unless another ranker may serve."""
         self.stats.forwarded[route.method, failed.status] += 1
@@ -389,7 +394,7 @@ class Forwarder:
             return None
         return Refused(failed.status, failed.details or failed.status.value)
 
-    def _served(
+    def answered(
         self,
         route: Route,
         reply: bytes,
@@ -407,7 +412,8 @@ class Forwarder:
             self.stats.refused_then_spilled += 1
         return Served(reply, instance, attempts, fallback)
 
-    async def _record(self, user: str, instance: str) -> None:
+    async def record(self, user: str, instance: str) -> None:
+        """Tell the directory that the user's cache lives on `instance` (for a relay window)."""
         placement = PlacementRecord(user, instance, self._clock() + self.settings.relay_window_s)
         try:
             if await self._directory.record(placement, instance):

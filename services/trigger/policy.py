@@ -149,6 +149,24 @@ class AdmissionPolicy:
         """The relay's PreInfer came back from `instance`, which pinned `nbytes`."""
         self.room.settle((user_id, digest), instance, nbytes, now)
 
+    def landed(
+        self,
+        decision: Decision,
+        user_id: str,
+        instance: str,
+        nbytes: int,
+        preferred: str,
+        now: float,
+    ) -> bool:
+        """The relay's PreInfer, sent to land on `preferred` ("": wherever the router chose),
+        came back from `instance`, which pinned `nbytes`. True when it landed elsewhere: the
+        preferred ranker refused it (or was down), so it is full until observed otherwise."""
+        self.settled(user_id, decision.digest, instance, nbytes, now)
+        if preferred and instance != preferred:
+            self.room.refuse(preferred, now)
+            return True
+        return False
+
     def failed(self, user_id: str, digest: str) -> None:
         """The relay was not sent, or failed for a reason other than room."""
         self.room.fail((user_id, digest))

@@ -164,10 +164,9 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         policy = self.policy
         if reply is not None:
             self.stats.relayed += 1
-            policy.settled(job.user_id, job.decision.digest, reply.instance_id, reply.kv_bytes, now)
-            if job.preferred_instance and reply.instance_id != job.preferred_instance:
+            instance, preferred = reply.instance_id, job.preferred_instance
+            if policy.landed(job.decision, job.user_id, instance, reply.kv_bytes, preferred, now):
                 self.stats.landed_elsewhere += 1
-                policy.room.refuse(job.preferred_instance, now)
         elif failure is not None and _refused_for_room(failure):
             self.stats.refused += 1
             policy.refused(job.decision, job.user_id, now)

@@ -1,7 +1,7 @@
 """The import rules of DESIGN.md §10, read from the source (AST, no imports executed).
 
-- the base (`relaygr`, minus the local tooling in `relaygr.local` and the `relaygr` command line)
-  never imports a service or the local tooling;
+- the base (`relaygr`, minus the tooling in `relaygr.local` and `relaygr.sim` and the `relaygr`
+  command line) never imports a service or the tooling;
 - a service never imports another service, nor the local tooling;
 - the cores (model, KV store, scheduler, engine, placement, relay room, router forwarder,
   admission policy, cost model) reach no transport and no tracing library, directly or through
@@ -18,12 +18,16 @@ SERVICES = ("ranker", "router", "trigger")
 # The `relaygr` command dispatches to every service and to the local tooling by module name: the
 # entry point sits above everything and is the one base-level module allowed to reach up.
 ENTRY_POINT = "relaygr.cli"
+# Tooling sits above the services: the local mesh and drivers, and the simulator (which runs the
+# services' own cores).
+TOOLING = ("relaygr.local", "relaygr.sim")
 CORES = (
     "services.ranker.engine",
     "services.ranker.kv_store",
     "services.ranker.scheduler",
     "services.ranker.model",
     "services.ranker.cost_model",
+    "services.ranker.plan",
     "services.ranker.cost_fit",
     "services.ranker.cost_learner",
     "services.ranker.host_lock",
@@ -73,7 +77,7 @@ def within(name: str, package: str) -> bool:
 
 def layer(name: str) -> str:
     """'local' (tooling and entry point), 'service:<name>', or 'base'."""
-    if within(name, "relaygr.local") or name == ENTRY_POINT:
+    if any(within(name, package) for package in TOOLING) or name == ENTRY_POINT:
         return "local"
     if within(name, "services"):
         parts = name.split(".")

@@ -1,0 +1,383 @@
+"""A fleet on the virtual clock: one trigger, one router and N rankers, wired as the services are.
+
+The trigger is the real `AdmissionPolicy` (its relay room and books), fed the fallback order the
+service computes and the rankers' Describe answers every `observe_interval_ms`; its dispatcher's
+bounds (queue, concurrency) are kept. The router is the real `Forwarder`: `route` places and
+orders, its counting and learning run on each answer, `book` settles, with the membership and
+directory in a `MemoryCluster` on the same clock. Rankers are `SimRanker`s. What is not
+simulated: the etcd round trips (a directory write is visible at once) and the network beyond a
+fixed per-request overhead (the profile's `request_overhead_ms`, half each way).
+"""
+
+import random
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaygr.cluster import MemoryCluster, RankerRecord
+from relaygr.local.drive import OK, RequestRecord
+from relaygr.placement import route_rank
+from relaygr.room import RelayRoom
+from relaygr.sim.events import EventLoop
+from relaygr.sim.profile import DeviceProfile
+from relaygr.sim.ranker import PreInferReply, RankReply, SimRanker, Status
+from relaygr.sim.workload import Visit
+from services.ranker.config import RankerConfig
+from services.ranker.engine import EngineSettings
+from services.ranker.scheduler import Priority
+from services.router.config import RouterConfig
+from services.router.forward import CallFailed, Forwarder, Method, RelayHint, Route, Served
+from services.router.forward import Status as CallStatus
+from services.trigger.config import Mode, TriggerConfig
+from services.trigger.policy import AdmissionPolicy, Decision, Event
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    """The services' own configurations, as their processes would be given them."""
+
+    rankers: int = 2
+    # (Transport security means nothing here: the configurations say plaintext to be valid.)
+    ranker: RankerConfig = field(default_factory=lambda: RankerConfig(plaintext=True))
+    router: RouterConfig = field(default_factory=lambda: RouterConfig(plaintext=True))
+    trigger: TriggerConfig = field(default_factory=lambda: TriggerConfig(plaintext=True))
+    gap_s: float = 1.0  # retrieval to Rank
+    rank_timeout_s: float = 30.0  # the ranking caller's deadline
+
+    def engine(self) -> EngineSettings:
+        r = self.ranker
+        return EngineSettings(
+            relay_enabled=r.relay_enabled,
+            relay_window_s=r.relay_window_ms / 1e3,
+            prefill_chunk_tokens=r.prefill_chunk_tokens,
+            max_relay_window_s=r.max_relay_window_ms / 1e3,
+        )
+
+
+@dataclass(slots=True)
+class FleetStats:
+    """What the fleet did beyond the per-request records, for sizing."""
+
+    relays_refused: int = 0  # relays no ranker had room for (RESOURCE_EXHAUSTED)
+    relays_failed: int = 0  # relays lost otherwise (ranker down, deadline)
+    dispatch_dropped: int = 0  # admitted relays the dispatcher queue could not take
+    registrations: int = 0  # membership writes (a ranker joining)
+    deregistrations: int = 0  # a ranker leaving (drain) or its lease lapsing (kill)
+    peak_directory_entries: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)  # compute per ranker, seconds
+
+
+def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (the in-memory cluster's) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a simulated call suspended")
+
+
+def _no_transport(address: str, method: Method) -> Any:
+    raise AssertionError("the simulated router calls rankers through the fleet")
+
+
+@dataclass(slots=True)
+class _Relay:
+    index: int
+    visit: Visit
+    decision: Decision
+    due_at: float
+
+
+class Fleet:
+    """Trigger, router and rankers on `loop`; `visit` schedules one arrival's retrieval and Rank.
+
+    Every arrival ends with one `RequestRecord` in `records` (by arrival index), as the real
+    driver's: the Rank's latency from its intended send time, its status and cache outcome, and
+    the trigger's decision.
+    """
+
+    def __init__(
+        self, loop: EventLoop, profile: DeviceProfile, settings: FleetSettings, seed: int
+    ) -> None:
+        self.loop = loop
+        self.profile = profile
+        self.settings = settings
+        self.rng = random.Random(seed)
+        self.cluster = MemoryCluster(clock=loop.clock)
+        self.rankers: dict[str, SimRanker] = {}
+        self.policy = AdmissionPolicy(settings.trigger)
+        router = settings.router
+        forward = router.forward_settings()
+        self.forwarder = Forwarder(
+            forward,
+            self.cluster,
+            self.cluster,
+            _no_transport,
+            clock=loop.clock,
+            draw=self.rng.randrange,
+            room=RelayRoom(forward.relay_window_s, forward.refusal_s),
+        )
+        self.records: dict[int, RequestRecord] = {}
+        self.stats = FleetStats()
+        self._hop_s = profile.request_overhead_ms / 2e3
+        self._waiting: deque[_Relay] = deque()  # the trigger's dispatch queue
+        self._sending = 0
+        self._made = 0
+        for _ in range(settings.rankers):
+            self.add_ranker()
+        self._observe_every(settings.trigger.observe_interval_ms / 1e3, self._trigger_observes)
+        self._observe_every(router.observe_interval_ms / 1e3, self._router_observes)
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add_ranker(self) -> str:
+        index = self._made
+        self._made += 1
+        instance = f"ranker-{index}"
+        ranker = SimRanker(
+            instance,
+            self.loop,
+            self.profile,
+            self.settings.engine(),
+            {
+                Priority.RANK: self.settings.ranker.max_queued_ranks,
+                Priority.BACKGROUND: self.settings.ranker.max_queued_prefills,
+            },
+            self.settings.ranker.dram_ttl_s,
+            random.Random(self.rng.getrandbits(64)),
+        )
+        self.rankers[instance] = ranker
+        run_now(self.cluster.register(ranker.record(index), self.settings.ranker.lease_ttl_s))
+        self.stats.registrations += 1
+        return instance
+
+    def kill(self, instance: str) -> None:
+        """The ranker's process dies; its lease lapses `lease_ttl_s` later."""
+        self.rankers[instance].kill()
+        self.loop.after(self.settings.ranker.lease_ttl_s, self._leave, instance)
+
+    def drain(self, instance: str) -> None:
+        """The ranker deregisters and refuses pre-inference, serves what it has, then stops."""
+        ranker = self.rankers[instance]
+        ranker.draining = True
+        self._leave(instance)
+
+    def _leave(self, instance: str) -> None:
+        if instance in self.cluster.view():
+            run_now(self.cluster.deregister(instance))
+            self.stats.deregistrations += 1
+
+    def live(self) -> list[str]:
+        return list(self.cluster.view())
+
+    # -- observation ------------------------------------------------------------------------
+
+    def _observe_every(self, interval_s: float, observe: Callable[[], None]) -> None:
+        if interval_s <= 0:
+            return
+
+        def tick() -> None:
+            observe()
+            self.loop.after(interval_s, tick)
+
+        self.loop.after(interval_s, tick)
+
+    def _trigger_observes(self) -> None:
+        now, view = self.loop.now, self.cluster.view()
+        for instance in view:
+            ranker = self.rankers[instance]
+            if ranker.alive:
+                self.policy.room.observe(instance, ranker.room(), now)
+        self.policy.sweep(now, view)
+        self.stats.peak_directory_entries = max(
+            self.stats.peak_directory_entries, self.cluster.placements()
+        )
+
+    def _router_observes(self) -> None:
+        room = self.forwarder.room
+        assert room is not None
+        now, view = self.loop.now, self.cluster.view()
+        for instance in view:
+            ranker = self.rankers[instance]
+            if ranker.alive:
+                room.observe(instance, ranker.room(), now)
+        room.sweep(now, view)
+
+    # -- one arrival ------------------------------------------------------------------------
+
+    def visit(self, index: int, visit: Visit) -> None:
+        """Schedule `visit`'s retrieval at its time and its Rank one gap later."""
+        self.loop.at(visit.at, self._retrieval, index, visit)
+        self.loop.at(visit.at + self.settings.gap_s, self._rank, index, visit)
+
+    def _retrieval(self, index: int, visit: Visit) -> None:
+        now = self.loop.now
+        view = self.cluster.view()
+        recorded = self.cluster.lookup(visit.user)
+        order = route_rank(visit.user, view, {} if recorded is None else {visit.user: recorded})
+        event = Event(
+            visit.user,
+            visit.prefix_tokens,
+            visit.short_term,
+            visit.candidates,
+            lambda: str(visit.behaviours),
+        )
+        decision = self.policy.decide(event, [view[i] for i in order], now)
+        self.records[index] = RequestRecord(
+            index, visit.at + self.settings.gap_s, 0.0, "", decision_status=OK,
+            decision=decision.reason.value, admitted=decision.admitted,
+        )  # fmt: skip
+        if not decision.admitted:
+            return
+        cfg = self.settings.trigger
+        if len(self._waiting) >= cfg.dispatch_queue:
+            self.stats.dispatch_dropped += 1
+            self.policy.failed(visit.user, decision.digest)
+            return
+        self._waiting.append(_Relay(index, visit, decision, now + cfg.expected_gap_ms / 1e3))
+        self._dispatch()
+
+    # -- the trigger's dispatcher and the router's PreInfer ---------------------------------
+
+    def _dispatch(self) -> None:
+        while self._waiting and self._sending < self.settings.trigger.dispatch_concurrency:
+            self._sending += 1
+            relay = self._waiting.popleft()
+            self.loop.after(self._hop_s, self._route_pre_infer, relay)
+
+    def _route_pre_infer(self, relay: _Relay) -> None:
+        cfg = self.settings.trigger
+        preferred = relay.decision.target if cfg.mode is Mode.SEQUENCE_AWARE else ""
+        hint = RelayHint(preferred, relay.visit.prefix_tokens)
+        route = self.forwarder.route(Method.PRE_INFER, relay.visit.user, hint)
+        deadline = self.loop.now + cfg.relay_window_ms / 1e3
+        if not isinstance(route, Route):
+            self._relay_done(relay, None, False)
+            return
+        self._try_pre_infer(relay, route, 0, [], deadline)
+
+    def _try_pre_infer(
+        self,
+        relay: _Relay,
+        route: Route,
+        attempt: int,
+        failures: list[tuple[str, CallFailed]],
+        deadline: float,
+    ) -> None:
+        if attempt >= len(route.order):
+            refused = bool(failures) and all(
+                f.status is CallStatus.RESOURCE_EXHAUSTED for _, f in failures
+            )
+            self._relay_done(relay, None, refused)
+            return
+        instance = route.order[attempt]
+        due_in = max(relay.due_at - self.loop.now, 1e-3)
+        window_s = self.settings.trigger.relay_window_ms / 1e3
+
+        def answered(reply: PreInferReply) -> None:
+            if reply.status is Status.OK:
+                served = self.forwarder.answered(route, b"", instance, attempt + 1, failures)
+                self._book(route, served)
+                self.loop.after(
+                    self._hop_s, self._relay_done, relay, (instance, reply.nbytes), False
+                )
+                return
+            failed = CallFailed(CallStatus(reply.status.value), None)
+            if self.forwarder.failed(route, instance, failed) is not None:
+                self.loop.after(self._hop_s, self._relay_done, relay, None, False)
+                return
+            failures.append((instance, failed))
+            self._try_pre_infer(relay, route, attempt + 1, failures, deadline)
+
+        self.rankers[instance].pre_infer(relay.visit, window_s, due_in, deadline, answered)
+
+    def _book(self, route: Route, served: Served) -> None:
+        if self.forwarder.book(route, served):
+            run_now(self.forwarder.record(route.user, served.instance))
+
+    def _relay_done(self, relay: _Relay, landed: tuple[str, int] | None, refused: bool) -> None:
+        """The trigger hears how its PreInfer ended (the dispatcher's `on_outcome`)."""
+        self._sending -= 1
+        now, user, decision = self.loop.now, relay.visit.user, relay.decision
+        if landed is not None:
+            instance, nbytes = landed
+            preferred = decision.target if self.settings.trigger.mode is Mode.SEQUENCE_AWARE else ""
+            self.policy.landed(decision, user, instance, nbytes, preferred, now)
+        elif refused:
+            self.stats.relays_refused += 1
+            self.policy.refused(decision, user, now)
+        else:
+            self.stats.relays_failed += 1
+            self.policy.failed(user, decision.digest)
+        self._dispatch()
+
+    # -- the router's Rank ------------------------------------------------------------------
+
+    def _rank(self, index: int, visit: Visit) -> None:
+        sent = self.loop.now
+        route = self.forwarder.route(Method.RANK, visit.user)
+        deadline = sent + self.settings.rank_timeout_s
+        if not isinstance(route, Route) or not route.order:
+            self._ranked(index, sent, RankReply(Status.UNAVAILABLE), "")
+            return
+        self.loop.after(self._hop_s, self._try_rank, index, visit, route, 0, sent, deadline)
+
+    def _try_rank(
+        self, index: int, visit: Visit, route: Route, attempt: int, sent: float, deadline: float
+    ) -> None:
+        instance = route.order[attempt]
+
+        def answered(reply: RankReply) -> None:
+            if reply.status is Status.OK:
+                self.forwarder.answered(route, b"", instance, attempt + 1, [])
+                self.loop.after(self._hop_s, self._ranked, index, sent, reply, instance)
+                return
+            failed = CallFailed(CallStatus(reply.status.value), None)
+            last = attempt + 1 >= len(route.order)
+            if self.forwarder.failed(route, instance, failed) is not None or last:
+                self.loop.after(self._hop_s, self._ranked, index, sent, reply, instance)
+                return
+            self._try_rank(index, visit, route, attempt + 1, sent, deadline)
+
+        self.rankers[instance].rank(visit, deadline, answered)
+
+    def _ranked(self, index: int, sent: float, reply: RankReply, instance: str) -> None:
+        decided = self.records.get(index)
+        outcome = "" if reply.outcome is None else reply.outcome.value
+        record = RequestRecord(
+            index, sent, self.loop.now - sent, reply.status.value, outcome, instance,
+            relayed=reply.relayed,
+        )  # fmt: skip
+        if decided is not None:
+            record = RequestRecord(
+                index, sent, record.latency_s, record.status, outcome, instance,
+                relayed=reply.relayed, decision_status=decided.decision_status,
+                decision=decided.decision, admitted=decided.admitted,
+            )  # fmt: skip
+        self.records[index] = record
+
+    # -- results ----------------------------------------------------------------------------
+
+    def finished(self) -> list[RequestRecord]:
+        """Every arrival's record, in arrival order (call once the loop has run out)."""
+        for name, ranker in self.rankers.items():
+            self.stats.busy_s[name] = ranker.busy_s
+        return [self.records[i] for i in sorted(self.records)]
+
+    def ranker_records(self) -> Sequence[RankerRecord]:
+        return list(self.cluster.view().values())
+
+
+def run_visits(
+    profile: DeviceProfile, settings: FleetSettings, visits: Sequence[Visit], seed: int
+) -> tuple[list[RequestRecord], Fleet]:
+    """Run `visits` through a fresh fleet to the end; the records in arrival order."""
+    loop = EventLoop()
+    fleet = Fleet(loop, profile, settings, seed)
+    for index, visit in enumerate(visits):
+        fleet.visit(index, visit)
+    end = (visits[-1].at if visits else 0.0) + settings.gap_s + settings.rank_timeout_s + 1.0
+    loop.run(until=end)
+    return fleet.finished(), fleet

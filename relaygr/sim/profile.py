@@ -1,0 +1,213 @@
+"""Device profiles: what one ranker costs and holds, from a file a user can write (TOML).
+
+A profile is either measured (a ranker's calibrated cost model, read from a live ranker with
+`relaygr simulate --profile-from HOST:PORT`) or assumed (figures cited from public sources,
+each listed under `sources`, every guess under `assumptions`). See docs/simulator.md.
+"""
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from relaygr.cost import CostModel
+from relaygr.errors import InvalidInput
+
+MIB = 1 << 20
+_COST_KEYS = ("fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb")
+_SECTIONS: dict[str, dict[str, type]] = {
+    "": {"name": str, "description": str, "kind": str, "sources": list, "assumptions": list},
+    "cost": {k: float for k in _COST_KEYS},
+    "memory": {"device_tier_mib": float, "host_tier_mib": float, "kv_bytes_per_token": int},
+    "latency": {"request_overhead_ms": float, "compute_noise": float},
+}
+_REQUIRED = {
+    "": ("name",),
+    "cost": _COST_KEYS,
+    "memory": ("device_tier_mib", "host_tier_mib", "kv_bytes_per_token"),
+}
+KINDS = ("measured", "assumed")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    """One ranker as the simulator runs it.
+
+    `cost` is both what the ranker predicts (its published cost model) and, spread by
+    `compute_noise` (the relative standard deviation of a step's actual time), what a step
+    takes. `request_overhead_ms` is a request's time outside compute: the client's and the
+    router's network hops and (de)serialisation. `device_tier_bytes` is the prefix cache budget
+    in device memory (HBM), `host_tier_bytes` the host (DRAM) tier.
+    """
+
+    name: str
+    cost: CostModel
+    device_tier_bytes: int
+    host_tier_bytes: int
+    kv_bytes_per_token: int
+    request_overhead_ms: float = 0.0
+    compute_noise: float = 0.0
+    kind: str = "assumed"
+    description: str = ""
+    sources: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
+
+    def with_memory(self, device_tier_bytes: int) -> "DeviceProfile":
+        """The same device with another prefix cache budget (sizing searches over it)."""
+        return _replace(self, device_tier_bytes=device_tier_bytes)
+
+
+def _replace(profile: DeviceProfile, **changes: Any) -> DeviceProfile:
+    values = {f.name: getattr(profile, f.name) for f in fields(profile)}
+    values.update(changes)
+    return DeviceProfile(**values)
+
+
+def load_profile(path: Path) -> DeviceProfile:
+    """Read a profile; InvalidInput names the file and line at fault."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InvalidInput(f"{path}: cannot read the profile: {err.strerror}") from err
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        # Python 3.11's message ends "(at line N, column M)"; later versions also set lineno.
+        found = re.search(r"\(at line (\d+), column \d+\)$", str(err))
+        line = found.group(1) if found else "1"
+        message = str(err) if found is None else str(err)[: found.start()].rstrip()
+        raise InvalidInput(f"{path}:{line}: {message}") from err
+    try:
+        return _profile(raw)
+    except _Bad as bad:
+        raise InvalidInput(f"{path}:{_line_of(text, bad.section, bad.key)}: {bad}") from None
+
+
+class _Bad(ValueError):
+    def __init__(self, section: str, key: str, message: str) -> None:
+        super().__init__(f"{f'[{section}] ' if section else ''}{key}: {message}")
+        self.section, self.key = section, key
+
+
+def _profile(raw: dict[str, Any]) -> DeviceProfile:
+    tables: dict[str, dict[str, Any]] = {"": {}}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            if key not in _SECTIONS or not key:
+                raise _Bad("", key, f"unknown section; expected one of {sorted(_SECTIONS)[1:]}")
+            tables[key] = value
+        else:
+            tables[""][key] = value
+    for section, table in tables.items():
+        for key, value in table.items():
+            expected = _SECTIONS[section].get(key)
+            if expected is None:
+                known = ", ".join(_SECTIONS[section])
+                raise _Bad(section, key, f"unknown key; expected one of {known}")
+            _check(section, key, value, expected)
+    for section, keys in _REQUIRED.items():
+        for key in keys:
+            if key not in tables.get(section, {}):
+                raise _Bad(section, key, "missing")
+    top, cost, memory = tables[""], tables["cost"], tables["memory"]
+    latency = tables.get("latency", {})
+    kind = top.get("kind", "assumed")
+    if kind not in KINDS:
+        raise _Bad("", "kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    return DeviceProfile(
+        name=top["name"],
+        cost=CostModel(
+            fixed_ms=float(cost["fixed_ms"]),
+            per_token_ms=float(cost["per_token_ms"]),
+            per_pair_ms=float(cost["per_pair_ms"]),
+            per_candidate_key_ms=float(cost["per_candidate_key_ms"]),
+            reload_ms_per_mb=float(cost["reload_ms_per_mb"]),
+        ),
+        device_tier_bytes=int(memory["device_tier_mib"] * MIB),
+        host_tier_bytes=int(memory["host_tier_mib"] * MIB),
+        kv_bytes_per_token=memory["kv_bytes_per_token"],
+        request_overhead_ms=float(latency.get("request_overhead_ms", 0.0)),
+        compute_noise=float(latency.get("compute_noise", 0.0)),
+        kind=kind,
+        description=top.get("description", ""),
+        sources=tuple(top.get("sources", ())),
+        assumptions=tuple(top.get("assumptions", ())),
+    )
+
+
+def _check(section: str, key: str, value: Any, expected: type) -> None:
+    if expected is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _Bad(section, key, "must be a list of strings")
+        return
+    if expected is str:
+        if not isinstance(value, str) or (key == "name" and not value):
+            raise _Bad(section, key, f"must be a non-empty string, got {value!r}")
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if expected is int and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise _Bad(section, key, f"must be an integer, got {value!r}")
+    if not number or not math.isfinite(value) or value < 0:
+        raise _Bad(section, key, f"must be a finite number >= 0, got {value!r}")
+    if key == "kv_bytes_per_token" and value == 0:
+        raise _Bad(section, key, "must be positive")
+    if key == "compute_noise" and value >= 1:
+        raise _Bad(section, key, f"must be in [0, 1), got {value!r}")
+
+
+def _line_of(text: str, section: str, key: str) -> int:
+    """The line where `key` is set in `section` (the section's header, or line 1, when the key
+    is missing)."""
+    current, header = "", 1
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if (m := re.fullmatch(r"\[\s*([A-Za-z0-9_\-]+)\s*\]\s*(#.*)?", stripped)) is not None:
+            current = m.group(1)
+            if current == section:
+                header = number
+            continue
+        if current == section and re.match(rf"{re.escape(key)}\s*=", stripped):
+            return number
+        if not section and current == "" and stripped.startswith(f"[{key}"):
+            return number
+    if not section:
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip().startswith(f"[{key}"):
+                return number
+    return header
+
+
+def write_profile(profile: DeviceProfile, path: Path) -> None:
+    """Write `profile` as a file `load_profile` reads back unchanged."""
+
+    def strings(values: tuple[str, ...]) -> str:
+        return "[\n" + "".join(f"  {_quote(v)},\n" for v in values) + "]"
+
+    cost = profile.cost
+    lines = [
+        f"name = {_quote(profile.name)}",
+        f"kind = {_quote(profile.kind)}",
+        f"description = {_quote(profile.description)}",
+        f"sources = {strings(profile.sources)}",
+        f"assumptions = {strings(profile.assumptions)}",
+        "",
+        "[cost]  # milliseconds; see relaygr.cost.CostModel",
+        *(f"{k} = {getattr(cost, k)!r}" for k in _COST_KEYS),
+        "",
+        "[memory]",
+        f"device_tier_mib = {profile.device_tier_bytes / MIB!r}",
+        f"host_tier_mib = {profile.host_tier_bytes / MIB!r}",
+        f"kv_bytes_per_token = {profile.kv_bytes_per_token}",
+        "",
+        "[latency]",
+        f"request_overhead_ms = {profile.request_overhead_ms!r}",
+        f"compute_noise = {profile.compute_noise!r}",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
