@@ -21,7 +21,14 @@ from relaygr.placement import route_rank
 from relaygr.room import RelayRoom
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.ranker import PreInferReply, RankReply, SimRanker, Status
+from relaygr.sim.ranker import (
+    PreInferReply,
+    Ranker,
+    RankReply,
+    SimRanker,
+    Status,
+    ranker_record,
+)
 from relaygr.sim.workload import Visit
 from services.ranker.config import RankerConfig
 from services.ranker.engine import EngineSettings
@@ -68,6 +75,23 @@ class FleetStats:
     busy_s: dict[str, float] = field(default_factory=dict)  # compute per ranker, seconds
 
 
+MakeRanker = Callable[[str, "Fleet"], Ranker]
+
+
+def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
+    """A simulated ranker of the fleet's profile and ranker configuration."""
+    cfg = fleet.settings.ranker
+    return SimRanker(
+        instance,
+        fleet.loop,
+        fleet.profile,
+        fleet.settings.engine(),
+        {Priority.RANK: cfg.max_queued_ranks, Priority.BACKGROUND: cfg.max_queued_prefills},
+        cfg.dram_ttl_s,
+        random.Random(fleet.rng.getrandbits(64)),
+    )
+
+
 def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine that never suspends (the in-memory cluster's) to its end."""
     try:
@@ -99,14 +123,23 @@ class Fleet:
     """
 
     def __init__(
-        self, loop: EventLoop, profile: DeviceProfile, settings: FleetSettings, seed: int
+        self,
+        loop: EventLoop,
+        profile: DeviceProfile,
+        settings: FleetSettings,
+        seed: int,
+        make_ranker: MakeRanker | None = None,
     ) -> None:
+        """`make_ranker` (None: `SimRanker`s) builds each ranker from its id and the fleet."""
         self.loop = loop
         self.profile = profile
         self.settings = settings
         self.rng = random.Random(seed)
         self.cluster = MemoryCluster(clock=loop.clock)
-        self.rankers: dict[str, SimRanker] = {}
+        self.rankers: dict[str, Ranker] = {}
+        self._make_ranker = make_ranker or sim_ranker
+        # PreInfers served: arrival index -> (ranker, PreInfer outcome)
+        self.relays_served: dict[int, tuple[str, str]] = {}
         self.policy = AdmissionPolicy(settings.trigger)
         router = settings.router
         forward = router.forward_settings()
@@ -136,20 +169,9 @@ class Fleet:
         index = self._made
         self._made += 1
         instance = f"ranker-{index}"
-        ranker = SimRanker(
-            instance,
-            self.loop,
-            self.profile,
-            self.settings.engine(),
-            {
-                Priority.RANK: self.settings.ranker.max_queued_ranks,
-                Priority.BACKGROUND: self.settings.ranker.max_queued_prefills,
-            },
-            self.settings.ranker.dram_ttl_s,
-            random.Random(self.rng.getrandbits(64)),
-        )
-        self.rankers[instance] = ranker
-        run_now(self.cluster.register(ranker.record(index), self.settings.ranker.lease_ttl_s))
+        self.rankers[instance] = self._make_ranker(instance, self)
+        record = ranker_record(instance, index, self.profile)
+        run_now(self.cluster.register(record, self.settings.ranker.lease_ttl_s))
         self.stats.registrations += 1
         return instance
 
@@ -278,6 +300,8 @@ class Fleet:
 
         def answered(reply: PreInferReply) -> None:
             if reply.status is Status.OK:
+                assert reply.outcome is not None
+                self.relays_served[relay.index] = (instance, reply.outcome.value)
                 served = self.forwarder.answered(route, b"", instance, attempt + 1, failures)
                 self._book(route, served)
                 self.loop.after(
@@ -371,11 +395,15 @@ class Fleet:
 
 
 def run_visits(
-    profile: DeviceProfile, settings: FleetSettings, visits: Sequence[Visit], seed: int
+    profile: DeviceProfile,
+    settings: FleetSettings,
+    visits: Sequence[Visit],
+    seed: int,
+    make_ranker: MakeRanker | None = None,
 ) -> tuple[list[RequestRecord], Fleet]:
     """Run `visits` through a fresh fleet to the end; the records in arrival order."""
     loop = EventLoop()
-    fleet = Fleet(loop, profile, settings, seed)
+    fleet = Fleet(loop, profile, settings, seed, make_ranker)
     for index, visit in enumerate(visits):
         fleet.visit(index, visit)
     end = (visits[-1].at if visits else 0.0) + settings.gap_s + settings.rank_timeout_s + 1.0

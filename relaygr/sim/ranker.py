@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from relaygr.behaviours import UserId
 from relaygr.cluster import RankerRecord
@@ -88,6 +88,50 @@ R = TypeVar("R")
 Landed = Callable[[SimKV | None, Exception | None], None]
 
 
+class Ranker(Protocol):
+    """What the fleet needs of a ranker: `SimRanker`, or a real engine behind an adapter."""
+
+    instance_id: str
+    alive: bool
+    draining: bool
+    busy_s: float
+
+    def room(self) -> RoomReport: ...
+
+    def pre_infer(
+        self,
+        visit: Visit,
+        window_s: float,
+        rank_in_s: float | None,
+        deadline: float | None,
+        reply: Callable[[PreInferReply], None],
+    ) -> None: ...
+
+    def rank(
+        self, visit: Visit, deadline: float | None, reply: Callable[[RankReply], None]
+    ) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def ranker_record(instance_id: str, index: int, profile: DeviceProfile) -> RankerRecord:
+    """What a ranker of `profile` registers in membership."""
+    c = profile.cost
+    return RankerRecord(
+        instance_id,
+        f"sim-{index}:50061",
+        MODEL_VERSION,
+        profile.device_tier_bytes,
+        profile.host_tier_bytes,
+        profile.kv_bytes_per_token,
+        c.fixed_ms,
+        c.per_token_ms,
+        c.per_pair_ms,
+        c.per_candidate_key_ms,
+        c.reload_ms_per_mb,
+    )
+
+
 @dataclass(eq=False, slots=True)
 class _Flight:
     job: Job
@@ -140,22 +184,6 @@ class SimRanker:
         self._calls = 0
 
     # -- what it publishes ------------------------------------------------------------------
-
-    def record(self, index: int) -> RankerRecord:
-        c = self.cost
-        return RankerRecord(
-            self.instance_id,
-            f"sim-{index}:50061",
-            MODEL_VERSION,
-            self.profile.device_tier_bytes,
-            self.profile.host_tier_bytes,
-            self.profile.kv_bytes_per_token,
-            c.fixed_ms,
-            c.per_token_ms,
-            c.per_pair_ms,
-            c.per_candidate_key_ms,
-            c.reload_ms_per_mb,
-        )
 
     def room(self) -> RoomReport:
         """What Describe reports of its relay room."""
