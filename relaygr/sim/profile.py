@@ -19,7 +19,9 @@ MIB = 1 << 20
 _COST_KEYS = ("fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb")
 _SECTIONS: dict[str, dict[str, type]] = {
     "": {"name": str, "description": str, "kind": str, "sources": list, "assumptions": list},
-    "cost": {k: float for k in _COST_KEYS},
+    # The fit's error and sample count are optional: a measured profile carries them, so that
+    # writing it out and reading it back loses nothing; an assumed one has no fit.
+    "cost": {**{k: float for k in _COST_KEYS}, "median_abs_rel_error": float, "samples": int},
     "memory": {"device_tier_mib": float, "host_tier_mib": float, "kv_bytes_per_token": int},
     "latency": {"request_overhead_ms": float, "compute_noise": float},
 }
@@ -74,10 +76,16 @@ def load_profile(path: Path) -> DeviceProfile:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        # Python 3.11's message ends "(at line N, column M)"; later versions also set lineno.
-        found = re.search(r"\(at line (\d+), column \d+\)$", str(err))
-        line = found.group(1) if found else "1"
+        # Python 3.11's message ends "(at line N, column M)", or "(at end of document)" when
+        # the text runs out (an unclosed array or string): that is the last line.
+        found = re.search(r"\((?:at line (\d+), column \d+|at end of document)\)$", str(err))
         message = str(err) if found is None else str(err)[: found.start()].rstrip()
+        if found is None:
+            line = 1
+        elif found.group(1) is None:
+            line = max(1, len(text.splitlines()))
+        else:
+            line = int(found.group(1))
         raise InvalidInput(f"{path}:{line}: {message}") from err
     try:
         return _profile(raw)
@@ -124,6 +132,8 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
             per_pair_ms=float(cost["per_pair_ms"]),
             per_candidate_key_ms=float(cost["per_candidate_key_ms"]),
             reload_ms_per_mb=float(cost["reload_ms_per_mb"]),
+            median_abs_rel_error=float(cost.get("median_abs_rel_error", 0.0)),
+            samples=cost.get("samples", 0),
         ),
         device_tier_bytes=int(memory["device_tier_mib"] * MIB),
         host_tier_bytes=int(memory["host_tier_mib"] * MIB),
@@ -157,26 +167,31 @@ def _check(section: str, key: str, value: Any, expected: type) -> None:
         raise _Bad(section, key, f"must be in [0, 1), got {value!r}")
 
 
+_HEADER = re.compile(r"\[\[?\s*([^\]]*?)\s*\]\]?\s*(#.*)?")
+
+
 def _line_of(text: str, section: str, key: str) -> int:
-    """The line where `key` is set in `section` (the section's header, or line 1, when the key
-    is missing)."""
-    current, header = "", 1
+    """The line where `key` is set in `section` (its `key =` line, or the header of a table
+    under it such as `[key]`, `[[key]]` or `[section.key]`); the section's header, or line 1,
+    when the key is missing."""
+    path = (section, key) if section else (key,)
+    owner = (section,) if section else ()
+    name = re.escape(key)
+    sets_key = re.compile(rf"""(?:{name}|"{name}"|'{name}')\s*[=.]""")
+    current: tuple[str, ...] = ()
+    fallback = 1
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
-        if (m := re.fullmatch(r"\[\s*([A-Za-z0-9_\-]+)\s*\]\s*(#.*)?", stripped)) is not None:
-            current = m.group(1)
-            if current == section:
-                header = number
-            continue
-        if current == section and re.match(rf"{re.escape(key)}\s*=", stripped):
-            return number
-        if not section and current == "" and stripped.startswith(f"[{key}"):
-            return number
-    if not section:
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip().startswith(f"[{key}"):
+        if (header := _HEADER.fullmatch(stripped)) is not None:
+            current = tuple(p.strip().strip("\"'") for p in header.group(1).split("."))
+            if current[: len(path)] == path:
                 return number
-    return header
+            if section and current == owner:
+                fallback = number
+            continue
+        if current == owner and sets_key.match(stripped):
+            return number
+    return fallback
 
 
 def write_profile(profile: DeviceProfile, path: Path) -> None:
@@ -195,6 +210,8 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         "",
         "[cost]  # milliseconds; see relaygr.cost.CostModel",
         *(f"{k} = {getattr(cost, k)!r}" for k in _COST_KEYS),
+        f"median_abs_rel_error = {cost.median_abs_rel_error!r}",
+        f"samples = {cost.samples}",
         "",
         "[memory]",
         f"device_tier_mib = {profile.device_tier_bytes / MIB!r}",
@@ -210,4 +227,7 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
 
 
 def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A TOML basic string: backslash, quote and control characters (a newline in a
+    description, say) escaped, as TOML requires."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\u{ord(m.group()):04x}", escaped) + '"'
