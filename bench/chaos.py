@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from relaygr.behaviours import RankInput
 from relaygr.local.drive import HUNG, OK, OpenLoopDriver, RequestRecord
 from relaygr.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
 from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import PRESETS, ModelPreset
 
 # A client may retry these: the request was not served, and another try can be.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
@@ -138,12 +138,9 @@ def standard_faults(
     ]
 
 
-# Small enough that checking every Rank against full inference costs milliseconds.
-CHAOS_MODEL = ModelConfig(
-    num_layers=3, d_model=64, num_heads=2, d_qk=16, d_v=32, ffn_mult=2, item_buckets=4096,
-    user_feature_buckets=256, max_user_features=8, max_history_tokens=2048, max_candidates=64,
-    attention_block=64,
-)  # fmt: skip
+# Small enough that checking every Rank against full inference costs milliseconds: the tiny
+# preset, its histories capped at 2,048 tokens (the flood sizes its prefixes by the cap).
+CHAOS_MODEL = replace(PRESETS[ModelPreset.TINY], max_history_tokens=2048)
 
 
 def chaos_mesh_spec(checkpoint: Path, log_dir: Path | None = None) -> MeshSpec:

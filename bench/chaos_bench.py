@@ -42,6 +42,7 @@ from pipeline import ROOT, result_name, save_results
 from report import add_render_arguments, load_result, run_stamp, write_section
 
 from relaygr.behaviours import RankInput
+from relaygr.cli_help import HelpFormatter
 from relaygr.local.mesh import LocalMesh
 from relaygr.local.workload import Population
 from services.ranker.checkpoint import load_checkpoint, save_checkpoint
@@ -146,14 +147,17 @@ def render(saved: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--rate", type=float, default=20.0, help="retrieval events per second")
     parser.add_argument("--before", type=float, default=5.0, help="steady seconds before a fault")
     parser.add_argument("--after", type=float, default=20.0, help="seconds after a fault")
     parser.add_argument("--timeout", type=float, default=5.0, help="per-RPC deadline, seconds")
-    parser.add_argument("--verify-share", type=float, default=1.0)
+    parser.add_argument(
+        "--verify-share",
+        type=float,
+        default=1.0,
+        help="share of successful Ranks checked against full inference",
+    )
     parser.add_argument("--ranker-down", type=float, default=10.0, help="seconds left dead")
     parser.add_argument("--etcd-down", type=float, default=15.0, help="seconds of etcd outage")
     parser.add_argument("--slow-for", type=float, default=30.0, help="seconds of slowness")
@@ -162,10 +166,24 @@ def main() -> int:
     parser.add_argument(
         "--freeze", type=float, default=8.0, help="then one freeze this long (0: none)"
     )
-    parser.add_argument("--flood-duration", type=float, default=60.0)
-    parser.add_argument("--flood-concurrency", type=int, default=8)
-    parser.add_argument("--overhead-mb", type=float, default=FloodSettings().overhead_mb)
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--flood-duration", type=float, default=60.0, help="seconds of the memory flood"
+    )
+    parser.add_argument(
+        "--flood-concurrency", type=int, default=8, help="flood RPCs in flight at once"
+    )
+    parser.add_argument(
+        "--overhead-mb",
+        type=float,
+        default=FloodSettings().overhead_mb,
+        help="RSS a ranker may add beyond its KV tier budgets in the flood, MiB",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     parser.add_argument("--quick", action="store_true", help="the CI test's sizes")
     add_render_arguments(parser)
     parser.add_argument("--tag", default="", help="results and doc section get _TAG")

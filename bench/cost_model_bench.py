@@ -34,6 +34,7 @@ from report import (
 )
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
+from relaygr.cli_help import HelpFormatter
 from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import rank_request_to_proto
@@ -205,14 +206,17 @@ def render(saved: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--starts", type=int, default=3, help="fresh meshes")
     parser.add_argument("--lengths", type=comma_ints, default=[256, 2048, 8192], help="N,N")
-    parser.add_argument("--candidates", type=int, default=128)
+    parser.add_argument("--candidates", type=int, default=128, help="candidates per Rank")
     parser.add_argument("--repeats", type=int, default=3, help="Ranks per length per ranker")
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     add_render_arguments(parser)
     args = parser.parse_args()
     publish(args, run, render, ROOT / "docs" / "benchmarks.md", SECTION)

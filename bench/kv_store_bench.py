@@ -52,6 +52,7 @@ from report import (
 )
 
 from relaygr.behaviours import UserId
+from relaygr.cli_help import HelpFormatter
 from services.ranker import kv_store
 from services.ranker.digest import PrefixDigest, PrefixHasher
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
@@ -312,18 +313,23 @@ def render(saved: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--sizes", type=comma_ints, default=[100, 10_000], help="N,N")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="repeats per size")
     parser.add_argument("--samples", type=int, default=10, help="stores per repeat")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per store")
     parser.add_argument("--batch", type=int, default=50, help="operations per round")
-    parser.add_argument("--before", metavar="REF", help="also measure the store at commit REF")
+    parser.add_argument(
+        "--before", metavar="REF", help="also measure the store at commit REF (default: none)"
+    )
     parser.add_argument("--before-samples", type=int, default=1, help="its stores per repeat")
     parser.add_argument("--before-repeats", type=int, default=1, help="its repeats")
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     add_render_arguments(parser)
     args = parser.parse_args()
     publish(args, run, render, ROOT / "docs" / "benchmarks.md", SECTION)

@@ -24,6 +24,8 @@ import torch
 from report import add_render_arguments, load_result, machine_info, write_section
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput
+from relaygr.bounds import AT_LEAST_ONE, Bounded
+from relaygr.cli_help import HelpFormatter
 from services.ranker import synthetic
 from services.ranker.model import RankingModel
 from services.ranker.model_config import ModelConfig
@@ -433,14 +435,18 @@ def default_threads() -> int:
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser = argparse.ArgumentParser(
         description="Full inference vs cached rank latency of the default ranking model.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: random)")
     parser.add_argument(
-        "--threads", type=int, default=default_threads(), help="torch threads (default: cores)"
+        "--threads",
+        type=Bounded(int, AT_LEAST_ONE),
+        default=default_threads(),
+        help="torch threads (default: cores)",
     )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=Bounded(int, AT_LEAST_ONE),
         default=None,
         help="timed full+rank pairs per length (default: fit --budget-s, between 5 and 30)",
     )
@@ -454,16 +460,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         help="smoke run: lengths 512 and 1024, 3 repeats, small peak test; writes "
         "bench/results/model_bench.quick.json and leaves the docs alone",
     )
-    parser.add_argument("--output", type=Path, default=None, help="JSON result path")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON result path (default: bench/results/model_bench[.quick].json)",
+    )
     parser.add_argument(
         "--docs", type=Path, default=None, help="Markdown to update (default: docs/benchmarks.md)"
     )
     add_render_arguments(parser)
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error("--threads must be >= 1")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error("--repeats must be >= 1")
     results = REPO_ROOT / "bench" / "results"
     quick = bool(args.quick)
     default_output = results / ("model_bench.quick.json" if quick else "model_bench.json")

@@ -13,7 +13,7 @@ from report import add_render_arguments, machine_info, reproduce_command
 from relaygr.local.drive import Point, drive_mesh
 from relaygr.local.mesh import LocalMesh
 from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import PRESETS, ModelPreset
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +86,14 @@ def sweep(
 
 ROOT = Path(__file__).resolve().parent.parent
 # A lighter model than the default keeps a sweep to minutes on 2 cores (every benchmark's).
-BENCH_MODEL = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
+BENCH_MODEL = PRESETS[ModelPreset.SMALL]
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> None:
     """The options every mesh benchmark shares."""
-    parser.add_argument("--rates", type=float, nargs="+", default=rates)
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=rates, help="arrival rates swept, per second"
+    )
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per point")
     parser.add_argument(
         "--min-requests", type=int, default=90, help="low rates run longer to send this many"
@@ -102,8 +104,18 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> 
         "--margin-ms", type=float, default=1400.0, help="at risk: full inference over SLO - margin"
     )
     parser.add_argument("--timeout", type=float, default=20.0, help="per-RPC deadline, seconds")
-    parser.add_argument("--gap-ms", type=float, default=WorkloadSpec().gap_s * 1e3)
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=WorkloadSpec().gap_s * 1e3,
+        help="retrieval to ranking gap, ms",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     parser.add_argument("--quick", action="store_true", help="two rates, short points")
     add_render_arguments(parser)
     parser.add_argument(

@@ -34,6 +34,7 @@ from report import (
 )
 
 from relaygr.behaviours import RankInput
+from relaygr.cli_help import HelpFormatter
 from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
@@ -260,11 +261,13 @@ def sweep(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
-        "--rates", type=float, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24]
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24],
+        help="arrival rates swept, per second",
     )
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per rate point")
     parser.add_argument(
@@ -278,10 +281,20 @@ def main() -> int:
     parser.add_argument(
         "--hbm-mb", type=int, default=128, help="device tier (DRAM tier: 4x), so both tiers serve"
     )
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     parser.add_argument("--refine", type=int, default=2, help="bisection steps per threshold")
-    parser.add_argument("--users", type=int, default=WorkloadSpec().users)
-    parser.add_argument("--gap-ms", type=float, default=WorkloadSpec().gap_s * 1e3)
+    parser.add_argument("--users", type=int, default=WorkloadSpec().users, help="population")
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=WorkloadSpec().gap_s * 1e3,
+        help="retrieval to ranking gap, ms",
+    )
     parser.add_argument("--quick", action="store_true", help="two rates, short points")
     add_render_arguments(parser)
     args = parser.parse_args()

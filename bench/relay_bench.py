@@ -44,6 +44,7 @@ from pipeline import (
 from report import load_result, max_compliant, run_stamp, write_section
 from verdict import Spread, compliant_throughput, grid_search
 
+from relaygr.cli_help import HelpFormatter
 from relaygr.local.drive import Point
 from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.local.workload import WorkloadSpec, distinct_users, poisson_arrivals
@@ -450,9 +451,7 @@ def chart(saved: dict, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_sweep_arguments(parser, [0.5, 1.0, 1.5, 2.0, 3.0])
     parser.set_defaults(
         slo_ms=1500.0, margin_ms=1250.0, gap_ms=1500.0, min_requests=50, duration=25.0

@@ -94,7 +94,8 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-json",
         type=Path,
         metavar="PATH",
-        help="re-render the section from saved results (bench/results/*.json), run nothing",
+        help="re-render the section from saved results (bench/results/*.json), run nothing"
+        " (default: none: run the benchmark)",
     )
 
 

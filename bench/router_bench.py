@@ -32,15 +32,16 @@ from report import (
 )
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
+from relaygr.cli_help import HelpFormatter
 from relaygr.local.etcd_server import EtcdServer, find_etcd_binary
 from relaygr.v1 import ranker_pb2_grpc, router_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import PRESETS, ModelPreset
 from services.ranker.synthetic import random_behaviours
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small enough that the Rank's compute does not drown the hop being measured.
-MODEL = ModelConfig(d_model=64, num_heads=2, d_qk=16, d_v=32, num_layers=2, item_buckets=4096)
+MODEL = PRESETS[ModelPreset.TINY]
 WRITE_METRICS = ("etcd_mvcc_put_total", "etcd_mvcc_delete_total")
 
 
@@ -200,12 +201,17 @@ def render(saved: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--ranks", type=int, default=2000, help="Ranks per path")
-    parser.add_argument("--users", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--users", type=int, default=200, help="distinct users (prefixes) ranked in turn"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     add_render_arguments(parser)
     args = parser.parse_args()
     publish(args, run, render, ROOT / "docs" / "benchmarks.md", "router_bench")

@@ -39,6 +39,7 @@ from report import (
 )
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
+from relaygr.cli_help import HelpFormatter
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.synthetic import random_behaviours
@@ -271,15 +272,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--ranks", type=int, default=1500, help="timed Ranks per mode")
-    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument(
+        "--users", type=int, default=64, help="distinct users (prefixes) ranked in turn"
+    )
     parser.add_argument("--prefix", type=int, default=1024, help="long-term behaviours")
-    parser.add_argument("--candidates", type=int, default=64)
+    parser.add_argument("--candidates", type=int, default=64, help="candidates per Rank")
     parser.add_argument("--warmup", type=int, default=30, help="untimed Ranks per mode")
-    parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="workload seed (default: random)",
+    )
     add_render_arguments(parser)
     args = parser.parse_args()
     publish(args, run, render, ROOT / "docs" / "benchmarks.md", "tracing_bench")

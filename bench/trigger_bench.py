@@ -32,6 +32,7 @@ from pipeline import (
 from report import load_result, max_compliant, run_stamp, write_section
 
 from relaygr.behaviours import Prefix, RankInput, UserId
+from relaygr.cli_help import HelpFormatter
 from relaygr.cluster import MemoryCluster, RankerRecord
 from relaygr.local.drive import Point, retrieval_event
 from relaygr.local.mesh import LocalMesh, MeshSpec
@@ -148,13 +149,21 @@ def render(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_sweep_arguments(parser, [2, 4, 6, 8, 10, 11, 12])
     parser.add_argument("--hbm-mb", type=int, default=48, help="device tier per ranker")
-    parser.add_argument("--relay-share", type=float, default=0.9)
-    parser.add_argument("--prefill-share", type=float, default=0.5)
+    parser.add_argument(
+        "--relay-share",
+        type=float,
+        default=0.9,
+        help="share of a ranker's device tier relays may pin",
+    )
+    parser.add_argument(
+        "--prefill-share",
+        type=float,
+        default=0.5,
+        help="the trigger's --prefill-share (deprecated there, ignored)",
+    )
     args = parser.parse_args()
     if args.from_json is not None:
         saved = load_result(args.from_json)

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from relaygr.bounds import POSITIVE, Bound
+from relaygr.cli_help import default_note, with_notes
 from relaygr.errors import ConfigError
 
 T = TypeVar("T")
@@ -127,17 +129,6 @@ def _env_name(prefix: str, name: str) -> str:
     return f"{prefix}{name.upper()}"
 
 
-def _show(value: Any) -> str:
-    """A default as a user would type it."""
-    if value is None:
-        return "none"
-    if isinstance(value, tuple):
-        return ",".join(_show(item) for item in value)
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def _metavar(tp: Any) -> str:
     if (inner := _optional_inner(tp)) is not None:
         return _metavar(inner)
@@ -148,9 +139,19 @@ def _metavar(tp: Any) -> str:
     return _SCALARS.get(tp, "BOOL").upper()
 
 
-def helped(text: str) -> dict[str, str]:
-    """A config field's metadata: its `--help` text (`field(..., metadata=helped("..."))`)."""
-    return {"help": text}
+def helped(text: str, bound: Bound | None = None) -> dict[str, Any]:
+    """A config field's metadata: its `--help` text and, for a number, its valid range, which
+    `check_bounds` enforces and `--help` states (`field(..., metadata=helped("...", POSITIVE))`).
+    """
+    return {"help": text, "bound": bound}
+
+
+def check_bounds(config: object, what: str) -> None:
+    """Raise ConfigError naming the first field of `config` (a dataclass) out of its bound."""
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        bound: Bound | None = f.metadata.get("bound")
+        if bound is not None:
+            bound.check(getattr(config, f.name), f"{what} {f.name}")
 
 
 def add_config_arguments(
@@ -158,24 +159,30 @@ def add_config_arguments(
 ) -> None:
     """Add `--config FILE` and one flag per field of `cls`; every flag defaults to None (unset).
 
-    The help of each flag gives the field's help metadata, its valid values, its default and,
+    The help of each flag gives the field's help metadata, its valid range, its default and,
     when `env_prefix` is given, the environment variable that sets it.
     """
     group = parser.add_argument_group(
         f"{cls.__name__} options", "precedence: flags > environment > --config file > defaults"
     )
-    group.add_argument("--config", type=Path, metavar="FILE", help="TOML file of field = value")
+    group.add_argument(
+        "--config", type=Path, metavar="FILE", help="TOML file of field = value (default: none)"
+    )
     for f, tp in _fields(cls):
         if f.default is not dataclasses.MISSING:
-            default = f"default: {_show(f.default) or 'empty'}"
+            default = default_note(f.default)
         elif f.default_factory is not dataclasses.MISSING:
-            default = f"default: {_show(f.default_factory()) or 'empty'}"
+            default = default_note(f.default_factory())
         else:
             default = "required"
         # The metavar or --x/--no-x shows the type; only "empty means none" needs saying.
-        notes = [default, "empty for none" if _optional_inner(tp) is not None else ""]
-        notes.append(f"env {_env_name(env_prefix, f.name)}" if env_prefix else "")
-        text = f"{f.metadata.get('help', '')} ({'; '.join(n for n in notes if n)})".strip()
+        text = with_notes(
+            f.metadata.get("help", ""),
+            f.metadata.get("bound"),
+            default,
+            "empty for none" if _optional_inner(tp) is not None else "",
+            f"env {_env_name(env_prefix, f.name)}" if env_prefix else "",
+        )
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text.replace("%", "%%")}
         if tp is bool:
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
@@ -251,11 +258,10 @@ def load_config(
 
 
 def require_positive(config: object, names: Sequence[str], what: str) -> None:
-    """Raise ConfigError naming the first of `names` whose value on `config` is not > 0."""
+    """Raise ConfigError naming the first of `names` whose value on `config` is not > 0 (for
+    configs that are not flags; a flag's field states its bound in `helped`)."""
     for name in names:
-        value = getattr(config, name)
-        if value <= 0:
-            raise ConfigError(f"{what} {name} must be > 0, got {value}")
+        POSITIVE.check(getattr(config, name), f"{what} {name}")
 
 
 def override_config(base: T, data: Mapping[str, Any], allowed: Sequence[str], source: str) -> T:

@@ -58,10 +58,10 @@ async def serve(
 ) -> None:
     """Run the service `start` builds until SIGTERM or SIGINT, then shut it down.
 
-    Telemetry (OTEL_* from the environment, `/metrics` at `cfg.metrics_port`) is named
+    Telemetry (OTEL_* from the environment, `/metrics` at `cfg.metrics_address`) is named
     `relaygr-<name>`; its batched spans are flushed however the service ends.
     """
-    telemetry = Telemetry.from_env(f"relaygr-{name}", os.environ, cfg.metrics_port, instance_id)
+    telemetry = Telemetry.from_env(f"relaygr-{name}", os.environ, cfg.metrics_address, instance_id)
     try:
         service = await start(telemetry)
         print(f"relaygr {name} listening on port {service.port}", flush=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relaygr.config import helped, require_positive
+from relaygr.bounds import POSITIVE, Bound
+from relaygr.config import helped
 from relaygr.errors import ConfigError
 from relaygr.log_options import check_log_options
 from relaygr.security import SecurityOptions
@@ -43,12 +44,6 @@ class ServerOptions:
         ]
 
 
-def check_metrics_port(port: int, what: str) -> None:
-    """Config validation of a `metrics_port` field (0: no metrics server)."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{what} metrics_port must be in [0, 65535] (0: none), got {port}")
-
-
 def listen_field(default: str) -> str:
     """The `listen` field of a service config, with that service's default address."""
     return field(default=default, metadata=helped("gRPC listen address"))
@@ -67,17 +62,28 @@ class ServiceOptions(SecurityOptions):
         default=("127.0.0.1:2379",), metadata=helped("etcd endpoints, host:port[,...]")
     )
     etcd_prefix: str = field(default="/relaygr", metadata=helped("etcd key prefix of the mesh"))
-    max_message_mb: int = field(default=16, metadata=helped("largest gRPC message, MiB"))
+    max_message_mb: int = field(default=16, metadata=helped("largest gRPC message, MiB", POSITIVE))
     max_concurrent_streams: int = field(
-        default=1024, metadata=helped("concurrent RPCs on one client connection (HTTP/2 streams)")
+        default=1024,
+        metadata=helped("concurrent RPCs on one client connection (HTTP/2 streams)", POSITIVE),
     )
     max_concurrent_rpcs: int = field(
-        default=4096, metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+        default=4096,
+        metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED", POSITIVE),
     )
-    drain_grace_s: float = field(default=10.0, metadata=helped("time to finish work on SIGTERM"))
+    drain_grace_s: float = field(
+        default=10.0, metadata=helped("time to finish work on SIGTERM, seconds", POSITIVE)
+    )
     metrics_port: int = field(
         default=0,
-        metadata=helped("serve Prometheus /metrics on this port, all interfaces (0: off)"),
+        metadata=helped(
+            "serve Prometheus /metrics on this port", Bound(low=0, high=65535, meaning="0: none")
+        ),
+    )
+    # All interfaces by default: in a cluster Prometheus scrapes the pod's address.
+    metrics_host: str = field(
+        default="0.0.0.0",
+        metadata=helped("address /metrics listens on (127.0.0.1: this machine only)"),
     )
     log_level: str = field(
         default="INFO", metadata=helped("DEBUG, INFO, WARNING, ERROR or CRITICAL")
@@ -87,19 +93,19 @@ class ServiceOptions(SecurityOptions):
     )
 
     def check_service(self, service: str, *, etcd_required: bool = True) -> None:
-        """Raise ConfigError naming `service` and the field; call last from `__post_init__`
-        (a service's own fields are named first, transport security last). `etcd_required`
-        False lets a service run standalone, with no etcd endpoints."""
+        """Raise ConfigError naming `service` and the field; call last from `__post_init__`,
+        after `check_bounds(self, service)` and the service's own rules (transport security is
+        checked last). `etcd_required` False lets a service run standalone, with no etcd
+        endpoints."""
         if etcd_required and not self.etcd_endpoints:
             raise ConfigError(f"{service} etcd_endpoints must name at least one host:port")
-        check_metrics_port(self.metrics_port, service)
         check_log_options(self.log_level, self.log_format, service)
-        require_positive(
-            self,
-            ("max_message_mb", "max_concurrent_streams", "max_concurrent_rpcs", "drain_grace_s"),
-            service,
-        )
         self.check_security(service)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where `/metrics` is served (host, port); None: nowhere."""
+        return None if self.metrics_port == 0 else (self.metrics_host, self.metrics_port)
 
     def server_options(self) -> ServerOptions:
         return ServerOptions(

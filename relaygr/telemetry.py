@@ -205,11 +205,11 @@ class Telemetry:
         cls,
         service_name: str,
         env: Mapping[str, str],
-        metrics_port: int = 0,
+        metrics_address: tuple[str, int] | None = None,
         instance_id: str = "",
     ) -> "Telemetry":
-        """Tracing as `env`'s OTEL_* variables say, `/metrics` on all interfaces at
-        `metrics_port` (0: none)."""
+        """Tracing as `env`'s OTEL_* variables say, `/metrics` at `metrics_address` (None:
+        none)."""
         settings = tracing_settings(service_name, env)
         provider = None
         if settings is not None:
@@ -221,7 +221,7 @@ class Telemetry:
                 settings.service_name,
                 settings.sampler_name,
             )
-        return cls(service_name, provider, metrics_address=metrics_address(metrics_port))
+        return cls(service_name, provider, metrics_address=metrics_address)
 
     @property
     def tracer(self) -> Tracer | None:
@@ -250,8 +250,3 @@ class Telemetry:
         if provider is not None:
             with contextlib.suppress(Exception):  # a collector that is down loses the tail
                 provider.shutdown()
-
-
-def metrics_address(port: int) -> tuple[str, int] | None:
-    """Where a `metrics_port` config value serves `/metrics`: all interfaces; 0: nowhere."""
-    return None if port == 0 else ("0.0.0.0", port)

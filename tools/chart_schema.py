@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from relaygr.cli_help import with_notes
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
 from services.trigger.config import TriggerConfig
@@ -98,12 +99,9 @@ def config_schema(component: str) -> dict[str, Any]:
         if not f.init or f.name in MANAGED[component]:
             continue
         schema = field_schema(hints[f.name])
-        help_text = f.metadata.get("help", "")
-        default = _default(f)
-        schema["description"] = (
-            f"{help_text} (flag --{f.name.replace('_', '-')}; service default: "
-            f"{json.dumps(default)})"
-        ).strip()
+        bound = f.metadata.get("bound")
+        flag = f"flag --{f.name.replace('_', '-')}; service default: {json.dumps(_default(f))}"
+        schema["description"] = with_notes(f.metadata.get("help", ""), bound, flag)
         properties[f.name] = schema
     return {
         "type": "object",

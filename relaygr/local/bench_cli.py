@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from relaygr.cli_help import HelpFormatter
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 SUFFIX = "_bench"
 
@@ -24,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="relaygr bench",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("name", choices=sorted(found), help="which benchmark")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")

@@ -16,7 +16,6 @@ import argparse
 import json
 import secrets
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -24,30 +23,31 @@ from pathlib import Path
 
 import numpy as np
 
+from relaygr.bounds import POSITIVE, Bounded
+from relaygr.cli_help import HelpFormatter
 from relaygr.local.drive import Point, drive_mesh
 from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import PRESETS, ModelPreset
 
 # (label, trigger mode, mesh): the phases, in the order they run.
 PHASES = (("cache only", "off", "cached"), ("relay", "sequence-aware", "cached"),
           ("no cache", "off", "bypass"))  # fmt: skip
 
 
-def _profile(quick: bool) -> tuple[ModelConfig, WorkloadSpec, dict[str, float]]:
+def _profile(quick: bool) -> tuple[ModelPreset, WorkloadSpec, dict[str, float]]:
     """Model, workload and knobs sized so that 2 CPU cores show the effect within a minute or
-    two (`quick`: a small model and short histories, for CI). The population is large, as in
+    two (`quick`: the tiny model and short histories, for CI). The population is large, as in
     production: the rankers' tiers hold a small fraction of its users."""
     if quick:
-        model = ModelConfig(d_model=64, num_heads=2, d_qk=16, d_v=32, num_layers=2)
         spec = WorkloadSpec(
             users=100_000, median_long_term=512, long_term_sigma=0.8, max_long_term=2048,
-            gap_s=0.5,
+            candidates=PRESETS[ModelPreset.TINY].max_candidates, gap_s=0.5,
         )  # fmt: skip
-        return model, spec, {"rate": 6.0, "duration": 12.0, "slo_ms": 250.0, "margin_ms": 225.0}
-    model = ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3)
+        knobs = {"rate": 6.0, "duration": 12.0, "slo_ms": 250.0, "margin_ms": 225.0}
+        return ModelPreset.TINY, spec, knobs
     return (
-        model,
+        ModelPreset.SMALL,
         WorkloadSpec(gap_s=1.5),
         # The relay benchmark's regime: at 0.5 req/s the relay met this SLO in 2 of 3 seeds and
         # cache only in none (docs/benchmarks.md); two single-thread rankers saturate ~2.5 req/s.
@@ -162,10 +162,17 @@ def chart(points: Sequence[Point], slo_ms: float, path: Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relaygr demo", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small model, short run (for CI)")
-    parser.add_argument("--rate", type=float, help="arrivals per second (default per profile)")
-    parser.add_argument("--duration", type=float, help="seconds per phase (default per profile)")
+    parser = argparse.ArgumentParser(
+        prog="relaygr demo", description=__doc__, formatter_class=HelpFormatter
+    )
+    quick, full = _profile(True)[2], _profile(False)[2]
+    parser.add_argument("--quick", action="store_true", help="tiny model, short run (for CI)")
+    for name, text in (("rate", "arrivals per second"), ("duration", "seconds per phase")):
+        parser.add_argument(
+            f"--{name}",
+            type=Bounded(float, POSITIVE),
+            help=f"{text} (default: {full[name]:g}, with --quick {quick[name]:g})",
+        )
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: random)")
     parser.add_argument("--out", type=Path, default=Path("demo-results"), help="chart and JSON")
     parser.add_argument(
@@ -186,34 +193,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     points: list[Point] = []
-    with tempfile.TemporaryDirectory(prefix="relaygr-demo-") as tmp:
-        model_path = Path(tmp) / "model.json"
-        model_path.write_text(json.dumps(model.to_dict()))
-        base = MeshSpec(
-            rankers=2,
-            ranker_args=("--model-config", str(model_path), "--device", "cpu"),
-            trigger_args=(
-                "--slo-ms",
-                str(knobs["slo_ms"]),
-                "--margin-ms",
-                str(knobs["margin_ms"]),
-                "--expected-gap-ms",
-                str(spec.gap_s * 1e3),
-            ),
+    base = MeshSpec(
+        rankers=2,
+        ranker_args=("--model", model.value, "--device", "cpu"),
+        trigger_args=(
+            "--slo-ms",
+            str(knobs["slo_ms"]),
+            "--margin-ms",
+            str(knobs["margin_ms"]),
+            "--expected-gap-ms",
+            str(spec.gap_s * 1e3),
+        ),
+    )
+    for kind in dict.fromkeys(p[2] for p in phases):
+        mesh_spec = base
+        if kind == "bypass":
+            mesh_spec = replace(base, ranker_args=(*base.ranker_args, "--no-relay-enabled"))
+        print(
+            f"starting the {kind} mesh (rankers calibrate their cost model first) ...", flush=True
         )
-        for kind in dict.fromkeys(p[2] for p in phases):
-            mesh_spec = base
-            if kind == "bypass":
-                mesh_spec = replace(base, ranker_args=(*base.ranker_args, "--no-relay-enabled"))
-            print(
-                f"starting the {kind} mesh (rankers calibrate their cost model first) ...",
-                flush=True,
-            )
-            with LocalMesh(mesh_spec) as mesh:
-                print(mesh.describe(), flush=True)
-                for label, mode, on in phases:
-                    if on == kind:
-                        points.append(run_phase(mesh, label, mode, spec, knobs, seed))
+        with LocalMesh(mesh_spec) as mesh:
+            print(mesh.describe(), flush=True)
+            for label, mode, on in phases:
+                if on == kind:
+                    points.append(run_phase(mesh, label, mode, spec, knobs, seed))
     print()
     print(table(points, knobs["slo_ms"]))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,16 @@ class EtcdServer:
     def _client_url(self) -> str:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """etcd serves Prometheus /metrics on its client port."""
+        return f"{self._client_url}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        """The etcd process's id while one was started (None before)."""
+        return None if self._process is None else self._process.pid
+
     def client_security(self, user: str = "", password: str = "") -> EtcdSecurity:
         """What a client needs to reach this etcd: its CA and, for `--client-cert-auth`, the
         server's own certificate (it carries client usage too; see relaygr.local.certs)."""

@@ -1,23 +1,23 @@
 """The local mesh: etcd, N rankers, a router and a trigger as separate processes on loopback.
 
-`relaygr up` runs it until Ctrl-C or SIGTERM; benchmarks, the demo and tests use `LocalMesh`
-directly. Every process it starts is stopped when it stops (and, on Linux, is also sent SIGTERM
-if this process dies), and its temporary directory is removed.
+`relaygr up` (relaygr.local.up) runs it until Ctrl-C or SIGTERM; benchmarks, the demo and tests
+use `LocalMesh` directly. Every process it starts is stopped when it stops (and, on Linux, is also
+sent SIGTERM if this process dies), and its work directory is removed. While it runs, the work
+directory's `processes.json` lists every process: name, role, address, pid and /metrics URL.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,6 +33,9 @@ from relaygr.tls_settings import PLAINTEXT, ClientTls
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
 _STOP_TIMEOUT_S = 30.0
+PROCESSES_FILE = "processes.json"
+# Every address the mesh serves on, /metrics included, is on this machine only.
+LOOPBACK = "127.0.0.1"
 # Channel options for `LocalMesh.router_target`: calls spread over every router replica and
 # skip one that is down.
 ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]
@@ -53,8 +56,8 @@ class MeshSpec:
     # Mutual TLS on every hop and to etcd, with a throwaway CA in the mesh's temporary
     # directory (relaygr.local.certs); otherwise every service runs with --plaintext.
     tls: bool = False
-    # Prometheus /metrics of each service on consecutive ports from this one, in start order
-    # (rankers, routers, trigger); 0: none.
+    # Prometheus /metrics of each service on loopback, on consecutive ports from this one, in
+    # start order (rankers, routers, trigger); 0: none.
     metrics_base_port: int = 0
 
 
@@ -89,6 +92,17 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessEntry:
+    """One process of a running mesh, as its `processes.json` lists it."""
+
+    name: str
+    role: str  # etcd, ranker, router or trigger
+    address: str
+    pid: int | None  # None: not running (etcd while `stop_etcd` holds it down)
+    metrics: str | None  # its Prometheus /metrics URL; None: not served
+
+
 @dataclass(slots=True)
 class Service:
     name: str
@@ -101,7 +115,12 @@ class Service:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{LOOPBACK}:{self.port}"
+
+    @property
+    def entry(self) -> ProcessEntry:
+        metrics = f"http://{LOOPBACK}:{self.metrics_port}/metrics" if self.metrics_port else None
+        return ProcessEntry(self.name, self.args[0], self.address, self.process.pid, metrics)
 
     def tail(self, chars: int = 4000) -> str:
         try:
@@ -194,22 +213,43 @@ class LocalMesh:
             )
             for i in range(self.spec.rankers):
                 name = f"ranker-{i}"
-                args = ["ranker", "--listen", "127.0.0.1:0", "--instance-id", name, *endpoints]
+                args = ["ranker", "--listen", f"{LOOPBACK}:0", "--instance-id", name, *endpoints]
                 self.rankers.append(self._spawn(name, [*args, *ranker_args]))
-            router_args = ["router", "--listen", "127.0.0.1:0", *endpoints]
+            router_args = ["router", "--listen", f"{LOOPBACK}:0", *endpoints]
             for i in range(self.spec.routers):
                 name = f"router-{i}" if i else "router"
                 self.routers.append(self._spawn(name, [*router_args, *self.spec.router_args]))
             self.trigger = self._spawn(
                 "trigger",
-                ["trigger", "--listen", "127.0.0.1:0", *endpoints,
+                ["trigger", "--listen", f"{LOOPBACK}:0", *endpoints,
                  "--router-address", self.router_target, *self.spec.trigger_args],
             )  # fmt: skip
             for service in self._started:
                 self._wait_serving(service)
+            self._write_processes()
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def processes_file(self) -> Path:
+        """The JSON list of `ProcessEntry` of the running mesh, in its work directory."""
+        assert self._tmp is not None, "mesh not started"
+        return self._tmp / PROCESSES_FILE
+
+    def processes(self) -> list[ProcessEntry]:
+        """etcd, then every service in start order."""
+        assert self.etcd is not None, "mesh not started"
+        pid = self.etcd.pid if self.etcd.running else None
+        etcd = ProcessEntry("etcd", "etcd", self.etcd_endpoint, pid, self.etcd.metrics_url)
+        return [etcd, *(service.entry for service in self._started)]
+
+    def _write_processes(self) -> None:
+        """Replace `processes_file` at once: a script polling it never reads half of one."""
+        text = json.dumps([asdict(entry) for entry in self.processes()], indent=2)
+        partial = self.processes_file.with_suffix(".partial")
+        partial.write_text(text + "\n")
+        partial.replace(self.processes_file)
 
     def _spawn(self, name: str, args: list[str]) -> Service:
         assert self._tmp is not None
@@ -219,7 +259,7 @@ class LocalMesh:
         metrics_port = 0
         if self.spec.metrics_base_port:
             metrics_port = self.spec.metrics_base_port + len(self._started)
-            args = [*args, "--metrics-port", str(metrics_port)]
+            args = [*args, "--metrics-port", str(metrics_port), "--metrics-host", LOOPBACK]
         service = Service(
             name, _launch(args, log), log, args=tuple(args), metrics_port=metrics_port
         )
@@ -282,6 +322,7 @@ class LocalMesh:
         if self._wait_port(service) != service.port:
             raise RuntimeError(f"{name} restarted on another port:\n{service.tail()}")
         self._wait_serving(service)
+        self._write_processes()
         return service
 
     def stop_etcd(self) -> None:
@@ -306,21 +347,20 @@ class LocalMesh:
         self.pki = None
 
     def describe(self) -> str:
-        lines = [f"etcd     {self.etcd_endpoint}"]
+        """Each process's name, address, pid and /metrics URL, and where they are listed."""
+        lines = []
         if self.pki is not None:
-            lines.insert(0, f"mutual TLS, throwaway CA and certificates in {self.pki.directory}")
-        lines += [f"{s.name:<8} {s.address}{_metrics_url(s)}" for s in self._started]
-        lines.append(
+            lines.append(f"mutual TLS, throwaway CA and certificates in {self.pki.directory}")
+        for entry in self.processes():
+            metrics = f"  metrics {entry.metrics}" if entry.metrics else ""
+            pid = "-" if entry.pid is None else str(entry.pid)
+            lines.append(f"{entry.name:<8} {entry.address:<15}  pid {pid:<7}{metrics}")
+        lines += [
             f"rankers  {self.ranker_threads} torch intra-op thread(s) each,"
-            f" of {self.cpus} CPU(s) this mesh may use"
-        )
+            f" of {self.cpus} CPU(s) this mesh may use",
+            f"processes and pids (JSON): {self.processes_file}",
+        ]
         return "\n".join(lines)
-
-
-def _metrics_url(service: Service) -> str:
-    if not service.metrics_port:
-        return ""
-    return f"  metrics http://127.0.0.1:{service.metrics_port}/metrics"
 
 
 def _launch(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
@@ -332,65 +372,3 @@ def _launch(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="relaygr up",
-        description="Run etcd, N rankers, a router and a trigger on loopback until Ctrl-C.",
-    )
-    parser.add_argument("--rankers", type=int, default=2)
-    parser.add_argument("--ranker-arg", action="append", default=[], help="extra ranker flag")
-    parser.add_argument("--router-arg", action="append", default=[], help="extra router flag")
-    parser.add_argument("--trigger-arg", action="append", default=[], help="extra trigger flag")
-    parser.add_argument("--log-dir", type=Path, help="keep the services' logs here")
-    parser.add_argument(
-        "--tls",
-        action="store_true",
-        help="mutual TLS on every hop and to etcd, with a throwaway CA (default: plaintext)",
-    )
-    parser.add_argument(
-        "--metrics-base-port",
-        type=int,
-        default=0,
-        help="serve each service's /metrics on consecutive ports from this one (default: none)",
-    )
-    args = parser.parse_args(argv)
-    if args.rankers < 1:
-        parser.error("--rankers must be at least 1")
-    spec = MeshSpec(
-        rankers=args.rankers,
-        ranker_args=tuple(args.ranker_arg),
-        router_args=tuple(args.router_arg),
-        trigger_args=tuple(args.trigger_arg),
-        log_dir=args.log_dir,
-        tls=args.tls,
-        metrics_base_port=args.metrics_base_port,
-    )
-    stop = _until_signal()
-    with LocalMesh(spec) as mesh:
-        print(f"relaygr mesh up:\n{mesh.describe()}\nCtrl-C stops it.", flush=True)
-        stop()
-    print("relaygr mesh stopped", flush=True)
-    return 0
-
-
-def _until_signal() -> Callable[[], None]:
-    """A function that blocks until SIGINT or SIGTERM (installed now, so none is missed)."""
-    received: list[int] = []
-
-    def on_signal(signum: int, _: object) -> None:
-        received.append(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
-
-    def wait() -> None:
-        while not received:
-            time.sleep(0.2)
-
-    return wait
-
-
-if __name__ == "__main__":
-    sys.exit(main())

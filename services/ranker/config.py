@@ -3,10 +3,12 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaygr.config import helped, require_positive
+from relaygr.bounds import POSITIVE, non_negative
+from relaygr.config import check_bounds, helped
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
+from services.ranker.model_config import ModelPreset
 
 ENV_PREFIX = "RELAYGR_RANKER_"
 MIB = 1 << 20
@@ -20,42 +22,67 @@ class RankerConfig(ServiceOptions):
     checkpoint: Path | None = field(
         default=None, metadata=helped("checkpoint directory (config.json + weights.pt)")
     )
+    model: ModelPreset = field(
+        default=ModelPreset.DEFAULT,
+        metadata=helped(
+            "shape of the seeded random model (no checkpoint): tiny (the tests'), small (the"
+            " demo's and benchmarks'), default (services/ranker/model_config.py PRESETS)"
+        ),
+    )
     model_config: Path | None = field(
         default=None,
-        metadata=helped("JSON of ModelConfig fields for a seeded random model (no checkpoint)"),
+        metadata=helped("JSON of ModelConfig fields that override the --model preset's"),
     )
     model_seed: int = field(default=0, metadata=helped("seed of the random model"))
-    hbm_budget_mb: float = field(default=2048.0, metadata=helped("device KV tier budget, MiB"))
-    dram_budget_mb: float = field(
-        default=8192.0, metadata=helped("host KV tier budget, MiB (0: no host tier)")
+    hbm_budget_mb: float = field(
+        default=2048.0, metadata=helped("device KV tier budget, MiB", POSITIVE)
     )
-    dram_ttl_s: float = field(default=300.0, metadata=helped("host tier time to live, seconds"))
+    dram_budget_mb: float = field(
+        default=8192.0, metadata=helped("host KV tier budget, MiB", non_negative("0: no host tier"))
+    )
+    dram_ttl_s: float = field(
+        default=300.0, metadata=helped("host tier time to live, seconds", POSITIVE)
+    )
     relay_window_ms: int = field(
-        default=2000, metadata=helped("default pin of a pre-inferred prefix awaiting its Rank")
+        default=2000,
+        metadata=helped(
+            "default pin of a pre-inferred prefix awaiting its Rank; at most max_relay_window_ms",
+            POSITIVE,
+        ),
     )
     max_relay_window_ms: int = field(
-        default=60000, metadata=helped("longest pin a PreInfer may ask for (longer: refused)")
+        default=60000,
+        metadata=helped("longest pin a PreInfer may ask for (longer: refused)", POSITIVE),
     )
     prefill_chunk_tokens: int = field(
-        default=512, metadata=helped("background prefill chunk: a Rank waits at most one")
+        default=512, metadata=helped("background prefill chunk: a Rank waits at most one", POSITIVE)
     )
     relay_enabled: bool = field(
         default=True, metadata=helped("serve Ranks from prefix caches (off: full inference)")
     )
-    max_queued_ranks: int = field(default=64, metadata=helped("rank jobs queued before shedding"))
+    max_queued_ranks: int = field(
+        default=64, metadata=helped("rank jobs queued before shedding", POSITIVE)
+    )
     max_queued_prefills: int = field(
-        default=256, metadata=helped("background jobs queued before refusing pre-inference")
+        default=256,
+        metadata=helped("background jobs queued before refusing pre-inference", POSITIVE),
     )
     calibration_lengths: tuple[int, ...] = field(
         # The quadratic (attention) term only shows at long lengths: a fit that stops at 2k
         # predicts an 8k history at half its real cost, and the trigger then misjudges risk.
         # Spread over the range so that no one length decides a coefficient.
         default=(256, 512, 1024, 2048, 4096, 8192),
-        metadata=helped("history lengths timed at start-up; span the lengths you serve"),
+        metadata=helped(
+            "history lengths timed at start-up, each > 0 (clamped to the model's limit); span"
+            " the lengths you serve"
+        ),
     )
-    calibration_candidates: int = field(default=64, metadata=helped("candidates when calibrating"))
+    calibration_candidates: int = field(
+        default=64, metadata=helped("candidates when calibrating", POSITIVE)
+    )
     calibration_repeats: int = field(
-        default=3, metadata=helped("timed runs per calibration length (the median is fitted)")
+        default=3,
+        metadata=helped("timed runs per calibration length (the median is fitted)", POSITIVE),
     )
     calibration_lock_dir: Path | None = field(
         default=None,
@@ -66,28 +93,37 @@ class RankerConfig(ServiceOptions):
     )
     cost_refit_interval_s: float = field(
         default=5.0,
-        metadata=helped("how often the cost model is refitted to the compute timings served"),
+        metadata=helped(
+            "how often the cost model is refitted to the compute timings served, seconds",
+            POSITIVE,
+        ),
     )
     cost_republish_interval_s: float = field(
         default=30.0,
-        metadata=helped("least time between republications of a changed cost model to the mesh"),
+        metadata=helped(
+            "least time between republications of a changed cost model to the mesh, seconds",
+            POSITIVE,
+        ),
     )
     threads: int = field(
         default=0,
         metadata=helped(
-            "torch intra-op compute threads, >= 0 (0: auto, the process's CPU quota: the least of"
-            " cgroup cpu.max or cfs quota and the CPU affinity, at least 1)"
+            "torch intra-op compute threads; auto: the process's CPU quota (the least of"
+            " cgroup cpu.max or cfs quota and the CPU affinity, at least 1)",
+            non_negative("0: auto"),
         ),
     )
     # Fewer than the other services' default: each Rank holds tensors while it waits.
     max_concurrent_rpcs: int = field(
-        default=1024, metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+        default=1024,
+        metadata=helped("RPCs in progress at once; more get RESOURCE_EXHAUSTED", POSITIVE),
     )
     etcd_endpoints: tuple[str, ...] = field(
         default=(), metadata=helped("etcd endpoints to register in (none: standalone)")
     )
     lease_ttl_s: float = field(
-        default=5.0, metadata=helped("membership lease: a dead ranker leaves within this")
+        default=5.0,
+        metadata=helped("membership lease, seconds: a dead ranker leaves within this", POSITIVE),
     )
     advertise_address: str = field(
         default="", metadata=helped("host:port routers dial (default: 127.0.0.1:<bound port>)")
@@ -95,21 +131,17 @@ class RankerConfig(ServiceOptions):
 
     def __post_init__(self) -> None:
         parse_device_kind(self.device)
+        try:
+            object.__setattr__(self, "model", ModelPreset(self.model))  # a string from Python
+        except ValueError as err:
+            raise ConfigError(
+                f"ranker model must be one of {[p.value for p in ModelPreset]}, got {self.model!r}"
+            ) from err
         if self.checkpoint is not None and self.model_config is not None:
             raise ConfigError("set either checkpoint or model_config, not both")
-        positive = (
-            "hbm_budget_mb", "dram_ttl_s", "relay_window_ms", "max_relay_window_ms",
-            "prefill_chunk_tokens", "max_queued_ranks", "max_queued_prefills",
-            "calibration_candidates", "calibration_repeats", "cost_refit_interval_s",
-            "cost_republish_interval_s", "lease_ttl_s",
-        )  # fmt: skip
-        require_positive(self, positive, "ranker")
-        if self.dram_budget_mb < 0:
-            raise ConfigError(
-                f"ranker dram_budget_mb must be >= 0 (0: no host tier), got {self.dram_budget_mb}"
-            )
-        if self.threads < 0:
-            raise ConfigError(f"ranker threads must be >= 0 (0: auto), got {self.threads}")
+        if self.checkpoint is not None and self.model is not ModelPreset.DEFAULT:
+            raise ConfigError("set either checkpoint or model, not both: a checkpoint has its own")
+        check_bounds(self, "ranker")
         if self.relay_window_ms > self.max_relay_window_ms:
             raise ConfigError("ranker relay_window_ms must be <= max_relay_window_ms")
         if not self.calibration_lengths or min(self.calibration_lengths) <= 0:

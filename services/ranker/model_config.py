@@ -118,3 +118,35 @@ def parse_kv_dtype(value: str) -> KVDtype:
     except ValueError as err:
         valid = ", ".join(d.value for d in KVDtype)
         raise ConfigError(f"kv_dtype {value!r} is not one of: {valid}") from err
+
+
+class ModelPreset(StrEnum):
+    """Named model shapes (`PRESETS`): `relaygr ranker --model`, `relaygr up --model`."""
+
+    TINY = "tiny"
+    SMALL = "small"
+    DEFAULT = "default"
+
+
+# The one definition of each shape the tests, the demo and the benchmarks use.
+PRESETS: dict[ModelPreset, ModelConfig] = {
+    # The tests': fast, with attention blocks small enough that a history spans several, and
+    # tight input limits (8 user features, 4,096 history tokens, 64 candidates).
+    ModelPreset.TINY: ModelConfig(
+        num_layers=3,
+        d_model=64,
+        num_heads=2,
+        d_qk=16,
+        d_v=32,
+        ffn_mult=2,
+        item_buckets=4096,
+        user_feature_buckets=256,
+        max_user_features=8,
+        max_history_tokens=4096,
+        max_candidates=64,
+        attention_block=64,
+    ),
+    # The demo's and the mesh benchmarks': a sweep takes minutes on 2 CPU cores.
+    ModelPreset.SMALL: ModelConfig(d_model=256, num_heads=2, d_qk=32, d_v=64, num_layers=3),
+    ModelPreset.DEFAULT: ModelConfig(),
+}

@@ -21,7 +21,7 @@ from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
 from relaygr.service_main import service_main
-from relaygr.telemetry import Telemetry, metrics_address
+from relaygr.telemetry import Telemetry
 from relaygr.v1 import ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint
 from services.ranker.config import ENV_PREFIX, RankerConfig
@@ -33,7 +33,7 @@ from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import PRESETS, ModelConfig
 from services.ranker.observer import ComputeSink, EngineObserver, NoopObserver, Work
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Priority
@@ -45,15 +45,19 @@ SERVICE = "relaygr-ranker"  # the default OTEL service.name
 
 
 def load_model(cfg: RankerConfig) -> RankingModel:
+    """The checkpoint, or the seeded random model of the preset with `model_config`'s keys."""
     device = select_device(cfg.device)
     if cfg.checkpoint is not None:
         return load_checkpoint(cfg.checkpoint, device=device)
-    model_config = ModelConfig()
+    model_config = PRESETS[cfg.model]
     if cfg.model_config is not None:
         try:
-            model_config = ModelConfig.from_dict(json.loads(cfg.model_config.read_text()))
+            overrides = json.loads(cfg.model_config.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"cannot read model_config {cfg.model_config}: {err}") from err
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"model_config {cfg.model_config} must be a JSON object of fields")
+        model_config = ModelConfig.from_dict({**model_config.to_dict(), **overrides})
     return RankingModel(model_config, seed=cfg.model_seed, device=device)
 
 
@@ -239,9 +243,9 @@ async def start_ranker(
     Torch's intra-op threads are the process's, not this server's: `_serve` sets them from
     `cfg.threads` before calling this; an embedding process sets its own.
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
-    is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
+    is served; by default nothing is traced and metrics are served at `cfg.metrics_address`.
     """
-    telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
+    telemetry = telemetry or Telemetry(SERVICE, metrics_address=cfg.metrics_address)
     metrics = RankerMetrics(telemetry.registry)
     servicer = RankerServicer(cfg.instance_id, "pending", metrics)
     server, metrics_server = await start_service_servers(

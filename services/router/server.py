@@ -17,7 +17,7 @@ from relaygr.pool import RankerPool
 from relaygr.room import RelayRoom
 from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
-from relaygr.telemetry import Telemetry, metrics_address
+from relaygr.telemetry import Telemetry
 from services.router.config import ENV_PREFIX, RouterConfig
 from services.router.limits import RequestLimits
 from services.router.metrics import register_router_metrics
@@ -73,9 +73,9 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
     """Serve RouterService; health turns SERVING once the etcd views are loaded.
 
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
-    is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
+    is served; by default nothing is traced and metrics are served at `cfg.metrics_address`.
     """
-    telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
+    telemetry = telemetry or Telemetry(SERVICE, metrics_address=cfg.metrics_address)
     options = cfg.server_options()
     mesh = connect_mesh(cfg)
     cluster = mesh.cluster

@@ -3,7 +3,8 @@
 import enum
 from dataclasses import dataclass, field
 
-from relaygr.config import helped, require_positive
+from relaygr.bounds import NON_NEGATIVE, POSITIVE, SHARE
+from relaygr.config import check_bounds, helped
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
 
@@ -26,81 +27,92 @@ class TriggerConfig(ServiceOptions):
     )
     # Admission policy: these may also be changed at run time (LIVE_FIELDS).
     mode: Mode = field(default=Mode.SEQUENCE_AWARE, metadata=helped("admission mode"))
-    slo_ms: float = field(default=50.0, metadata=helped("ranking latency SLO, ms"))
+    slo_ms: float = field(default=50.0, metadata=helped("ranking latency SLO, ms", POSITIVE))
     margin_ms: float = field(
-        default=5.0, metadata=helped("at risk when predicted full inference > slo_ms - margin_ms")
+        default=5.0,
+        metadata=helped(
+            "at risk when predicted full inference > slo_ms - margin_ms; below slo_ms",
+            NON_NEGATIVE,
+        ),
     )
     expected_gap_ms: float = field(
         default=1000.0,
         metadata=helped(
             "expected time from retrieval to the Rank, ms: a relay is admitted only where its"
             " prefill, queued behind the ranker's, starts before the Rank arrives (else"
-            " LOAD_LIMIT), and its PreInfer tells the ranker when the Rank is due"
+            " LOAD_LIMIT), and its PreInfer tells the ranker when the Rank is due",
+            POSITIVE,
         ),
     )
     prefill_share: float = field(
         default=0.5,
         metadata=helped(
             "deprecated, ignored: load is now checked against rankers' queued prefill"
-            " (expected_gap_ms)"
+            " (expected_gap_ms)",
+            SHARE,
         ),
     )
     burst_s: float = field(
         default=2.0,
         metadata=helped(
             "deprecated, ignored: load is now checked against rankers' queued prefill"
-            " (expected_gap_ms)"
+            " (expected_gap_ms)",
+            POSITIVE,
         ),
     )
     relay_budget_share: float = field(
         default=0.9,
         metadata=helped(
             "share of each ranker's relay budget (its device tier, as it reports) this trigger"
-            " fills, 0..1: headroom for relays other senders have in flight"
+            " fills: headroom for relays other senders have in flight",
+            SHARE,
         ),
     )
     relay_window_ms: int = field(
-        default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank")
+        default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank", POSITIVE)
     )
     refusal_cooldown_ms: int = field(
         default=1000,
         metadata=helped(
-            "a ranker that refused a relay gets none until it reports room again, or this long"
+            "a ranker that refused a relay gets none until it reports room again, or this long",
+            POSITIVE,
         ),
     )
     # Dispatch and observation.
-    dispatch_queue: int = field(default=256, metadata=helped("admitted PreInfers waiting to send"))
-    dispatch_concurrency: int = field(default=8, metadata=helped("PreInfers in flight at once"))
+    dispatch_queue: int = field(
+        default=256, metadata=helped("admitted PreInfers waiting to send", POSITIVE)
+    )
+    dispatch_concurrency: int = field(
+        default=8, metadata=helped("PreInfers in flight at once", POSITIVE)
+    )
     observe_interval_ms: int = field(
         default=1000,
-        metadata=helped("how often rankers' relay room and queued prefill are read (Describe)"),
+        metadata=helped(
+            "how often rankers' relay room and queued prefill are read (Describe)", POSITIVE
+        ),
     )
     # Input limits, enforced before anything else.
-    max_long_term: int = field(default=65536, metadata=helped("most long-term behaviours"))
-    max_short_term: int = field(default=65536, metadata=helped("most expected short-term"))
-    max_candidates: int = field(default=65536, metadata=helped("most expected candidates"))
-    max_user_features: int = field(default=1024, metadata=helped("most user feature tokens"))
+    max_long_term: int = field(
+        default=65536, metadata=helped("most long-term behaviours", POSITIVE)
+    )
+    max_short_term: int = field(
+        default=65536, metadata=helped("most expected short-term", POSITIVE)
+    )
+    max_candidates: int = field(
+        default=65536, metadata=helped("most expected candidates", POSITIVE)
+    )
+    max_user_features: int = field(
+        default=1024, metadata=helped("most user feature tokens", POSITIVE)
+    )
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "mode", Mode(self.mode))  # a plain string from Python code
         except ValueError as err:
             raise ConfigError(f"trigger mode must be one of {[m.value for m in Mode]}") from err
-        require_positive(
-            self,
-            (
-                "slo_ms", "expected_gap_ms", "prefill_share", "burst_s", "relay_budget_share",
-                "relay_window_ms", "refusal_cooldown_ms", "dispatch_queue", "dispatch_concurrency",
-                "observe_interval_ms", "max_long_term", "max_short_term", "max_candidates",
-                "max_user_features",
-            ),
-            "trigger",
-        )  # fmt: skip
-        if not 0 <= self.margin_ms < self.slo_ms:
+        check_bounds(self, "trigger")
+        if self.margin_ms >= self.slo_ms:
             raise ConfigError(f"trigger margin_ms must be in [0, slo_ms), got {self.margin_ms}")
-        for name in ("prefill_share", "relay_budget_share"):
-            if getattr(self, name) > 1:
-                raise ConfigError(f"trigger {name} must be in (0, 1], got {getattr(self, name)}")
         self.check_service("trigger")  # last: a field's own error is named first
 
     @property

@@ -17,7 +17,7 @@ from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
 from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
-from relaygr.telemetry import Telemetry, metrics_address
+from relaygr.telemetry import Telemetry
 from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from services.trigger.config import ENV_PREFIX, TriggerConfig
@@ -85,9 +85,9 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     """Serve TriggerService; health turns SERVING once the etcd views and live config are read.
 
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
-    is served; by default nothing is traced and metrics are served at `cfg.metrics_port`.
+    is served; by default nothing is traced and metrics are served at `cfg.metrics_address`.
     """
-    telemetry = telemetry or Telemetry(SERVICE, metrics_address=metrics_address(cfg.metrics_port))
+    telemetry = telemetry or Telemetry(SERVICE, metrics_address=cfg.metrics_address)
     options = cfg.server_options()
     mesh = connect_mesh(cfg)
     cluster = mesh.cluster

@@ -1,7 +1,7 @@
 """A small `relaygr up` mesh for process-level tests: rankers serving the tiny test model."""
 
 import glob
-import json
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,21 +11,37 @@ import pytest
 
 from relaygr.local.mesh import MeshSpec
 from services.ranker.model import RankingModel
-from tests.unit.ranker.factories import tiny_config
+from services.ranker.model_config import PRESETS, ModelPreset
 
 
-def tiny_mesh(tmp_path: Path, **spec: Any) -> tuple[MeshSpec, RankingModel]:
-    """A MeshSpec whose CPU rankers serve `tiny_config()` (quick calibration), and the same
+def tiny_mesh(**spec: Any) -> tuple[MeshSpec, RankingModel]:
+    """A MeshSpec whose CPU rankers serve the tiny preset (quick calibration), and the same
     model in this process for reference scores. `spec` sets any other MeshSpec field."""
-    config = tiny_config()
-    model_path = tmp_path / "model.json"
-    model_path.write_text(json.dumps(config.to_dict()))
-    ranker_args = (
-        "--model-config", str(model_path), "--device", "cpu", "--calibration-lengths", "32,64",
-    )  # fmt: skip
+    ranker_args = ("--model", "tiny", "--device", "cpu", "--calibration-lengths", "32,64")
     fields = {"rankers": 2, **spec}
     fields["ranker_args"] = (*ranker_args, *fields.get("ranker_args", ()))
-    return MeshSpec(**fields), RankingModel(config, seed=0)
+    return MeshSpec(**fields), RankingModel(PRESETS[ModelPreset.TINY], seed=0)
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports that are free now (a test-only race)."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            base: int = first.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(sockets):
+                s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def mesh_workdirs() -> set[str]:

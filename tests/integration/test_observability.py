@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,6 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -40,11 +38,11 @@ from services.ranker.server import start_ranker
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver, ReceivedSpan
-from tests.integration.process_mesh import tiny_mesh
+from tests.integration.process_mesh import free_ports, tiny_mesh
 from tests.integration.ranker_harness import BASE, COST, tiny_model
 from tests.integration.test_ranker_process import wait_for_port
 from tests.polling import eventually
-from tests.unit.ranker.factories import prefix, rank_input, tiny_config
+from tests.unit.ranker.factories import prefix, rank_input
 
 # The harness's cost model predicts full inference of a 700-token history with 16 candidates at
 # ~9 ms and of a 30-token one at ~1.5 ms: an 8 ms SLO with 1 ms margin relays only the first.
@@ -330,42 +328,15 @@ async def test_tracing_off_creates_no_exporter_and_sends_nothing(
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
-def _free_port() -> int:
-    return _free_ports(1)
-
-
-def _free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that are free now (a test-only race)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            base: int = first.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = [socket.socket() for _ in range(count)]
-        try:
-            for i, s in enumerate(sockets):
-                s.bind(("127.0.0.1", base + i))
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def test_a_ranker_process_traces_serves_metrics_and_logs_json(
-    tmp_path: Path, otlp_receiver: OtlpReceiver, rng: np.random.Generator
+    otlp_receiver: OtlpReceiver, rng: np.random.Generator
 ) -> None:
     """`relaygr ranker` as deployed: OTEL_* from its environment, --metrics-port, JSON logs."""
-    model_config = tmp_path / "model.json"
-    model_config.write_text(json.dumps(tiny_config().to_dict()))
-    metrics_port = _free_port()
+    metrics_port = free_ports(1)
     process = subprocess.Popen(
         [
             sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
-            "--plaintext", "--model-config", str(model_config), "--device", "cpu",
+            "--plaintext", "--model", "tiny", "--device", "cpu",
             "--calibration-lengths", "32,64", "--instance-id", "ranker-obs",
             "--metrics-port", str(metrics_port), "--log-level", "INFO", "--log-format", "json",
         ],
@@ -415,7 +386,6 @@ def test_a_ranker_process_traces_serves_metrics_and_logs_json(
 
 
 def test_the_local_mesh_passes_otel_env_and_serves_metrics(
-    tmp_path: Path,
     otlp_receiver: OtlpReceiver,
     rng: np.random.Generator,
     monkeypatch: pytest.MonkeyPatch,
@@ -424,10 +394,9 @@ def test_the_local_mesh_passes_otel_env_and_serves_metrics(
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     spec, _ = tiny_mesh(
-        tmp_path,
         rankers=1,
         trigger_args=("--mode", "all", "--relay-window-ms", "20000"),  # slow shared machines
-        metrics_base_port=_free_ports(3),
+        metrics_base_port=free_ports(3),
     )
     request = rank_input(rng, prefix(rng, 300, user_id="alice"), 16, 8)
     with LocalMesh(spec) as mesh:

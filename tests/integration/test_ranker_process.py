@@ -1,6 +1,5 @@
 """`relaygr ranker` as a user runs it: a real process, configured, healthy, drained on SIGTERM."""
 
-import json
 import re
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from relaygr.cpu_quota import available_cpus
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
-from tests.unit.ranker.factories import prefix, rank_input, tiny_config
+from tests.unit.ranker.factories import prefix, rank_input
 
 
 def wait_for_port(process: subprocess.Popen[str], timeout: float = 60.0) -> int:
@@ -35,17 +34,15 @@ def wait_for_port(process: subprocess.Popen[str], timeout: float = 60.0) -> int:
 def ranker_process(
     tmp_path: Path, args: Sequence[str] = (), env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    """`relaygr ranker` serving the tiny model on a free port, configured by a file (64 MiB
-    device tier, quick calibration), then `env`, then `args`; its output on stdout."""
-    model_config = tmp_path / "model.json"
-    model_config.write_text(json.dumps(tiny_config().to_dict()))
+    """`relaygr ranker` serving the tiny model on a free port, configured by a file (the tiny
+    preset, 64 MiB device tier, quick calibration), then `env`, then `args`; its output on
+    stdout."""
     config_file = tmp_path / "ranker.toml"
-    config_file.write_text("hbm_budget_mb = 64\ncalibration_lengths = [32, 64]\n")
+    config_file.write_text('model = "tiny"\nhbm_budget_mb = 64\ncalibration_lengths = [32, 64]\n')
     return subprocess.Popen(
         [
             sys.executable, "-m", "relaygr.cli", "ranker", "--config", str(config_file),
-            "--listen", "127.0.0.1:0", "--plaintext", "--model-config", str(model_config),
-            "--device", "cpu", *args,
+            "--listen", "127.0.0.1:0", "--plaintext", "--device", "cpu", *args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

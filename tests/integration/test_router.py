@@ -1,7 +1,6 @@
 """Router + etcd + rankers on loopback: affinity, bounded load, failures, etcd outage."""
 
 import asyncio
-import json
 import re
 import signal
 import subprocess
@@ -93,12 +92,10 @@ async def test_spilled_users_still_meet_their_cache(
 def _spawn_ranker(
     tmp_path: Path, endpoint: str, instance_id: str
 ) -> tuple[subprocess.Popen[str], int]:
-    model_config = tmp_path / "model.json"
-    model_config.write_text(json.dumps(tiny_config().to_dict()))
     process = subprocess.Popen(
         [
             sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
-            "--model-config", str(model_config), "--model-seed", "0", "--device", "cpu",
+            "--model", "tiny", "--model-seed", "0", "--device", "cpu",
             "--instance-id", instance_id, "--etcd-endpoints", endpoint, "--lease-ttl-s", "2",
             "--calibration-lengths", "32,64",
         ],

@@ -4,7 +4,6 @@ deadline, when the router hedges: the Rank also goes to the next ranker and the 
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -20,10 +19,8 @@ HEDGE_MS = 300
 DEADLINE_S = 20.0
 
 
-def test_a_rank_to_a_frozen_ranker_is_answered_by_the_next_one(
-    tmp_path: Path, rng: np.random.Generator
-) -> None:
-    spec, model = tiny_mesh(tmp_path, router_args=("--rank-hedge-ms", str(HEDGE_MS)))
+def test_a_rank_to_a_frozen_ranker_is_answered_by_the_next_one(rng: np.random.Generator) -> None:
+    spec, model = tiny_mesh(router_args=("--rank-hedge-ms", str(HEDGE_MS)))
     request = rank_input(rng, prefix(rng, 200, user_id="frozen-owner"), 8, 6)
     expected = model.full_forward(request).numpy()
     with LocalMesh(spec) as mesh, grpc.insecure_channel(mesh.router_target) as channel:

@@ -205,12 +205,12 @@ async def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
 
 
 def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
-    tmp_path: Path, rng: np.random.Generator, private_tempdir: Path
+    rng: np.random.Generator, private_tempdir: Path
 ) -> None:
     """`relaygr up --tls`: a throwaway CA, etcd and every service process on mutual TLS; the
     relay runs end to end; plaintext callers are refused; the CA's files go with the mesh."""
     before = mesh_workdirs()
-    spec, model = tiny_mesh(tmp_path, trigger_args=("--mode", "all"), tls=True)
+    spec, model = tiny_mesh(trigger_args=("--mode", "all"), tls=True)
     with LocalMesh(spec) as mesh:
         assert mesh.trigger is not None and mesh.router is not None and mesh.pki is not None
         ca_dir = mesh.pki.directory

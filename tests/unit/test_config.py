@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from relaygr.config import add_config_arguments, load_config
+from relaygr.bounds import POSITIVE, SHARE, Bound, Bounded, non_negative
+from relaygr.cli_help import HelpFormatter
+from relaygr.config import add_config_arguments, check_bounds, helped, load_config
 from relaygr.errors import ConfigError
 
 PREFIX = "T_"
@@ -280,3 +282,51 @@ def test_unsupported_types_are_programming_errors() -> None:
         load_config(Nested)
     with pytest.raises(TypeError, match="is not a dataclass"):
         add_config_arguments(argparse.ArgumentParser(), int)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranged:
+    rate: float = field(default=1.0, metadata=helped("requests per second", POSITIVE))
+    hedge_ms: int = field(default=0, metadata=helped("hedge delay", non_negative("0: never")))
+    share: float = field(default=0.5, metadata=helped("share kept", SHARE))
+    port: int = field(default=0, metadata=helped("port", Bound(low=0, high=65535)))
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "svc")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "help_says", "error"),
+    [
+        ("--rate", "0", "(> 0; default: 1.0;", "svc rate must be > 0, got 0.0"),
+        ("--hedge-ms", "-1", "(>= 0, 0: never; default: 0;", "must be >= 0 (0: never), got -1"),
+        ("--share", "1.5", "(in (0, 1]; default: 0.5;", "svc share must be in (0, 1], got 1.5"),
+        ("--port", "65536", "(in [0, 65535]; default: 0;", "must be in [0, 65535], got 65536"),
+    ],
+)
+def test_a_fields_bound_is_checked_and_stated_in_its_help_alike(
+    flag: str, value: str, help_says: str, error: str
+) -> None:
+    parser = _parser(Ranged)
+    assert help_says in " ".join(parser.format_help().split())
+    with pytest.raises(ConfigError) as refused:
+        load_config(Ranged, parser.parse_args([flag, value]))
+    assert error in str(refused.value)
+    edge = {"--rate": "1e-9", "--hedge-ms": "0", "--share": "1", "--port": "65535"}[flag]
+    load_config(Ranged, parser.parse_args([flag, edge]))  # the range's edge is in it
+
+
+def test_the_shared_formatter_states_a_bounded_options_range_and_any_default() -> None:
+    parser = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
+    parser.add_argument("--count", type=Bounded(int, POSITIVE), default=3, help="how many")
+    parser.add_argument("--name", default="a%b", help="what")
+    parser.add_argument("--seed", type=int, help="seed (default: random)")
+    parser.add_argument("--fast", action="store_true", help="hurry")
+    text = " ".join(parser.format_help().split())
+    assert "how many (> 0; default: 3)" in text
+    assert "what (default: a%b)" in text
+    assert "seed (default: random)" in text
+    assert "hurry (default: false)" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--count", "0"])
+    assert parser.parse_args(["--count", "2"]).count == 2

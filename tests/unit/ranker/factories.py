@@ -1,32 +1,19 @@
 """Small factories for ranking-model tests: a tiny config and random requests."""
 
+from dataclasses import replace
+
 import numpy as np
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import PRESETS, ModelConfig, ModelPreset
 from services.ranker.synthetic import random_behaviours
 
 T0 = 1_700_000_000
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
-    """A model small enough for fast tests, with blocks small enough to span several."""
-    values: dict[str, object] = dict(
-        num_layers=3,
-        d_model=64,
-        num_heads=2,
-        d_qk=16,
-        d_v=32,
-        ffn_mult=2,
-        item_buckets=4096,
-        user_feature_buckets=256,
-        max_user_features=8,
-        max_history_tokens=4096,
-        max_candidates=64,
-        attention_block=64,
-    )
-    values.update(overrides)
-    return ModelConfig(**values)  # type: ignore[arg-type]
+    """The tiny preset (fast, with blocks small enough to span several), with `overrides`."""
+    return replace(PRESETS[ModelPreset.TINY], **overrides)  # type: ignore[arg-type]
 
 
 def behaviours(rng: np.random.Generator, n: int, start: int = T0, span: int = 10**7) -> Behaviours:

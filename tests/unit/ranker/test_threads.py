@@ -39,8 +39,8 @@ def test_help_states_default_range_and_env() -> None:
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, RankerConfig, env_prefix=ENV_PREFIX)
     text = " ".join(parser.format_help().split())
-    assert "--threads INT torch intra-op compute threads, >= 0 (0: auto," in text
-    assert "(default: 0; env RELAYGR_RANKER_THREADS)" in text
+    assert "--threads INT torch intra-op compute threads; auto: the process's CPU quota" in text
+    assert "at least 1) (>= 0, 0: auto; default: 0; env RELAYGR_RANKER_THREADS)" in text
 
 
 def test_auto_takes_the_cpu_quota_and_a_set_value_wins() -> None:

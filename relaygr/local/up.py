@@ -1,0 +1,124 @@
+"""`relaygr up`: the local mesh (relaygr.local.mesh) from the command line, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from relaygr.bounds import AT_LEAST_ONE, Bound, Bounded
+from relaygr.cli_help import HelpFormatter
+from relaygr.local.mesh import PROCESSES_FILE, LocalMesh, MeshSpec
+from services.ranker.model_config import ModelPreset
+
+# Options whose value is a flag of a service: `--ranker-arg --device=cpu` passes `--device=cpu`.
+PASS_THROUGH = ("--ranker-arg", "--router-arg", "--trigger-arg")
+
+DESCRIPTION = f"""\
+Run etcd, N rankers, a router and a trigger on loopback until Ctrl-C or SIGTERM.
+
+Prints each process's address and pid, and lists them (name, role, address, pid, /metrics URL)
+in {PROCESSES_FILE} in the mesh's work directory (its path is printed), so that a script can
+stop or kill one of them. Every service, /metrics included, listens on 127.0.0.1 only.
+"""
+
+
+def join_pass_through(argv: Sequence[str], options: Sequence[str] = PASS_THROUGH) -> list[str]:
+    """`argv` with each of `options` joined to the token after it (`--ranker-arg --device=cpu`
+    as `--ranker-arg=--device=cpu`): argparse would take a value starting with `-` for an option
+    of its own and refuse the pair."""
+    joined: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        value = next(tokens, None) if token in options else None
+        joined.append(token if value is None else f"{token}={value}")
+    return joined
+
+
+def parser() -> argparse.ArgumentParser:
+    up = argparse.ArgumentParser(
+        prog="relaygr up", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    up.add_argument(
+        "--rankers", type=Bounded(int, AT_LEAST_ONE), default=2, metavar="N", help="rankers"
+    )
+    up.add_argument(
+        "--model",
+        choices=[preset.value for preset in ModelPreset],
+        help="the rankers' model preset (relaygr ranker --model; default: the ranker's own)",
+    )
+    examples = {"ranker": "--device=cpu", "router": "--rank-hedge-ms=50", "trigger": "--mode=all"}
+    for role, example in examples.items():
+        up.add_argument(
+            f"--{role}-arg",
+            action="append",
+            default=[],
+            metavar="FLAG",
+            help=f"one token of every {role}'s command line (relaygr {role} --help), taken as"
+            f" given even when it starts with -, repeatable: --{role}-arg {example}, or"
+            f" --{role}-arg --flag --{role}-arg VALUE (default: none)",
+        )
+    up.add_argument(
+        "--log-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the services' logs here (default: the work directory, removed on stop)",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every hop and to etcd, with a throwaway CA (default: plaintext)",
+    )
+    up.add_argument(
+        "--metrics-base-port",
+        type=Bounded(int, Bound(low=0, high=65535, meaning="0: none")),
+        default=0,
+        metavar="PORT",
+        help="serve each service's /metrics on 127.0.0.1, on consecutive ports from this one"
+        " in start order (rankers, routers, trigger)",
+    )
+    return up
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(join_pass_through(sys.argv[1:] if argv is None else argv))
+    model = ("--model", args.model) if args.model else ()
+    spec = MeshSpec(
+        rankers=args.rankers,
+        ranker_args=(*model, *args.ranker_arg),  # a --ranker-arg=--model=X comes last and wins
+        router_args=tuple(args.router_arg),
+        trigger_args=tuple(args.trigger_arg),
+        log_dir=args.log_dir,
+        tls=args.tls,
+        metrics_base_port=args.metrics_base_port,
+    )
+    stop = _until_signal()
+    with LocalMesh(spec) as mesh:
+        print(f"relaygr mesh up:\n{mesh.describe()}\nCtrl-C stops it.", flush=True)
+        stop()
+    print("relaygr mesh stopped", flush=True)
+    return 0
+
+
+def _until_signal() -> Callable[[], None]:
+    """A function that blocks until SIGINT or SIGTERM (installed now, so none is missed)."""
+    received: list[int] = []
+
+    def on_signal(signum: int, _: object) -> None:
+        received.append(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+
+    def wait() -> None:
+        while not received:
+            time.sleep(0.2)
+
+    return wait
+
+
+if __name__ == "__main__":
+    sys.exit(main())
