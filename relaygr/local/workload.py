@@ -20,15 +20,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 import numpy as np
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId, as_int64
 from relaygr.errors import InvalidInput
 from services.ranker.synthetic import DEFAULT_ACTIONS, ITEM_ID_BITS
-
-V_co = TypeVar("V_co", covariant=True)
 
 T0 = 1_700_000_000
 HISTORY_SPAN_S = 10**7  # a first-seen user's long-term behaviours lie in the ~4 months before T0
@@ -204,29 +201,7 @@ class Population:
         return self.visit(user, now)
 
 
-class Visitors(Protocol[V_co]):
-    """A population the arrival process draws from (`Population`, or the simulator's, which
-    keeps lengths only)."""
-
-    @property
-    def spec(self) -> WorkloadSpec: ...
-
-    @property
-    def rng(self) -> np.random.Generator: ...
-
-    def visit(self, user: int, now: int) -> V_co: ...
-
-    def history(self, user: int, now: int) -> object: ...
-
-
 def poisson_arrivals(population: Population, rate: float, duration_s: float) -> list[Arrival]:
-    """`poisson_visits` of a `Population`, as arrivals."""
-    return [Arrival(at, request) for at, request in poisson_visits(population, rate, duration_s)]
-
-
-def poisson_visits(
-    population: Visitors[V_co], rate: float, duration_s: float
-) -> list[tuple[float, V_co]]:
     """Open-loop schedule of `rate` visits per second for `duration_s`, fixed before anything
     is sent: sessions start as a Poisson process at rate * (1 - revisit_p) (so that visits,
     returns included, average `rate`), each visit followed by a return with `revisit_p`.
@@ -237,7 +212,7 @@ def poisson_visits(
     spec, rng = population.spec, population.rng
     start_rate = rate * (1.0 - spec.revisit_p)
     pending: list[tuple[float, int, int]] = []  # (time, tie-breaker, user) of return visits
-    arrivals: list[tuple[float, V_co]] = []
+    arrivals: list[Arrival] = []
     t = -burn_in_s(spec) + float(rng.exponential(1.0 / start_rate))
     order = 0
     while True:
@@ -251,7 +226,7 @@ def poisson_visits(
         else:
             break
         if at >= 0:
-            arrivals.append((at, population.visit(user, T0 + int(at))))
+            arrivals.append(Arrival(at, population.visit(user, T0 + int(at))))
         else:
             population.history(user, T0 + int(at))
         if rng.random() < spec.revisit_p:
