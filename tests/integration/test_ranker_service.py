@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.behaviours import Prefix, RankInput
+from relaygr.behaviours import RankInput
 from relaygr.v1 import common_pb2, ranker_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
@@ -18,10 +18,11 @@ from tests.integration.ranker_harness import (
     NO_CALL_COST,
     Gate,
     poll,
+    reverse_timestamp,
     running_ranker,
     tiny_model,
 )
-from tests.unit.ranker.factories import behaviours, prefix, rank_input, rel_err
+from tests.unit.ranker.factories import longer, prefix, rank_input, rel_err
 
 Outcome = common_pb2.CacheOutcome
 
@@ -66,8 +67,7 @@ async def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.
         # Extended: the user's cached prefix is a strict prefix of the new one.
         e = prefix(rng, 120, n_user=2, user_id="e")
         await r.stub.PreInfer(pre_infer_request_to_proto(e))
-        longer = Prefix(e.user_id, e.user_features, e.long_term.concat(behaviours(rng, 40)))
-        assert await rank(rank_input(rng, longer)) == Outcome.CACHE_OUTCOME_EXTENDED
+        assert await rank(rank_input(rng, longer(rng, e, 40))) == Outcome.CACHE_OUTCOME_EXTENDED
         # Miss: nothing cached for b; served by full inference, prefix kept for later.
         b = rank_input(rng, prefix(rng, 300, n_user=5, user_id="b"))
         assert await rank(b) == Outcome.CACHE_OUTCOME_MISS
@@ -240,6 +240,32 @@ async def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(
         assert "max_relay_window_ms" in (err.value.details() or "")
         reply = await r.stub.Rank(rank_request_to_proto(good))
         assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
+
+
+async def test_reversed_timestamps_are_refused_before_any_cache_is_made(
+    rng: np.random.Generator,
+) -> None:
+    async with running_ranker() as r:
+        good = rank_input(rng, prefix(rng, 40, user_id="late"))
+        pre_infer = pre_infer_request_to_proto(good.prefix)
+        rank_long, rank_short = rank_request_to_proto(good), rank_request_to_proto(good)
+        refusals = [
+            (r.stub.PreInfer, pre_infer, reverse_timestamp(pre_infer.long_term, "long_term", 17)),
+            (r.stub.Rank, rank_long, reverse_timestamp(rank_long.long_term, "long_term", 17)),
+            (r.stub.Rank, rank_short, reverse_timestamp(rank_short.short_term, "short_term", 3)),
+        ]
+        for call, request, message in refusals:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+            assert err.value.details() == message
+        assert r.engine.store.usage(Tier.HBM).entries == 0
+        assert r.engine.store.usage(Tier.DRAM).entries == 0
+        # The server keeps serving: the same user's good requests relay.
+        assert (await r.stub.PreInfer(pre_infer_request_to_proto(good.prefix))).prefix_tokens == 44
+        reply = await r.stub.Rank(rank_request_to_proto(good))
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
+        assert rel_err(r.scores(reply), _expected(r.engine.model, good)) <= 1e-5
 
 
 async def test_deadlines_and_overload_shed_with_clear_statuses(rng: np.random.Generator) -> None:
