@@ -298,11 +298,42 @@ async def test_describe_reports_model_tiers_and_cost_model() -> None:
         model = r.engine.model
         assert info.model_version == model.model_version
         assert info.dims.layers == model.cfg.num_layers
-        assert info.dims.kv_bytes_per_token == model.cfg.cache_bytes_per_token
         assert info.hbm.budget_bytes == 3 * 2**20 and info.dram.budget_bytes == 5 * 2**20
         assert info.cost_model.per_token_ms == pytest.approx(0.01)
         assert info.instance_id.endswith(f":{r.server.port}")
         assert info.device == "cpu"
+
+
+async def test_a_client_sizes_a_prefix_from_describe_as_the_ranker_does(
+    rng: np.random.Generator,
+) -> None:
+    """ModelDims says what the cache holds: K, V and timestamp bytes per token from the widths
+    (which differ: d_qk 16, d_v 32), adding up to what a real prefix takes."""
+    model = tiny_model(kv_dtype="bfloat16")
+    async with running_ranker(model) as r:
+        dims = (await r.stub.Describe(ranker_pb2.DescribeRequest())).dims
+        cfg = model.cfg
+        assert (dims.layers, dims.heads, dims.d_qk, dims.d_v) == (3, 2, cfg.d_qk, cfg.d_v) == (
+            3, 2, 16, 32,
+        )  # fmt: skip
+        assert dims.kv_dtype == "bfloat16"
+        element = 2
+        assert dims.k_bytes_per_token == dims.layers * dims.heads * dims.d_qk * element
+        assert dims.v_bytes_per_token == dims.layers * dims.heads * dims.d_v * element
+        assert dims.timestamp_bytes_per_token == 8
+        assert dims.cache_bytes_per_token == (
+            dims.k_bytes_per_token + dims.v_bytes_per_token + dims.timestamp_bytes_per_token
+        )
+        p = prefix(rng, 300, n_user=5)
+        reply = await r.stub.PreInfer(pre_infer_request_to_proto(p))
+        assert reply.prefix_tokens == 305
+        assert reply.kv_bytes == 305 * dims.cache_bytes_per_token
+        entry = r.engine.store.peek(r.engine._key(p), Tier.HBM)
+        assert entry is not None and entry.kv.nbytes == reply.kv_bytes  # the tensors held
+        assert r.engine.store.usage(Tier.HBM).used_bytes == reply.kv_bytes
+        # The deprecated fields keep their released values.
+        assert dims.d_head == dims.d_v
+        assert dims.kv_bytes_per_token == dims.cache_bytes_per_token
 
 
 async def test_health_is_not_serving_until_calibrated_then_drain_refuses_pre_infer(
