@@ -163,7 +163,7 @@ async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
         statuses: Counter[str] = Counter()
         users = itertools.count()
         start = time.monotonic()
-        prefix_bytes = dims.max_history_tokens * dims.kv_bytes_per_token
+        prefix_bytes = dims.max_history_tokens * dims.cache_bytes_per_token
         pre_infer = routers.unary_unary(_PRE_INFER)  # bytes in, bytes out
 
         def flooding() -> bool:

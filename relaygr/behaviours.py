@@ -25,9 +25,26 @@ def as_int64(values: object, what: str) -> Int64Array:
     return array
 
 
+def _check_non_decreasing(timestamps: Int64Array, what: str) -> None:
+    """Raise InvalidInput naming the first entry of `timestamps` (an array named `what`, e.g.
+    "long_term.timestamps") that is smaller than the entry before it."""
+    drops = np.flatnonzero(timestamps[1:] < timestamps[:-1])
+    if len(drops) == 0:
+        return
+    i, column = int(drops[0]) + 1, what.rsplit(".", 1)[-1]
+    raise InvalidInput(
+        f"{what}[{i}] = {timestamps[i]} is before {column}[{i - 1}] = {timestamps[i - 1]};"
+        " behaviour timestamps must be non-decreasing"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Behaviours:
-    """A behaviour sequence as parallel int64 columns; entry i of each column is behaviour i."""
+    """A behaviour sequence as parallel int64 columns; entry i of each column is behaviour i.
+
+    The columns always have equal lengths. `of` builds one from outside input and also holds it
+    to the contract's order: timestamps non-decreasing.
+    """
 
     item_ids: Int64Array
     actions: Int64Array
@@ -46,12 +63,17 @@ class Behaviours:
     def of(
         cls, item_ids: object, actions: object, timestamps: object, what: str = ""
     ) -> "Behaviours":
+        """Behaviours from outside input (a request, a trace); InvalidInput, naming the sequence
+        `what` ("long_term", "short_term"), unless its columns are one-dimensional integer
+        arrays of equal lengths with non-decreasing timestamps."""
         name = f"{what}." if what else ""
-        return cls(
+        behaviours = cls(
             as_int64(item_ids, f"{name}item_ids"),
             as_int64(actions, f"{name}actions"),
             as_int64(timestamps, f"{name}timestamps"),
         )
+        _check_non_decreasing(behaviours.timestamps, f"{name}timestamps")
+        return behaviours
 
     @classmethod
     def empty(cls) -> "Behaviours":

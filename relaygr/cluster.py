@@ -37,6 +37,8 @@ class RankerRecord:
     model_version: str
     hbm_budget_bytes: int
     dram_budget_bytes: int
+    # Bytes a cached prefix token charges a tier, its timestamp included (what Describe reports
+    # as ModelDims.cache_bytes_per_token); the record's key name predates that field.
     kv_bytes_per_token: int
     fixed_ms: float
     per_token_ms: float

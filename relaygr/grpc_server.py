@@ -11,7 +11,6 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from relaygr.errors import (
     ConfigError,
@@ -21,6 +20,7 @@ from relaygr.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from relaygr.reflection import enable_reflection
 from relaygr.service_options import ServerOptions
 
 _log = logging.getLogger(__name__)
@@ -171,8 +171,8 @@ async def start_server(
     `interceptors` run outside the error interceptor (tracing: the server span sees the status).
 
     `service_names` are the full names (e.g. "relaygr.v1.RankerService") reported by health
-    and reflection. `credentials` None binds insecure; pass `grpc.ssl_server_credentials(...)`
-    for TLS.
+    and by reflection (v1 and v1alpha). `credentials` None binds insecure; pass
+    `grpc.ssl_server_credentials(...)` for TLS.
     """
     options = options or ServerOptions()
     server = grpc.aio.server(
@@ -183,9 +183,7 @@ async def start_server(
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (*service_names, _HEALTH_SERVICE, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (*service_names, _HEALTH_SERVICE))
     try:
         if credentials is None:
             port = server.add_insecure_port(address)

@@ -111,12 +111,23 @@ def describe(settings: TlsSettings) -> str:
 
 
 def log_transport(settings: TlsSettings, service: str, log: logging.Logger) -> None:
-    """One start-up line on the transport; a WARNING when it is plaintext."""
+    """One start-up line on the transport, a WARNING when it is plaintext; with mutual TLS a
+    second line on where refused callers are reported."""
     if settings.plaintext:
         log.warning(
             "%s serves and calls gRPC in PLAINTEXT (plaintext is set): traffic is unencrypted"
             " and callers are not authenticated; use TLS outside a local demo",
             service,
         )
-    else:
-        log.info("%s serves and calls gRPC over %s", service, describe(settings))
+        return
+    log.info("%s serves and calls gRPC over %s", service, describe(settings))
+    if settings.tls_ca is not None:
+        # gRPC Python has no hook for failed handshakes: this says where they are reported.
+        log.info(
+            "%s: a caller refused by mutual TLS (no certificate, another CA, expired) never"
+            " reaches a method and its client sees only UNAVAILABLE 'Socket closed'; gRPC"
+            " logs each refusal, with its reason but not the caller's address, to stderr as"
+            " 'Handshake failed with error ...' unless GRPC_VERBOSITY hides INFO"
+            " (docs/security.md)",
+            service,
+        )

@@ -35,7 +35,8 @@ class Pki:
 
     The node certificate carries both server and client usage, so one process can serve TLS and
     present the same certificate on its outgoing hops (to other services and to etcd). The
-    client certificate is for callers that only call (tests, benchmarks, a demo driver).
+    client certificate is for callers that only call (tests, benchmarks, a demo driver). The
+    expired client certificate, same CA, lapsed a day ago: what mutual TLS refuses.
     """
 
     directory: Path
@@ -44,6 +45,8 @@ class Pki:
     node_key: Path
     client_cert: Path
     client_key: Path
+    expired_client_cert: Path
+    expired_client_key: Path
 
     def service_flags(self) -> tuple[str, ...]:
         """Command-line flags that make a service serve and call over mutual TLS."""
@@ -116,27 +119,37 @@ class _Authority:
         )
 
     def _builder(
-        self, subject: x509.Name, public_key: ec.EllipticCurvePublicKey
+        self,
+        subject: x509.Name,
+        public_key: ec.EllipticCurvePublicKey,
+        issued: datetime.datetime | None = None,
     ) -> x509.CertificateBuilder:
+        """Valid for `_VALID_FOR` from `issued` (default: the authority's now), less the skew."""
+        issued = issued or self._now
         return (
             x509.CertificateBuilder()
             .subject_name(subject)
             .issuer_name(self.name)
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
-            .not_valid_before(self._now - _CLOCK_SKEW)
-            .not_valid_after(self._now + _VALID_FOR)
+            .not_valid_before(issued - _CLOCK_SKEW)
+            .not_valid_after(issued + _VALID_FOR)
         )
 
     def issue(
-        self, common_name: str, hosts: tuple[str, ...], *, server: bool
+        self,
+        common_name: str,
+        hosts: tuple[str, ...],
+        *,
+        server: bool,
+        issued: datetime.datetime | None = None,
     ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
         usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
         if server:
             usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
         builder = (
-            self._builder(_name(common_name), key.public_key())
+            self._builder(_name(common_name), key.public_key(), issued)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(
@@ -159,12 +172,16 @@ def make_pki(
     """Generate a CA and certificates for `hosts` (DNS names or IP addresses) into `directory`.
 
     Keys are written readable by the owner only. The certificates are valid for a week from
-    `now` (default: the current time), with an hour of allowance for clock skew.
+    `now` (default: the current time), with an hour of allowance for clock skew, except the
+    expired client certificate, whose week ended a day before `now`.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    ca = _Authority(ca_name, now or datetime.datetime.now(datetime.UTC))
+    now = now or datetime.datetime.now(datetime.UTC)
+    ca = _Authority(ca_name, now)
     node, node_key = ca.issue("relaygr-node", hosts, server=True)
     client, client_key = ca.issue("relaygr-client", (), server=False)
+    lapsed = now - _VALID_FOR - datetime.timedelta(days=1)
+    expired, expired_key = ca.issue("relaygr-expired-client", (), server=False, issued=lapsed)
     pem = serialization.Encoding.PEM
     return Pki(
         directory=directory,
@@ -173,4 +190,8 @@ def make_pki(
         node_key=_write(directory / "node-key.pem", _key_pem(node_key), private=True),
         client_cert=_write(directory / "client.pem", client.public_bytes(pem)),
         client_key=_write(directory / "client-key.pem", _key_pem(client_key), private=True),
+        expired_client_cert=_write(directory / "expired-client.pem", expired.public_bytes(pem)),
+        expired_client_key=_write(
+            directory / "expired-client-key.pem", _key_pem(expired_key), private=True
+        ),
     )

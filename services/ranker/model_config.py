@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     import torch
 
 
+TIMESTAMP_BYTES = 8  # a cached prefix token keeps its int64 timestamp for the time bias
+
+
 class KVDtype(StrEnum):
     """Storage dtype of cached K/V; compute stays float32 whatever is stored.
 
@@ -82,15 +85,24 @@ class ModelConfig:
             object.__setattr__(self, "kv_dtype", parse_kv_dtype(str(self.kv_dtype)))
 
     @property
+    def k_bytes_per_token(self) -> int:
+        """Bytes of one cached prefix token's keys: every layer and head, d_qk wide, stored."""
+        return self.num_layers * self.num_heads * self.d_qk * self.kv_dtype.element_bytes
+
+    @property
+    def v_bytes_per_token(self) -> int:
+        """Bytes of one cached prefix token's values: every layer and head, d_v wide, stored."""
+        return self.num_layers * self.num_heads * self.d_v * self.kv_dtype.element_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one cached prefix token holds: every layer's K and V in the storage dtype."""
-        element = self.kv_dtype.element_bytes
-        return self.num_layers * self.num_heads * (self.d_qk + self.d_v) * element
+        """Bytes one cached prefix token holds in K and V: every layer, in the storage dtype."""
+        return self.k_bytes_per_token + self.v_bytes_per_token
 
     @property
     def cache_bytes_per_token(self) -> int:
         """Bytes one cached prefix token charges a KV tier: its K/V plus its int64 timestamp."""
-        return self.kv_bytes_per_token + 8
+        return self.kv_bytes_per_token + TIMESTAMP_BYTES
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -12,6 +12,7 @@ from relaygr.wire import InputLimits, prefix_from_proto, rank_input_from_proto
 from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
 from services.ranker.kv_store import Tier
 from services.ranker.metrics import RankerMetrics
+from services.ranker.model_config import TIMESTAMP_BYTES
 
 SERVICE_NAME = "relaygr.v1.RankerService"
 
@@ -129,13 +130,19 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 layers=cfg.num_layers,
                 d_model=cfg.d_model,
                 heads=cfg.num_heads,
-                d_head=cfg.d_v,
+                d_head=cfg.d_v,  # deprecated, as released
                 tasks=list(cfg.tasks),
                 kv_dtype=cfg.kv_dtype.value,
                 max_user_features=cfg.max_user_features,
                 max_history_tokens=cfg.max_history_tokens,
                 max_candidates=cfg.max_candidates,
-                kv_bytes_per_token=cfg.cache_bytes_per_token,
+                kv_bytes_per_token=cfg.cache_bytes_per_token,  # deprecated, as released
+                d_qk=cfg.d_qk,
+                d_v=cfg.d_v,
+                k_bytes_per_token=cfg.k_bytes_per_token,
+                v_bytes_per_token=cfg.v_bytes_per_token,
+                timestamp_bytes_per_token=TIMESTAMP_BYTES,
+                cache_bytes_per_token=cfg.cache_bytes_per_token,
             ),
             hbm=usage(Tier.HBM),
             dram=usage(Tier.DRAM),

@@ -45,6 +45,17 @@ def reply_scores(reply: common_pb2.RankReply) -> np.ndarray:
     return np.array([list(task.scores) for task in reply.scores])
 
 
+def reverse_timestamp(behaviours: common_pb2.Behaviours, what: str, i: int) -> str:
+    """Set entry `i` of the sorted `behaviours.timestamps` (a sequence named `what`) one second
+    before entry i - 1, and return the refusal a server must answer with."""
+    before = behaviours.timestamps[i - 1]
+    behaviours.timestamps[i] = before - 1
+    return (
+        f"{what}.timestamps[{i}] = {before - 1} is before timestamps[{i - 1}] = {before};"
+        " behaviour timestamps must be non-decreasing"
+    )
+
+
 @dataclass(slots=True)
 class Ranker:
     server: RankerServer

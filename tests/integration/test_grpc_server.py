@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -161,8 +162,71 @@ async def test_reflection_lists_the_service_health_and_reflection() -> None:
     assert names == {
         SERVICE,
         "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
     }
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        value, shift, i = value | (byte & 0x7F) << shift, shift + 7, i + 1
+        if byte < 0x80:
+            return value, i
+
+
+def _fields(data: bytes) -> dict[int, list[bytes]]:
+    """A message's length-delimited fields by number, read off the wire (varints skipped)."""
+    fields: dict[int, list[bytes]] = {}
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        if key & 7 == 0:
+            _, i = _varint(data, i)
+            continue
+        assert key & 7 == 2, f"wire type {key & 7}"
+        size, i = _varint(data, i)
+        fields.setdefault(key >> 3, []).append(data[i : i + size])
+        i += size
+    return fields
+
+
+async def test_a_client_speaking_only_reflection_v1_lists_and_describes_the_services() -> None:
+    """A v1 client, written from grpc/reflection/v1/reflection.proto alone: requests and
+    replies are encoded by hand, so nothing of v1alpha is on its side."""
+
+    def request(number: int, text: str) -> bytes:  # ServerReflectionRequest, one oneof field
+        return bytes([number << 3 | 2, len(text)]) + text.encode()
+
+    list_services = request(7, "*")
+    symbols = [SERVICE, "grpc.reflection.v1.ServerReflection"]
+    async with serving(FakeRanker()) as (_, channel):
+        call = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+        replies = [
+            _fields(reply)
+            async for reply in call(iter([list_services, *(request(4, s) for s in symbols)]))
+        ]
+    listed, *described = replies
+    services = _fields(listed[6][0])[1]  # list_services_response.service
+    assert {_fields(service)[1][0].decode() for service in services} == {
+        SERVICE,
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    files = {}
+    for reply in described:  # file_descriptor_response.file_descriptor_proto: the first one
+        assert 7 not in reply, reply  # no error_response
+        first = _fields(reply[4][0])[1][0]
+        proto = descriptor_pb2.FileDescriptorProto.FromString(first)
+        files[proto.package] = proto
+    assert [s.name for s in files["relaygr.v1"].service] == ["RankerService"]
+    [v1] = files["grpc.reflection.v1"].service
+    [method] = v1.method
+    assert (v1.name, method.name) == ("ServerReflection", "ServerReflectionInfo")
+    assert method.input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+    assert method.output_type == ".grpc.reflection.v1.ServerReflectionResponse"
 
 
 async def test_two_servers_bind_distinct_ports_in_parallel() -> None:

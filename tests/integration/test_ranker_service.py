@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.behaviours import Prefix, RankInput
+from relaygr.behaviours import RankInput
 from relaygr.v1 import common_pb2, ranker_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
@@ -18,10 +18,11 @@ from tests.integration.ranker_harness import (
     NO_CALL_COST,
     Gate,
     poll,
+    reverse_timestamp,
     running_ranker,
     tiny_model,
 )
-from tests.unit.ranker.factories import behaviours, prefix, rank_input, rel_err
+from tests.unit.ranker.factories import longer, prefix, rank_input, rel_err
 
 Outcome = common_pb2.CacheOutcome
 
@@ -66,8 +67,7 @@ async def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.
         # Extended: the user's cached prefix is a strict prefix of the new one.
         e = prefix(rng, 120, n_user=2, user_id="e")
         await r.stub.PreInfer(pre_infer_request_to_proto(e))
-        longer = Prefix(e.user_id, e.user_features, e.long_term.concat(behaviours(rng, 40)))
-        assert await rank(rank_input(rng, longer)) == Outcome.CACHE_OUTCOME_EXTENDED
+        assert await rank(rank_input(rng, longer(rng, e, 40))) == Outcome.CACHE_OUTCOME_EXTENDED
         # Miss: nothing cached for b; served by full inference, prefix kept for later.
         b = rank_input(rng, prefix(rng, 300, n_user=5, user_id="b"))
         assert await rank(b) == Outcome.CACHE_OUTCOME_MISS
@@ -242,6 +242,32 @@ async def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(
         assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
 
 
+async def test_reversed_timestamps_are_refused_before_any_cache_is_made(
+    rng: np.random.Generator,
+) -> None:
+    async with running_ranker() as r:
+        good = rank_input(rng, prefix(rng, 40, user_id="late"))
+        pre_infer = pre_infer_request_to_proto(good.prefix)
+        rank_long, rank_short = rank_request_to_proto(good), rank_request_to_proto(good)
+        refusals = [
+            (r.stub.PreInfer, pre_infer, reverse_timestamp(pre_infer.long_term, "long_term", 17)),
+            (r.stub.Rank, rank_long, reverse_timestamp(rank_long.long_term, "long_term", 17)),
+            (r.stub.Rank, rank_short, reverse_timestamp(rank_short.short_term, "short_term", 3)),
+        ]
+        for call, request, message in refusals:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+            assert err.value.details() == message
+        assert r.engine.store.usage(Tier.HBM).entries == 0
+        assert r.engine.store.usage(Tier.DRAM).entries == 0
+        # The server keeps serving: the same user's good requests relay.
+        assert (await r.stub.PreInfer(pre_infer_request_to_proto(good.prefix))).prefix_tokens == 44
+        reply = await r.stub.Rank(rank_request_to_proto(good))
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
+        assert rel_err(r.scores(reply), _expected(r.engine.model, good)) <= 1e-5
+
+
 async def test_deadlines_and_overload_shed_with_clear_statuses(rng: np.random.Generator) -> None:
     async with running_ranker(max_queued_ranks=2) as r:
         requests = [
@@ -272,11 +298,42 @@ async def test_describe_reports_model_tiers_and_cost_model() -> None:
         model = r.engine.model
         assert info.model_version == model.model_version
         assert info.dims.layers == model.cfg.num_layers
-        assert info.dims.kv_bytes_per_token == model.cfg.cache_bytes_per_token
         assert info.hbm.budget_bytes == 3 * 2**20 and info.dram.budget_bytes == 5 * 2**20
         assert info.cost_model.per_token_ms == pytest.approx(0.01)
         assert info.instance_id.endswith(f":{r.server.port}")
         assert info.device == "cpu"
+
+
+async def test_a_client_sizes_a_prefix_from_describe_as_the_ranker_does(
+    rng: np.random.Generator,
+) -> None:
+    """ModelDims says what the cache holds: K, V and timestamp bytes per token from the widths
+    (which differ: d_qk 16, d_v 32), adding up to what a real prefix takes."""
+    model = tiny_model(kv_dtype="bfloat16")
+    async with running_ranker(model) as r:
+        dims = (await r.stub.Describe(ranker_pb2.DescribeRequest())).dims
+        cfg = model.cfg
+        assert (dims.layers, dims.heads, dims.d_qk, dims.d_v) == (3, 2, cfg.d_qk, cfg.d_v) == (
+            3, 2, 16, 32,
+        )  # fmt: skip
+        assert dims.kv_dtype == "bfloat16"
+        element = 2
+        assert dims.k_bytes_per_token == dims.layers * dims.heads * dims.d_qk * element
+        assert dims.v_bytes_per_token == dims.layers * dims.heads * dims.d_v * element
+        assert dims.timestamp_bytes_per_token == 8
+        assert dims.cache_bytes_per_token == (
+            dims.k_bytes_per_token + dims.v_bytes_per_token + dims.timestamp_bytes_per_token
+        )
+        p = prefix(rng, 300, n_user=5)
+        reply = await r.stub.PreInfer(pre_infer_request_to_proto(p))
+        assert reply.prefix_tokens == 305
+        assert reply.kv_bytes == 305 * dims.cache_bytes_per_token
+        entry = r.engine.store.peek(r.engine._key(p), Tier.HBM)
+        assert entry is not None and entry.kv.nbytes == reply.kv_bytes  # the tensors held
+        assert r.engine.store.usage(Tier.HBM).used_bytes == reply.kv_bytes
+        # The deprecated fields keep their released values.
+        assert dims.d_head == dims.d_v
+        assert dims.kv_bytes_per_token == dims.cache_bytes_per_token
 
 
 async def test_health_is_not_serving_until_calibrated_then_drain_refuses_pre_infer(

@@ -17,7 +17,7 @@ from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.router.forward import RouterStats
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
-from tests.integration.ranker_harness import BASE, poll, tiny_model
+from tests.integration.ranker_harness import BASE, poll, reverse_timestamp, tiny_model
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
@@ -183,14 +183,17 @@ async def test_bad_input_gets_the_rankers_status_through_the_router(
         long = RankInput(prefix(rng, 646), good.short_term, good.candidates, good.request_ts)
 
         def bad(request: RankInput, **changes: object) -> list[tuple[str, Any]]:
-            """Rank and PreInfer (only where no candidate is changed) with `changes`."""
+            """Rank and PreInfer (only where the changed fields are a PreInferRequest's too)
+            with `changes`; `reversed` names the behaviours whose timestamps[3] goes back."""
             messages: list[tuple[str, Any]] = [("Rank", rank_request_to_proto(request))]
-            if "candidate_ids" not in changes:
+            if "candidate_ids" not in changes and changes.get("reversed") != "short_term":
                 messages.append(("PreInfer", pre_infer_request_to_proto(request.prefix)))
             for _, msg in messages:
                 for name, value in changes.items():
                     if name == "ragged":
                         del msg.long_term.actions[-1]
+                    elif name == "reversed":
+                        reverse_timestamp(getattr(msg, str(value)), str(value), 3)
                     elif isinstance(value, list):
                         getattr(msg, name)[:] = value
                     else:
@@ -200,6 +203,8 @@ async def test_bad_input_gets_the_rankers_status_through_the_router(
         invalid = {
             "user_id must not be empty": bad(good, user_id=""),
             "ragged behaviour arrays": bad(good, ragged=True),
+            "long_term.timestamps[3] = ": bad(good, reversed="long_term"),
+            "short_term.timestamps[3] = ": bad(good, reversed="short_term"),
             "650 tokens": bad(long),
             "17 candidates exceed the limit of 16": bad(good, candidate_ids=list(range(17))),
             "at least one candidate": bad(good, candidate_ids=[]),

@@ -13,11 +13,12 @@ from relaygr.errors import Unavailable
 from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdAuthFailed, EtcdRejected
 from relaygr.etcd.security import EtcdSecurity
+from relaygr.grpc_server import start_server
 from relaygr.local.certs import Pki, make_pki
 from relaygr.local.drive import retrieval_event
 from relaygr.local.etcd_server import EtcdServer, EtcdTls
 from relaygr.local.mesh import LocalMesh
-from relaygr.tls import open_blocking_channel, open_channel
+from relaygr.tls import open_blocking_channel, open_channel, server_credentials
 from relaygr.tls_settings import PLAINTEXT, ClientTls, TlsSettings
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.wire import rank_request_to_proto
@@ -115,6 +116,58 @@ async def test_with_mutual_tls_each_service_refuses_untrusted_callers_and_the_re
         assert reply.cache_outcome == HIT
         scores = reply_scores(reply)
         assert rel_err(scores, model.full_forward(request).numpy()) <= 1e-5
+
+
+async def test_a_caller_refused_by_mutual_tls_sees_socket_closed_and_stderr_says_why(
+    pki: Pki, stranger: Pki, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """What docs/security.md says of a refused caller: whatever the cause, its client gets
+    UNAVAILABLE "Socket closed" (the server closes the connection without a TLS alert), and
+    the cause is only in the one line per refused handshake that gRPC core writes to the
+    server's stderr, without the caller's address (no hook lets Python see the handshake)."""
+    node = ClientTls(tls_ca=pki.ca_cert, tls_cert=pki.node_cert, tls_key=pki.node_key)
+    server = await start_server(
+        "127.0.0.1:0", lambda _: None, [], credentials=server_credentials(node)
+    )
+    address = f"127.0.0.1:{server.port}"
+    causes = {  # caller: the reason gRPC core logs for it
+        "no client certificate": "PEER_DID_NOT_RETURN_A_CERTIFICATE",
+        "certificate of another CA": "CERTIFICATE_VERIFY_FAILED: unable to get local issuer",
+        "expired certificate": "CERTIFICATE_VERIFY_FAILED: certificate has expired",
+        "plaintext": "WRONG_VERSION_NUMBER",
+    }
+    callers = _untrusted_callers(pki, stranger) | {
+        "expired certificate": ClientTls(
+            tls_ca=pki.ca_cert, tls_cert=pki.expired_client_cert, tls_key=pki.expired_client_key
+        )
+    }
+    stderr: list[str] = []
+    try:
+        await server.set_serving(True)
+        assert await _health(address, pki.client()) == SERVING
+        capfd.readouterr()
+        for caller, cause in causes.items():
+            async with open_channel(address, callers[caller]) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=10
+                    )
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, caller
+            assert refused.value.details() == (
+                f"failed to connect to all addresses; last error: UNAVAILABLE: ipv4:{address}:"
+                " Socket closed"
+            ), caller
+
+            def logged(cause: str = cause) -> bool:
+                stderr.append(capfd.readouterr().err)
+                return any(
+                    "Handshake failed with error" in line and cause in line
+                    for line in "".join(stderr).splitlines()
+                )
+
+            await eventually(logged, f"the server's stderr names {cause} ({caller})")
+    finally:
+        await server.stop(0)
 
 
 async def test_etcd_with_client_certificate_auth_refuses_clients_without_a_trusted_one(

@@ -16,7 +16,7 @@ from services.ranker.kv_store import Tier
 from services.trigger.policy import Reason as Decided
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
-from tests.integration.ranker_harness import tiny_model
+from tests.integration.ranker_harness import reverse_timestamp, tiny_model
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 
@@ -201,9 +201,12 @@ async def test_bad_input_and_bad_live_config_are_refused(
             return event
 
         huge = prefix(rng, 1001).long_term
+        reversed_event = _event(good)
+        reversal = reverse_timestamp(reversed_event.long_term, "long_term", 5)
         invalid = {
             "user_id must not be empty": bad(user_id=""),
             "ragged": bad(ragged=True),
+            reversal: reversed_event,
             "1001 long-term behaviours exceed the limit of 1000": bad(
                 long_term=behaviours_to_proto(huge)
             ),

@@ -87,10 +87,18 @@ def test_plaintext_logs_one_warning_and_tls_says_which(caplog: pytest.LogCapture
     with caplog.at_level(logging.INFO, logger="relaygr.test"):
         log_transport(ClientTls(plaintext=True), "router", log)
         log_transport(ClientTls(tls_ca=Path("ca.pem")), "ranker", log)
-    (warning, info) = caplog.records
+        log_transport(ClientTls(tls_cert=Path("c.pem"), tls_key=Path("k.pem")), "trigger", log)
+    (warning, info, refusals, tls) = caplog.records
     assert warning.levelno == logging.WARNING and "router" in warning.message
     assert "PLAINTEXT" in warning.message and "unencrypted" in warning.message
     assert info.levelno == logging.INFO and "mutual TLS" in info.message
+    # Where refused callers are reported, since no RelayGR code sees a failed handshake.
+    assert refusals.levelno == logging.INFO and refusals.message.startswith("ranker: ")
+    assert "'Handshake failed with error ...'" in refusals.message
+    assert tls.message == (
+        "trigger serves and calls gRPC over TLS (client certificates not checked: set tls_ca"
+        " for mutual TLS)"
+    )
 
 
 def test_the_throwaway_ca_signs_node_and_client_certificates(tmp_path: Path) -> None:
@@ -99,9 +107,12 @@ def test_the_throwaway_ca_signs_node_and_client_certificates(tmp_path: Path) -> 
     ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
     node = x509.load_pem_x509_certificate(pki.node_cert.read_bytes())
     client = x509.load_pem_x509_certificate(pki.client_cert.read_bytes())
-    for leaf in (node, client):
+    expired = x509.load_pem_x509_certificate(pki.expired_client_cert.read_bytes())
+    for leaf in (node, client, expired):
         leaf.verify_directly_issued_by(ca)
+    for leaf in (node, client):
         assert leaf.not_valid_before_utc < now < leaf.not_valid_after_utc
+    assert expired.not_valid_after_utc == now - datetime.timedelta(days=1)
     names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == ["localhost"]
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
@@ -109,7 +120,7 @@ def test_the_throwaway_ca_signs_node_and_client_certificates(tmp_path: Path) -> 
     assert set(usage) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     usage = client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(usage) == [ExtendedKeyUsageOID.CLIENT_AUTH]
-    for key in (pki.node_key, pki.client_key):
+    for key in (pki.node_key, pki.client_key, pki.expired_client_key):
         assert key.stat().st_mode & 0o777 == 0o600
     assert pki.client() == ClientTls(
         tls_ca=pki.ca_cert, tls_cert=pki.client_cert, tls_key=pki.client_key

@@ -9,6 +9,7 @@ from services.ranker.model_config import PRESETS, ModelConfig, ModelPreset
 from services.ranker.synthetic import random_behaviours
 
 T0 = 1_700_000_000
+LONG_TERM_END = T0 + 10**7  # long-term behaviours happen in [T0, LONG_TERM_END), short-term after
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
@@ -16,7 +17,9 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return replace(PRESETS[ModelPreset.TINY], **overrides)  # type: ignore[arg-type]
 
 
-def behaviours(rng: np.random.Generator, n: int, start: int = T0, span: int = 10**7) -> Behaviours:
+def behaviours(
+    rng: np.random.Generator, n: int, start: int = T0, span: int = LONG_TERM_END - T0
+) -> Behaviours:
     return random_behaviours(rng, n, start, span)
 
 
@@ -24,10 +27,18 @@ def prefix(rng: np.random.Generator, n_long: int, n_user: int = 4, user_id: str 
     return Prefix(user_id, rng.integers(0, 1 << 40, n_user), behaviours(rng, n_long))
 
 
+def longer(rng: np.random.Generator, p: Prefix, more: int) -> Prefix:
+    """The user's prefix after `more` later behaviours: `p` is a strict prefix of it, and its
+    timestamps stay non-decreasing."""
+    last = int(p.long_term.timestamps[-1]) if len(p.long_term) else T0
+    later = behaviours(rng, more, last, LONG_TERM_END - last)
+    return Prefix(p.user_id, p.user_features, p.long_term.concat(later))
+
+
 def rank_input(
     rng: np.random.Generator, p: Prefix, n_short: int = 16, n_candidates: int = 32
 ) -> RankInput:
-    start = T0 + 10**7
+    start = LONG_TERM_END
     return RankInput(
         p,
         behaviours(rng, n_short, start=start, span=10**5),

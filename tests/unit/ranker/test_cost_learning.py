@@ -21,8 +21,8 @@ from services.ranker.model import RankingModel
 from services.ranker.observer import NoopObserver, Work
 from services.ranker.scheduler import ComputeScheduler, Priority
 
-from .factories import prefix, rank_input, tiny_config
-from .test_engine import CANDIDATES, MODEL, TOKENS, Clock, longer
+from .factories import longer, prefix, rank_input, tiny_config
+from .test_engine import CANDIDATES, MODEL, TOKENS, Clock
 
 # Shaped like the default model on one CPU core (see docs/benchmarks.md "Cost model").
 TRUTH = CostModel(8.0, 0.16, 3.6e-5, 2.5e-4, reload_ms_per_mb=0.3)

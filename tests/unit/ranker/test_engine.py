@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.behaviours import Prefix, RankInput
+from relaygr.behaviours import RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import Unavailable
 from services.ranker.engine import (
@@ -30,7 +30,7 @@ from services.ranker.observer import NoopObserver, Work
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Job, Priority
 from tests.polling import eventually
-from tests.unit.ranker.factories import behaviours, prefix, rank_input, tiny_config
+from tests.unit.ranker.factories import longer, prefix, rank_input, tiny_config
 
 # Reloading a host copy is far cheaper than recomputing it (the shape of every real device).
 CHEAP_RELOAD = CostModel(
@@ -142,11 +142,6 @@ def assert_full_inference(result: RankResult, request: RankInput) -> None:
     assert torch.allclose(result.scores, expected, rtol=1e-5, atol=0.0), (
         (result.scores - expected).abs().max()
     )
-
-
-def longer(rng: np.random.Generator, p: Prefix, more: int) -> Prefix:
-    """The user's prefix after `more` behaviours: `p` is a strict prefix of it."""
-    return Prefix(p.user_id, p.user_features, p.long_term.concat(behaviours(rng, more)))
 
 
 def test_hbm_hit_serves_the_pre_inferred_prefix(rng: np.random.Generator) -> None:

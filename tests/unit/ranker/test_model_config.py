@@ -20,7 +20,9 @@ def test_defaults_round_trip_through_a_dict() -> None:
 
 def test_kv_bytes_per_token() -> None:
     cfg = ModelConfig(num_layers=3, num_heads=2, d_qk=64, d_v=128, kv_dtype=KVDtype.BFLOAT16)
+    assert (cfg.k_bytes_per_token, cfg.v_bytes_per_token) == (3 * 2 * 64 * 2, 3 * 2 * 128 * 2)
     assert cfg.kv_bytes_per_token == 3 * 2 * (64 + 128) * 2
+    assert cfg.cache_bytes_per_token == cfg.kv_bytes_per_token + 8  # and the int64 timestamp
 
 
 @pytest.mark.parametrize(

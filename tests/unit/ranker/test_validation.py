@@ -5,6 +5,8 @@ import pytest
 
 from relaygr.behaviours import Behaviours, Prefix, RankInput
 from relaygr.errors import InvalidInput
+from relaygr.v1 import common_pb2
+from relaygr.wire import rank_input_from_proto, rank_request_to_proto
 from services.ranker.model import RankingModel
 
 from .factories import behaviours, prefix, rank_input, tiny_config
@@ -25,6 +27,39 @@ def test_ragged_columns_are_named() -> None:
 def test_non_integer_columns_are_named() -> None:
     with pytest.raises(InvalidInput, match=r"short_term\.timestamps must be integers"):
         Behaviours.of([1], [1], ["soon"], what="short_term")
+
+
+def test_the_first_timestamp_before_its_predecessor_is_named() -> None:
+    times = [3, 5, 9, 9, 5, 2, 1]  # entries 4, 5 and 6 go back: the first is named
+    with pytest.raises(InvalidInput) as err:
+        Behaviours.of([1] * 7, [1] * 7, times, what="long_term")
+    assert str(err.value) == (
+        "long_term.timestamps[4] = 5 is before timestamps[3] = 9;"
+        " behaviour timestamps must be non-decreasing"
+    )
+    with pytest.raises(InvalidInput, match=r"^short_term\.timestamps\[1\] = -1 is before"):
+        Behaviours.of([1, 1], [1, 1], [0, -1], what="short_term")
+
+
+@pytest.mark.parametrize("times", [[], [7], [7, 7, 7], [1, 2, 2, 3]])
+def test_non_decreasing_timestamps_are_accepted(times: list[int]) -> None:
+    n = len(times)
+    assert Behaviours.of([1] * n, [1] * n, times).timestamps.tolist() == times
+
+
+def test_reversed_timestamps_are_refused_where_requests_become_domain_inputs(
+    rng: np.random.Generator,
+) -> None:
+    """Ranker and trigger build their inputs with `relaygr.wire`: both sequences are checked."""
+    good = rank_request_to_proto(rank_input(rng, prefix(rng, 8)))
+    rank_input_from_proto(good)
+    for what in ("long_term", "short_term"):
+        bad = common_pb2.RankRequest()
+        bad.CopyFrom(good)
+        column = getattr(bad, what).timestamps
+        column[2] = column[1] - 1
+        with pytest.raises(InvalidInput, match=rf"^{what}\.timestamps\[2\] = "):
+            rank_input_from_proto(bad)
 
 
 def _bad_requests(rng: np.random.Generator) -> dict[str, tuple[RankInput, str]]:
