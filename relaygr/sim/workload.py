@@ -3,9 +3,9 @@
 A `Visit` is an arrival of the workload generator (`relaygr.local.workload`) reduced to what
 costs time and memory: who, how many user features, long-term and short-term behaviours, and
 candidates. `visits_of` reduces the real arrivals (a trace file, or the generator's), so the
-real mesh and the simulator can run the same trace; `LightPopulation` draws the same process
-with the generator's own length draws but never builds a behaviour array, for runs of millions
-of requests over 10^8 users (its memory: two ints per user who has visited).
+real mesh and the simulator can run the same trace; `light_visits` draws the same process
+with the generator's own length draws, in bulk, and never builds a behaviour array: runs of
+millions of requests over 10^8 users cost memory by the visits drawn, not by the population.
 """
 
 from collections.abc import Iterable
@@ -16,9 +16,9 @@ import numpy as np
 from relaygr.local.workload import (
     Arrival,
     WorkloadSpec,
+    burn_in_s,
     first_length,
     new_behaviours,
-    poisson_visits,
     zipf_ranks,
 )
 
@@ -58,60 +58,89 @@ def visits_of(arrivals: Iterable[Arrival]) -> list[Visit]:
     ]
 
 
-@dataclass(slots=True)
-class _Lengths:
-    behaviours: int
-    visits: int  # visits so far, the first included
-
-
-@dataclass(slots=True)
-class LightPopulation:
-    """`relaygr.local.workload.Population`'s process with lengths only.
-
-    A user's first length and each return visit's new behaviours come from the same per-user
-    generators as the Population's, so a user's lengths match it for the same population seed;
-    short-term lengths are drawn from `rng` as it draws them, but no behaviour is built, so the
-    arrival draws that follow are not the Population's.
-    """
-
-    spec: WorkloadSpec
-    rng: np.random.Generator
-    seed: int = field(init=False)
-    seen: dict[int, _Lengths] = field(default_factory=dict, init=False)
-
-    def __post_init__(self) -> None:
-        self.seed = int(self.rng.integers(0, 2**63))
-
-    def history(self, user: int, now: int) -> int:
-        """The user's long-term length at a visit (now is unused: lengths need no times)."""
-        state = self.seen.get(user)
-        if state is None:
-            length = first_length(np.random.default_rng((self.seed, user)), self.spec)
-            self.seen[user] = _Lengths(length, 1)
-            return length
-        room = self.spec.max_long_term - state.behaviours
-        more = new_behaviours(
-            np.random.default_rng((self.seed, user, state.visits)), self.spec, room
-        )
-        state.behaviours += more
-        state.visits += 1
-        return state.behaviours
-
-    def visit(self, user: int, now: int) -> tuple[int, int, int]:
-        """(user, long-term, short-term) of a visit."""
-        low, high = self.spec.short_term
-        behaviours = self.history(user, now)
-        return user, behaviours, int(self.rng.integers(low, high + 1))
-
-    def request(self) -> int:
-        return int(zipf_ranks(self.rng, self.spec.users, self.spec.zipf_s, 1)[0])
-
-
 def light_visits(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) -> list[Visit]:
-    """Open-loop visits at `rate` per second for `duration_s` (`poisson_visits`), lengths only."""
-    population = LightPopulation(spec, np.random.default_rng(seed))
+    """Open-loop visits at `rate` per second for `duration_s`: the process of
+    `relaygr.local.workload.poisson_arrivals`, drawn in bulk and in lengths only.
+
+    Sessions start as a Poisson process at rate * (1 - revisit_p) from `burn_in_s` before 0;
+    each is a user drawn Zipf-wise and a chain of visits, each followed by another with
+    `revisit_p` after an exponential gap. A user's first long-term length and each return
+    visit's new behaviours come from the same per-user generators as the Population's (so a
+    user's lengths match it for the same population seed). The draws of the arrival process
+    are not the Population's, so the visits are the same process, not the same trace. Memory
+    and time go with the visits drawn (burn-in included), never with the population.
+    """
+    rng = np.random.default_rng(seed)
+    population_seed = int(rng.integers(0, 2**63))
+    start_rate = rate * (1.0 - spec.revisit_p)
+    begin = -burn_in_s(spec)
+    span = duration_s - begin
+    # Session starts: a Poisson process on [begin, duration_s).
+    count = int(rng.poisson(start_rate * span))
+    starts = np.sort(rng.uniform(begin, duration_s, count))
+    users = zipf_ranks(rng, spec.users, spec.zipf_s, count)
+    visits = (
+        rng.geometric(1.0 - spec.revisit_p, count)
+        if spec.revisit_p > 0
+        else np.ones(count, np.int64)
+    )
+    # Every visit's time: its session's start plus the gaps before it.
+    session = np.repeat(np.arange(count), visits)
+    gaps = rng.exponential(spec.revisit_gap_s, len(session))
+    first = np.concatenate(([0], np.cumsum(visits)[:-1])) if count else np.zeros(0, np.int64)
+    gaps[first] = 0.0
+    elapsed = np.cumsum(gaps)
+    elapsed -= np.repeat(elapsed[first], visits)
+    times = starts[session] + elapsed
+    who = users[session]
+    keep = times < duration_s
+    times, who = times[keep], who[keep]
+    # Each visit's index among its user's visits (burn-in included), in time order.
+    order = np.lexsort((times, who))
+    ranked_users = who[order]
+    new_user = (
+        np.concatenate(([True], ranked_users[1:] != ranked_users[:-1]))
+        if len(order)
+        else np.zeros(0, bool)
+    )
+    group_start = np.maximum.accumulate(np.where(new_user, np.arange(len(order)), 0))
+    index = np.empty(len(order), np.int64)
+    index[order] = np.arange(len(order)) - group_start
+    shown = np.flatnonzero(times >= 0)
+    shown = shown[np.argsort(times[shown], kind="stable")]
+    low, high = spec.short_term
+    shorts = rng.integers(low, high + 1, len(shown))
+    lengths = _Lengths(spec, population_seed)
     prefix = spec.user_prefix
     return [
-        Visit(at, f"{prefix}-{user}", spec.user_features, long_term, short, spec.candidates)
-        for at, (user, long_term, short) in poisson_visits(population, rate, duration_s)
+        Visit(
+            float(times[i]),
+            f"{prefix}-{int(who[i])}",
+            spec.user_features,
+            lengths.at(int(who[i]), int(index[i])),
+            int(short),
+            spec.candidates,
+        )
+        for i, short in zip(shown, shorts, strict=True)
     ]
+
+
+@dataclass(slots=True)
+class _Lengths:
+    """Users' long-term lengths by visit, from their own generators, computed once each."""
+
+    spec: WorkloadSpec
+    seed: int
+    known: dict[int, list[int]] = field(default_factory=dict)  # user -> length at visit v
+
+    def at(self, user: int, visit: int) -> int:
+        lengths = self.known.get(user)
+        if lengths is None:
+            lengths = [first_length(np.random.default_rng((self.seed, user)), self.spec)]
+            self.known[user] = lengths
+        while len(lengths) <= visit:
+            v = len(lengths)
+            room = self.spec.max_long_term - lengths[-1]
+            more = new_behaviours(np.random.default_rng((self.seed, user, v)), self.spec, room)
+            lengths.append(lengths[-1] + more)
+        return lengths[visit]

