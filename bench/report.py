@@ -7,12 +7,14 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from relaygr.local.drive import RatePoint, highest_compliant, max_compliant
 
 DOC_TITLE = (
     "# Benchmarks\n\n"
@@ -144,22 +146,5 @@ def write_section(path: Path, name: str, section: str) -> None:
     path.write_text(splice_section(text, name, section))
 
 
-class RatePoint(Protocol):
-    rate: float
-    p99_ms: float
-    errors: dict[str, int]
-
-
-def max_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
-    """The highest rate below which every measured point met the SLO (P99, no failures)."""
-    best = 0.0
-    for point in sorted(points, key=lambda p: p.rate):
-        if point.errors or point.p99_ms > slo_ms:
-            break
-        best = point.rate
-    return best
-
-
-def highest_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
-    """The highest rate of any point that met the SLO (ignoring failures at lower rates)."""
-    return max((p.rate for p in points if not p.errors and p.p99_ms <= slo_ms), default=0.0)
+# Re-exported for the benchmarks: the compliance rules live beside `Point`.
+__all__ = ["RatePoint", "highest_compliant", "max_compliant"]

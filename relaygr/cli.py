@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the local mesh (etcd, rankers, router, trigger) until Ctrl-C",
     ),
     "demo": ("relaygr.local.demo", "the local mesh driven with and without relays, compared"),
+    "simulate": (
+        "relaygr.sim.simulate",
+        "simulate a fleet on a virtual clock with a device profile (the services' own policies)",
+    ),
     "bench": ("relaygr.local.bench_cli", "run a benchmark from the source tree's bench/"),
 }
 

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -178,9 +178,7 @@ class Point:
             outcomes=dict(Counter(r.outcome for r in answered)),
             relayed=sum(r.relayed for r in answered),
             reasons=dict(reasons),
-            relayed_tokens=sum(
-                arrivals[r.index].prefix_tokens for r in counted if r.admitted
-            ),
+            relayed_tokens=sum(arrivals[r.index].prefix_tokens for r in counted if r.admitted),
             duration_s=(arrivals[-1].at - warmup_s) if counted else 0.0,
             latencies_ms=latencies,
         )
@@ -412,3 +410,24 @@ def drive_mesh(
             tls=mesh.client_tls,
         )
     )
+
+
+class RatePoint(Protocol):
+    rate: float
+    p99_ms: float
+    errors: dict[str, int]
+
+
+def max_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
+    """The highest rate below which every measured point met the SLO (P99, no failures)."""
+    best = 0.0
+    for point in sorted(points, key=lambda p: p.rate):
+        if point.errors or point.p99_ms > slo_ms:
+            break
+        best = point.rate
+    return best
+
+
+def highest_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
+    """The highest rate of any point that met the SLO (ignoring failures at lower rates)."""
+    return max((p.rate for p in points if not p.errors and p.p99_ms <= slo_ms), default=0.0)

@@ -1,0 +1,219 @@
+"""`relaygr simulate`: the relay benchmark's variants on a virtual clock, with a device profile.
+
+    relaygr simulate --profile profiles/nvidia-h100.toml --rankers 8 --rates 500 1000 2000
+    relaygr simulate --profile cpu.toml --trace visits.jsonl --rankers 2
+    relaygr simulate --profile-from 127.0.0.1:50061 --write-profile cpu.toml ...
+
+Writes results.json, results.md and p99.png (with matplotlib) under --out, and prints the
+Markdown. The simulator runs the services' own admission policy, placement, router books, KV
+store, scheduler order and cost model; see docs/simulator.md for what it does not model.
+"""
+
+import argparse
+import random
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from relaygr.bounds import AT_LEAST_ONE, POSITIVE, SHARE, Bound, Bounded
+from relaygr.cli_help import HelpFormatter
+from relaygr.errors import InvalidInput
+from relaygr.local.workload import WorkloadSpec, read_trace
+from relaygr.sim import output
+from relaygr.sim.fleet import FleetSettings
+from relaygr.sim.membership import FleetEvent
+from relaygr.sim.profile import DeviceProfile, load_profile, write_profile
+from relaygr.sim.progress import Progress
+from relaygr.sim.sweep import VARIANTS, SweepSpec, run_sweep
+from relaygr.sim.workload import visits_of
+from services.ranker.config import RankerConfig
+from services.router.config import RouterConfig
+from services.trigger.config import TriggerConfig
+
+DEFAULTS = WorkloadSpec()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="relaygr simulate", description=__doc__, formatter_class=HelpFormatter
+    )
+    src = p.add_argument_group("device")
+    src.add_argument("--profile", type=Path, help="device profile (TOML; see profiles/)")
+    src.add_argument(
+        "--profile-from",
+        metavar="HOST:PORT",
+        help="read a measured profile from a live ranker's Describe instead (plaintext)",
+    )
+    src.add_argument("--write-profile", type=Path, help="also write the profile used to this file")
+    src.add_argument(
+        "--device-tier-mib",
+        type=Bounded(float, POSITIVE),
+        help="override the profile's device (HBM) tier per ranker, MiB (default: the profile's)",
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--trace", type=Path, help="replay this trace file (docs/trace-format.md)")
+    work.add_argument(
+        "--rates", type=Bounded(float, POSITIVE), nargs="+", default=[1.0], help="req/s"
+    )
+    work.add_argument(
+        "--duration", type=Bounded(float, POSITIVE), default=60.0, help="seconds per point"
+    )
+    work.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="workload and fleet seeds (default: one drawn at random, printed)",
+    )
+    work.add_argument("--users", type=Bounded(int, AT_LEAST_ONE), default=1_000_000)
+    work.add_argument(
+        "--median-long-term",
+        type=Bounded(int, AT_LEAST_ONE),
+        default=DEFAULTS.median_long_term,
+        help="median long-term behaviours",
+    )
+    work.add_argument(
+        "--long-term-sigma", type=Bounded(float, Bound(low=0)), default=1.0, help="log-normal"
+    )
+    work.add_argument(
+        "--max-long-term", type=Bounded(int, AT_LEAST_ONE), default=8192, help="length cap"
+    )
+    work.add_argument("--candidates", type=Bounded(int, AT_LEAST_ONE), default=128)
+    work.add_argument(
+        "--warmup", type=Bounded(float, Bound(low=0, high=1, high_open=True)), default=0.2,
+        help="share of each point not counted",
+    )  # fmt: skip
+    fleet = p.add_argument_group("fleet")
+    fleet.add_argument("--rankers", type=Bounded(int, AT_LEAST_ONE), default=2)
+    fleet.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="V",
+        help=f"of: {', '.join(VARIANTS)}",
+    )  # fmt: skip
+    fleet.add_argument("--slo-ms", type=Bounded(float, POSITIVE), default=50.0)
+    fleet.add_argument(
+        "--margin-ms", type=Bounded(float, Bound(low=0)), default=5.0, help="at-risk margin"
+    )
+    fleet.add_argument(
+        "--gap-ms", type=Bounded(float, POSITIVE), default=1000.0, help="retrieval to Rank"
+    )
+    fleet.add_argument(
+        "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE), default=2000, help="relay pin"
+    )
+    fleet.add_argument(
+        "--relay-budget-share", type=Bounded(float, SHARE), default=0.9,
+        help="share of each ranker's relay budget the trigger fills",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
+        help="background prefill chunk",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--event",
+        dest="events",
+        action="append",
+        default=[],
+        metavar="T:KIND[:ARG]",
+        help="fleet change: T:kill:RANKER, T:drain:RANKER, T:start, T:scale-out:N, "
+        "T:rolling-restart:SECONDS (repeatable; rankers are ranker-0, ranker-1, ...)",
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("relaygr-sim"), help="results directory")
+    out.add_argument(
+        "--bin-s", type=Bounded(float, POSITIVE), default=5.0, help="timeline resolution"
+    )
+    return p
+
+
+def spec_from(args: argparse.Namespace, profile: DeviceProfile) -> SweepSpec:
+    workload = WorkloadSpec(
+        users=args.users,
+        median_long_term=args.median_long_term,
+        long_term_sigma=args.long_term_sigma,
+        max_long_term=args.max_long_term,
+        min_long_term=min(DEFAULTS.min_long_term, args.max_long_term),
+        candidates=args.candidates,
+        gap_s=args.gap_ms / 1e3,
+    )
+    fleet = FleetSettings(
+        rankers=args.rankers,
+        ranker=RankerConfig(
+            plaintext=True,
+            relay_window_ms=args.relay_window_ms,
+            prefill_chunk_tokens=args.chunk_tokens,
+        ),
+        router=RouterConfig(plaintext=True, relay_window_ms=args.relay_window_ms),
+        trigger=TriggerConfig(
+            plaintext=True,
+            slo_ms=args.slo_ms,
+            margin_ms=args.margin_ms,
+            expected_gap_ms=args.gap_ms,
+            relay_window_ms=args.relay_window_ms,
+            relay_budget_share=args.relay_budget_share,
+        ),
+        gap_s=args.gap_ms / 1e3,
+    )
+    trace = None
+    if args.trace is not None:
+        trace = tuple(visits_of(read_trace(args.trace)))
+    return SweepSpec(
+        profile=profile,
+        fleet=fleet,
+        workload=workload,
+        rates=tuple(args.rates),
+        duration_s=args.duration,
+        seeds=tuple(args.seeds),
+        variants=tuple(args.variants),
+        warmup=args.warmup,
+        trace=trace,
+        events=tuple(FleetEvent.parse(e) for e in args.events),
+        bin_s=args.bin_s,
+    )
+
+
+def profile_of(args: argparse.Namespace) -> DeviceProfile:
+    if (args.profile is None) == (args.profile_from is None):
+        raise InvalidInput("give one of --profile FILE or --profile-from HOST:PORT")
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+    else:
+        from relaygr.sim.measured import fetch_profile  # grpc only when asked
+
+        profile = fetch_profile(args.profile_from)
+    if args.device_tier_mib is not None:
+        profile = profile.with_memory(int(args.device_tier_mib * 2**20))
+    if args.write_profile is not None:
+        write_profile(profile, args.write_profile)
+    return profile
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.seeds is None:
+        args.seeds = [random.SystemRandom().randrange(2**32)]
+        print(f"seed {args.seeds[0]}", flush=True)
+    try:
+        spec = spec_from(args, profile_of(args))
+    except (InvalidInput, OSError) as err:
+        print(f"relaygr simulate: error: {err}", file=sys.stderr)
+        return 2
+    rates = 1 if spec.trace is not None else len(spec.rates)
+    bar = Progress(len(spec.seeds) * rates * len(spec.variants), "simulating")
+    result = run_sweep(spec, lambda p: bar.step(f"{p.variant} {p.point.rate:g}/s"))
+    command = shlex.join(["relaygr", "simulate", *_with_seeds(argv, spec.seeds)])
+    data = output.to_json(result, command)
+    written = output.write(data, args.out)
+    print(output.markdown(data))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _with_seeds(argv: list[str], seeds: Sequence[int]) -> list[str]:
+    """The command line as run: the seeds drawn are spelled out."""
+    if "--seeds" in argv:
+        return argv
+    return [*argv, "--seeds", *map(str, seeds)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
