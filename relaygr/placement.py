@@ -2,6 +2,7 @@
 
 import enum
 import hashlib
+import itertools
 import math
 import threading
 from collections import OrderedDict
@@ -51,14 +52,34 @@ def ranking(user: str, instances: Iterable[str]) -> list[str]:
     """The user's preference order over distinct instances: highest weight first.
 
     Ties (vanishingly rare at 64 bits) break by instance id, so the order never depends on the
-    order of `instances`.
+    order of `instances`. A user's order is kept for its next requests (a bounded LRU): a
+    request is routed more than once within seconds (trigger, PreInfer, Rank).
     """
-    names, hashes = _MEMBERS.get(frozenset(instances))
-    if not names:
+    members = _MEMBERS.get(frozenset(instances))
+    if not members.names:
         return []
-    weights = _mix(hashes ^ np.uint64(_h64(user)))
-    # Descending weight; a stable sort keeps equal weights in ascending id order.
-    return [names[i] for i in np.argsort(~weights, kind="stable")]
+    key = (user, members.number)
+    with _ORDERS_LOCK:
+        order = _ORDERS.get(key)
+        if order is not None:
+            _ORDERS.move_to_end(key)
+    if order is None:
+        weights = _mix(members.hashes ^ np.uint64(_h64(user)))
+        # Descending weight; a stable sort keeps equal weights in ascending id order.
+        order = np.argsort(~weights, kind="stable").astype(np.int32)
+        with _ORDERS_LOCK:
+            _ORDERS[key] = order
+            if len(_ORDERS) > _ORDERS_KEPT:
+                _ORDERS.popitem(last=False)
+    names = members.names
+    return [names[i] for i in order.tolist()]
+
+
+# Recent users' orders, as indices into their instance set's sorted ids (4 bytes an instance:
+# 65,536 users over 100 instances is about 26 MB).
+_ORDERS: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+_ORDERS_KEPT = 1 << 16
+_ORDERS_LOCK = threading.Lock()
 
 
 _MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
@@ -76,24 +97,33 @@ def _h64(name: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+@dataclass(frozen=True, slots=True)
+class _Set:
+    names: list[str]  # ascending
+    hashes: np.ndarray
+    number: int  # never reused: orders cached for it can never be mistaken for another set's
+
+
 class _Members:
     """Instance sets seen lately, each as its ids in ascending order and their hashes (a
     router sees few distinct memberships: one until a ranker joins or leaves)."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
-        self._sets: OrderedDict[frozenset[str], tuple[list[str], np.ndarray]] = OrderedDict()
+        self._sets: OrderedDict[frozenset[str], _Set] = OrderedDict()
+        self._numbers = itertools.count()
         self._lock = threading.Lock()
 
-    def get(self, live: frozenset[str]) -> tuple[list[str], np.ndarray]:
+    def get(self, live: frozenset[str]) -> _Set:
         with self._lock:
             held = self._sets.get(live)
             if held is not None:
                 self._sets.move_to_end(live)
                 return held
         names = sorted(live)
-        held = (names, np.array([_h64(n) for n in names], dtype=np.uint64))
+        hashes = np.array([_h64(n) for n in names], dtype=np.uint64)
         with self._lock:
+            held = _Set(names, hashes, next(self._numbers))
             self._sets[live] = held
             while len(self._sets) > self._keep:
                 self._sets.popitem(last=False)
