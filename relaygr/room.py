@@ -85,6 +85,7 @@ class RelayRoom:
     _uncovered: Counter[str] = field(default_factory=Counter)
     _unqueued: dict[str, float] = field(default_factory=dict)
     _expiries: list[tuple[float, int, Hashable]] = field(default_factory=list)
+    _on: dict[str, dict[Hashable, None]] = field(default_factory=dict)  # instance -> its relays
     _pushes: int = 0  # tie-breaker: keys need not be ordered
 
     # -- the view -------------------------------------------------------------------------
@@ -176,9 +177,8 @@ class RelayRoom:
         refusal = self.refusals.get(instance)
         if refusal is not None and refusal.at < sent_at:
             del self.refusals[instance]
-        for relay in self.relays.values():
-            if relay.instance != instance:
-                continue
+        for key in self._on.get(instance, ()):
+            relay = self.relays[key]
             if not relay.prefill_observed and relay.admitted_at < sent_at:
                 relay.prefill_observed = True
                 self._unqueue(instance, relay.prefill_ms)
@@ -200,6 +200,7 @@ class RelayRoom:
 
     def _add(self, key: Hashable, relay: Relay) -> None:
         self.relays[key] = relay
+        self._on.setdefault(relay.instance, {})[key] = None
         if not relay.observed:
             self._uncovered[relay.instance] += relay.nbytes
         if not relay.prefill_observed:
@@ -213,6 +214,10 @@ class RelayRoom:
         relay = self.relays.pop(key, None)
         if relay is None:
             return None
+        mine = self._on[relay.instance]
+        del mine[key]
+        if not mine:
+            del self._on[relay.instance]
         if not relay.observed:
             self._uncover(relay)
         if not relay.prefill_observed:

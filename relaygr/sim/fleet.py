@@ -50,6 +50,9 @@ class FleetSettings:
     router: RouterConfig = field(default_factory=lambda: RouterConfig(plaintext=True))
     trigger: TriggerConfig = field(default_factory=lambda: TriggerConfig(plaintext=True))
     gap_s: float = 1.0  # retrieval to Rank
+    # Trigger replicas: each sends up to dispatch_concurrency PreInfers at once. They share one
+    # admission policy's books here (optimistic: real replicas each keep their own).
+    triggers: int = 1
     rank_timeout_s: float = 30.0  # the ranking caller's deadline
 
     def engine(self) -> EngineSettings:
@@ -254,7 +257,7 @@ class Fleet:
         if not decision.admitted:
             return
         cfg = self.settings.trigger
-        if len(self._waiting) >= cfg.dispatch_queue:
+        if len(self._waiting) >= cfg.dispatch_queue * self.settings.triggers:
             self.stats.dispatch_dropped += 1
             self.policy.failed(visit.user, decision.digest)
             return
@@ -264,7 +267,8 @@ class Fleet:
     # -- the trigger's dispatcher and the router's PreInfer ---------------------------------
 
     def _dispatch(self) -> None:
-        while self._waiting and self._sending < self.settings.trigger.dispatch_concurrency:
+        limit = self.settings.trigger.dispatch_concurrency * self.settings.triggers
+        while self._waiting and self._sending < limit:
             self._sending += 1
             relay = self._waiting.popleft()
             self.loop.after(self._hop_s, self._route_pre_infer, relay)

@@ -69,6 +69,8 @@ class Status(enum.StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
+# How many rankers with relay room a PreInfer's route looks for down its order (see `route`).
+ROOM_SCAN = 2
 # A ranker answering these cannot serve this request now; another one can (by full inference
 # at worst). Every other status is the caller's answer and passes through unchanged.
 TRY_NEXT = frozenset({Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
@@ -263,10 +265,17 @@ class Forwarder:
         room, now = self.room, self._clock()
         full: set[str] = set()
         if room is not None:
-            full = {
-                i for i in placement.order
-                if not room.fits(view[i], hint.tokens * view[i].kv_bytes_per_token, now)
-            }  # fmt: skip
+            # The view is read down the order only until ROOM_SCAN rankers with room: past them
+            # the order stays the hash order (a refusal there still moves on: rankers keep the
+            # final word), so a PreInfer costs O(ROOM_SCAN + full ones), not O(fleet).
+            with_space = 0
+            for i in placement.order:
+                if room.fits(view[i], hint.tokens * view[i].kv_bytes_per_token, now):
+                    with_space += 1
+                    if with_space >= ROOM_SCAN:
+                        break
+                else:
+                    full.add(i)
         if full or hint.preferred:
             placement = with_room(placement, hint.preferred, full)
         known = None if entry is None else (entry.instance_id, entry.expires_at)
