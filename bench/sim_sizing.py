@@ -1,0 +1,249 @@
+"""Sizing a fleet of 1,000 rankers and 10^8 users with the simulator (docs/sizing.md).
+
+A fleet of N rankers at r req/s each is simulated as a slice of k rankers at k*r req/s over k/N
+of the population: rendezvous hashing spreads users, and so load, evenly, and every per-ranker
+quantity (latency, hits, memory, directory writes per ranker) is the slice's; fleet totals are
+the slice's times N/k. What the slice costs is measured where both can run: a fleet of
+`--check-fleet` rankers in full against a slice of it. Scenarios, each from the same seed:
+steady state, one ranker killed, a rolling restart of every ranker, a 10% scale-out.
+
+    .venv/bin/python bench/sim_sizing.py            # the full run (docs/sizing.md)
+    .venv/bin/python bench/sim_sizing.py --quick    # smoke run, not recorded in docs
+"""
+
+import argparse
+import random
+import resource
+import tracemalloc
+from dataclasses import replace
+from pathlib import Path
+
+from pipeline import ROOT, save_results
+from report import add_render_arguments, publish, run_stamp
+
+from relaygr.cluster import MemoryCluster, PlacementRecord
+from relaygr.local.workload import WorkloadSpec
+from relaygr.sim.fleet import FleetSettings
+from relaygr.sim.membership import FleetEvent
+from relaygr.sim.profile import load_profile
+from relaygr.sim.sweep import SweepSpec, run_point
+from relaygr.sim.workload import light_visits
+from services.ranker.config import RankerConfig
+from services.router.config import RouterConfig
+from services.trigger.config import TriggerConfig
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--profile", type=Path, default=ROOT / "profiles" / "nvidia-h100.toml")
+    p.add_argument("--fleet", type=int, default=1000, help="rankers in the fleet sized")
+    p.add_argument("--users", type=int, default=100_000_000, help="the fleet's population")
+    p.add_argument("--per-ranker", type=float, default=20.0, help="req/s per ranker")
+    p.add_argument("--slice", type=int, default=20, help="rankers simulated")
+    p.add_argument("--check-fleet", type=int, default=40, help="fleet run in full for the check")
+    p.add_argument("--check-slice", type=int, default=10)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--event-at", type=float, default=20.0, help="when each change starts, s")
+    p.add_argument("--variant", default="relay all")
+    p.add_argument("--slo-ms", type=float, default=20.0)
+    p.add_argument("--margin-ms", type=float, default=10.0)
+    p.add_argument("--gap-ms", type=float, default=100.0)
+    p.add_argument("--candidates", type=int, default=256)
+    p.add_argument(
+        "--triggers", type=int, default=0, help="trigger replicas (0: one per 10 rankers)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="default: random")
+    p.add_argument("--quick", action="store_true", help="smoke run: short, small")
+    add_render_arguments(p)
+    args = p.parse_args(argv)
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**32)
+    if args.quick:
+        args.duration, args.slice, args.check_fleet, args.check_slice = 20.0, 5, 10, 5
+        args.event_at = 8.0
+    return args
+
+
+def spec_for(args: argparse.Namespace, rankers: int, share: float) -> tuple[SweepSpec, float]:
+    """A spec for `rankers` simulated rankers standing for a fleet of rankers/share."""
+    profile = load_profile(args.profile)
+    triggers = args.triggers or max(1, rankers // 10)
+    workload = WorkloadSpec(
+        users=max(1, int(args.users * share)), candidates=args.candidates, gap_s=args.gap_ms / 1e3
+    )
+    fleet = FleetSettings(
+        rankers=rankers,
+        ranker=RankerConfig(plaintext=True),
+        router=RouterConfig(plaintext=True),
+        trigger=TriggerConfig(
+            plaintext=True,
+            slo_ms=args.slo_ms,
+            margin_ms=args.margin_ms,
+            expected_gap_ms=args.gap_ms,
+        ),
+        gap_s=args.gap_ms / 1e3,
+        triggers=triggers,
+    )
+    spec = SweepSpec(profile, fleet, workload, (), args.duration, (args.seed,), bin_s=2.0)
+    return spec, args.per_ranker * rankers
+
+
+def scenario(
+    spec: SweepSpec, rate: float, seed: int, events: tuple[str, ...], variant: str
+) -> dict:
+    run = replace(spec, events=tuple(FleetEvent.parse(e) for e in events))
+    visits = light_visits(spec.workload, rate, spec.duration_s, seed)
+    done = run_point(run, variant, rate, seed, visits, spec.duration_s)
+    return {**done.summary(spec.slo_ms), "events": list(events)}
+
+
+def entry_bytes(entries: int = 100_000) -> float:
+    """Python heap per directory entry as a router holds it (`MemoryCluster`'s dicts: the
+    etcd-backed directory keeps the same records in the same kind of dict)."""
+    cluster = MemoryCluster(clock=lambda: 0.0)
+    cluster._rankers = {"ranker-0": None}  # type: ignore[dict-item]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(entries):
+        placement = PlacementRecord(f"user-{i:09d}", "ranker-0", 10.0)
+        cluster._placements[placement.user_id] = (placement, "ranker-0")
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / entries
+
+
+def run(args: argparse.Namespace) -> dict:
+    k, n = args.slice, args.fleet
+    spec, rate = spec_for(args, k, k / n)
+    t0 = args.event_at
+    scenarios = {
+        "steady": (),
+        "kill one ranker": (f"{t0:g}:kill:ranker-0",),
+        "rolling restart": (f"{t0:g}:rolling-restart:{(args.duration - t0) * 0.6 / k:g}",),
+        "scale-out 10%": (f"{t0:g}:scale-out:{max(1, k // 10)}",),
+    }
+    results: dict = {"scenarios": {}, "check": {}}
+    for name, events in scenarios.items():
+        row = scenario(spec, rate, args.seed, events, args.variant)
+        results["scenarios"][name] = row
+        print(
+            f"{name:>16}: p99 {row['p99_ms']:.1f} ms hits {row['hit_ratio']:.0%} "
+            f"dir writes {row['fleet']['directory_writes']} ({row['wall_s']:.0f} s)",
+            flush=True,
+        )
+    results["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    big, share = args.check_fleet, args.check_fleet / n
+    full_spec, full_rate = spec_for(args, big, share)
+    small_spec, small_rate = spec_for(args, args.check_slice, share * args.check_slice / big)
+    results["check"] = {
+        "full": scenario(full_spec, full_rate, args.seed, (), args.variant),
+        "slice": scenario(small_spec, small_rate, args.seed, (), args.variant),
+    }
+    results["entry_bytes"] = entry_bytes()
+    return save_results("sim_sizing", args, results, threads=1)
+
+
+def per_s(count: float, seconds: float) -> float:
+    return count / seconds if seconds else 0.0
+
+
+def render(saved: dict) -> str:
+    a = saved["args"]
+    n, k, duration = a["fleet"], a["slice"], a["duration"]
+    scale = n / k
+    steady = saved["scenarios"]["steady"]
+    f = steady["fleet"]
+    dir_writes = per_s(f["directory_writes"], duration) * scale
+    entries = f["peak_directory_entries"] * scale
+    keepalives = n * 3 / 5.0  # the lease TTL's default 5 s, renewed about three times a TTL
+    peak = f.get("peak_memory_per_ranker", {})
+    lines = [
+        f"## Sizing: simulated fleet of {n:,} rankers, {a['users']:,} users",
+        "",
+        f"Reproduce: `{saved['command']}`.",
+        "",
+        f"- {run_stamp(saved['machine'])}. Simulated: profile `{Path(a['profile']).stem}`, "
+        f"{a['per_ranker']:g} req/s per ranker ({a['per_ranker'] * n:,.0f} req/s over the fleet), "
+        f"variant `{a['variant']}`, SLO {a['slo_ms']:g} ms, gap {a['gap_ms']:g} ms; a slice of "
+        f"{k} rankers at {a['per_ranker'] * k:g} req/s over {a['users'] * k / n:,.0f} users stands "
+        f"for the fleet ({duration:g} s, seed {a['seed']}); peak process memory "
+        f"{saved['max_rss_mib']:,.0f} MiB.",
+        "",
+        "| scenario | P50 ms | P99 ms | hits | relayed | failed | directory writes / s (fleet) "
+        "| registrations | deregistrations |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in saved["scenarios"].items():
+        fl = row["fleet"]
+        lines.append(
+            f"| {name} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['hit_ratio']:.0%} "
+            f"| {row['relayed_ratio']:.0%} | {row['sent'] - row['ok']:,} "
+            f"| {per_s(fl['directory_writes'], duration) * scale:,.0f} "
+            f"| {fl['registrations']} | {fl['deregistrations']} |"
+        )
+    lines += [
+        "",
+        "**Hit rate through each change** (share of Ranks served from a cache, per 2 s "
+        "of send time; "
+        f"the change starts at {a['event_at']:g} s):",
+        "",
+        "| scenario | before | lowest during | end |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, row in saved["scenarios"].items():
+        bins = [b for b in row["timeline"] if b["ranks"]]
+        before = [b["hit_ratio"] for b in bins if b["t"] + 2 <= a["event_at"] and b["t"] >= 4]
+        after = [b["hit_ratio"] for b in bins if b["t"] >= a["event_at"] and b["t"] < duration]
+        mean_before = sum(before) / len(before) if before else 0.0
+        lines.append(
+            f"| {name} | {mean_before:.0%} | {min(after, default=0):.0%} "
+            f"| {after[-1] if after else 0:.0%} |"
+        )
+    check = saved["check"]
+    full, part = check["full"], check["slice"]
+    lines += [
+        "",
+        "**Steady state, the fleet's totals:**",
+        "",
+        f"- etcd writes: directory {dir_writes:,.0f}/s (a placement is written only when a relay "
+        f"lands off its user's hash owner, at most twice a relay window), membership ~0/s; lease "
+        f"keepalives ~{keepalives:,.0f}/s (each ranker renews about three times per 5 s TTL).",
+        f"- Directory entries live: ~{entries:,.0f}; at {saved['entry_bytes']:.0f} bytes of "
+        f"router heap each (measured), {entries * saved['entry_bytes'] / 2**20:,.1f} MiB per "
+        "router; each router's watch delivers every directory write and membership change: "
+        f"~{dir_writes:,.0f} events/s.",
+    ]
+    if peak:
+        lines.append(
+            f"- Device memory per ranker at {a['per_ranker']:g} req/s: peak "
+            f"{peak.get('device_used', 0) / 2**30:,.2f} GiB used, "
+            f"{peak.get('device_pinned', 0) / 2**30:,.2f} GiB pinned by relays awaiting their "
+            f"Rank; host tier peak {peak.get('host_used', 0) / 2**30:,.2f} GiB."
+        )
+    lines += [
+        "",
+        f"**What the slice costs** (a fleet of {a['check_fleet']} rankers in full vs a slice of "
+        f"{a['check_slice']} at the same load per ranker and population per ranker):",
+        "",
+        "| run | P50 ms | P99 ms | hits | relayed | directory writes / ranker-s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row, rankers in (("full", full, a["check_fleet"]), ("slice", part, a["check_slice"])):
+        writes = per_s(row["fleet"]["directory_writes"], duration) / rankers
+        lines.append(
+            f"| {name} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['hit_ratio']:.1%} "
+            f"| {row['relayed_ratio']:.1%} | {writes:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    args = parse()
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", "sim_sizing")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
