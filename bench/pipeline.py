@@ -3,16 +3,17 @@
 import argparse
 import json
 import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from report import add_render_arguments, machine_info, reproduce_command
 
-from relaygr.local.drive import Point, drive_mesh
+from relaygr.local.drive import Point, RequestRecord, drive_mesh
 from relaygr.local.mesh import LocalMesh
-from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
+from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 from services.ranker.model_config import PRESETS, ModelPreset
 
 
@@ -25,21 +26,45 @@ class Variant:
     mode: str
 
 
+@dataclass(slots=True)
+class Ran:
+    """One point as it was driven, for a benchmark that replays it (the simulator's check):
+    its arrivals, when it began (`time.monotonic()` just before its trigger mode was set; its
+    schedule starts about half a second later) and every record, warm-up included."""
+
+    label: str
+    rate: float
+    arrivals: list[Arrival]
+    began: float
+    warmup_s: float
+    records: list[RequestRecord] = field(default_factory=list)
+
+
 def run_point(
-    variant: Variant, population: Population, rate: float, args: argparse.Namespace
+    variant: Variant,
+    population: Population,
+    rate: float,
+    args: argparse.Namespace,
+    ran: list[Ran] | None = None,
 ) -> Point:
-    """One open-loop point: max(args.duration, args.min_requests / rate) seconds at `rate`."""
+    """One open-loop point: max(args.duration, args.min_requests / rate) seconds at `rate`.
+    `ran`: when given, the point's `Ran` is appended to it."""
     duration = max(args.duration, args.min_requests / rate)
+    arrivals = poisson_arrivals(population, rate, duration)
+    kept = Ran(variant.label, rate, arrivals, time.monotonic(), duration * args.warmup)
     point = drive_mesh(
         variant.mesh,
         variant.mode,
-        poisson_arrivals(population, rate, duration),
+        arrivals,
         label=variant.label,
         rate=rate,
         gap_s=population.spec.gap_s,
-        warmup_s=duration * args.warmup,
+        warmup_s=kept.warmup_s,
         timeout_s=args.timeout,
+        records=kept.records if ran is not None else None,
     )
+    if ran is not None:
+        ran.append(kept)
     print(
         f"{variant.label:>18} {rate:5g}/s  p50 {point.p50_ms:7.0f}  p99 {point.p99_ms:7.0f} ms  "
         f"n {point.ok}  relayed {point.relayed_ratio:.0%}  cross-visit {point.cached_ratio:.0%}  "
@@ -61,10 +86,11 @@ def sweep(
     args: argparse.Namespace,
     seed: int | None = None,
     stop_ms: float | None = None,
+    ran: list[Ran] | None = None,
 ) -> list[Point]:
     """Rates in order, the variants in rotating order at each rate (drift hits all alike); a
     variant stops once its P99 passes `stop_ms` (default twice the SLO) or a request fails.
-    `seed`: the trace's (default args.seed)."""
+    `seed`: the trace's (default args.seed). `ran`: as `run_point`'s."""
     seed = args.seed if seed is None else seed
     stop_ms = 2 * args.slo_ms if stop_ms is None else stop_ms
     pops = {v.label: population(v.label, spec, seed) for v in variants}
@@ -75,7 +101,7 @@ def sweep(
         for variant in [*variants[k:], *variants[:k]]:
             if variant.label in saturated:
                 continue
-            point = run_point(variant, pops[variant.label], rate, args)
+            point = run_point(variant, pops[variant.label], rate, args, ran)
             points.append(point)
             if point.p99_ms > stop_ms or point.errors:
                 saturated.add(variant.label)

@@ -85,6 +85,14 @@ def workload(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(users=args.users, gap_s=args.gap_ms / 1e3)
 
 
+def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `mesh_spec` and `workload` read, with this benchmark's defaults (after
+    `add_sweep_arguments`; the simulator's check, bench/sim_validate.py, shares them)."""
+    parser.set_defaults(slo_ms=1500.0, margin_ms=1250.0, gap_ms=1500.0)
+    parser.add_argument("--users", type=int, default=WorkloadSpec().users, help="population")
+    parser.add_argument("--hbm-mb", type=int, default=128, help="device tier per ranker")
+
+
 def length_search(variant: Variant, seed: int, args: argparse.Namespace) -> list[Point]:
     """The length points tried for `variant` (rate column holds the length), searched upwards
     on the 512-token grid at `args.length_rate`; fresh users for each length."""
@@ -453,9 +461,8 @@ def chart(saved: dict, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_sweep_arguments(parser, [0.5, 1.0, 1.5, 2.0, 3.0])
-    parser.set_defaults(
-        slo_ms=1500.0, margin_ms=1250.0, gap_ms=1500.0, min_requests=50, duration=25.0
-    )
+    add_mesh_arguments(parser)
+    parser.set_defaults(min_requests=50, duration=25.0)
     parser.add_argument("--repeats", type=int, default=3, help="seeds: --seed, --seed + 1, ...")
     parser.add_argument(
         "--slos", type=float, nargs="+", default=[1000, 1250, 1500, 2000, 2500, 3000, 4000],
@@ -473,8 +480,6 @@ def main() -> int:
     parser.add_argument("--length-requests", type=int, default=25, help="requests per length")
     parser.add_argument("--length-from", type=int, default=2048, help="first length tried")
     parser.add_argument("--length-max", type=int, default=12288, help="longest length tried")
-    parser.add_argument("--users", type=int, default=WorkloadSpec().users, help="population")
-    parser.add_argument("--hbm-mb", type=int, default=128, help="device tier per ranker")
     args = parser.parse_args()
     if args.from_json is not None:
         saved = load_result(args.from_json)

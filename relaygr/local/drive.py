@@ -119,6 +119,7 @@ class RequestRecord:
     decision_status: str = ""  # the OnRetrieval's status as `status`; "" when none was sent
     decision: str = ""  # the trigger's admission reason, when it answered
     admitted: bool = False  # the trigger relays this arrival's prefix
+    server_ms: float = 0.0  # the ranker's own time for an answered Rank (RankReply.server_ms)
 
     @property
     def hit(self) -> bool:
@@ -345,6 +346,7 @@ class OpenLoopDriver:
             model_version=reply.model_version,
             scores=scores,
             relayed=reply.relayed and outcome in HIT_OUTCOMES,
+            server_ms=reply.server_ms,
         )
 
 
@@ -360,15 +362,19 @@ async def drive(
     timeout_s: float,
     on_done: Callable[[], None] | None = None,
     tls: TlsSettings = PLAINTEXT,
+    records: list[RequestRecord] | None = None,
 ) -> Point:
     """Run `arrivals` through the pipeline with an `OpenLoopDriver` (no trigger call when
     `trigger_address` is None) and sum its records up.
 
     `on_done` is called after each Rank (for a progress bar). `tls`: how to dial the services.
+    `records`: when given, every record of the run (warm-up included) is appended to it.
     """
     driver = OpenLoopDriver(arrivals, label=label, gap_s=gap_s, timeout_s=timeout_s)
-    records = await driver.run(trigger_address, router_address, tls=tls, on_done=on_done)
-    return Point.of(label, rate, arrivals, records, warmup_s)
+    ran = await driver.run(trigger_address, router_address, tls=tls, on_done=on_done)
+    if records is not None:
+        records.extend(sorted(ran, key=lambda r: r.index))
+    return Point.of(label, rate, arrivals, ran, warmup_s)
 
 
 def drive_mesh(
@@ -382,9 +388,10 @@ def drive_mesh(
     warmup_s: float,
     timeout_s: float,
     on_done: Callable[[], None] | None = None,
+    records: list[RequestRecord] | None = None,
 ) -> Point:
     """Put `mesh`'s trigger in `mode`, then drive `arrivals` through its trigger and router
-    (blocking; the demo's and the mesh benchmarks' one point)."""
+    (blocking; the demo's and the mesh benchmarks' one point). `records`: as `drive`'s."""
     if mesh.trigger is None or mesh.router is None:
         raise ValueError("drive_mesh needs a started mesh with a trigger and a router")
     asyncio.run(
@@ -408,6 +415,7 @@ def drive_mesh(
             timeout_s=timeout_s,
             on_done=on_done,
             tls=mesh.client_tls,
+            records=records,
         )
     )
 

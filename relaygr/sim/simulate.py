@@ -176,9 +176,9 @@ def profile_of(args: argparse.Namespace) -> DeviceProfile:
     if args.profile is not None:
         profile = load_profile(args.profile)
     else:
-        from relaygr.sim.measured import fetch_profile  # grpc only when asked
+        from relaygr.sim.measured import read_profile  # grpc only when asked
 
-        profile = fetch_profile(args.profile_from)
+        profile = read_profile(args.profile_from)
     if args.device_tier_mib is not None:
         profile = profile.with_memory(int(args.device_tier_mib * 2**20))
     if args.write_profile is not None:
