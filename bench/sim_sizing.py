@@ -56,6 +56,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=None, help="default: random")
     p.add_argument("--quick", action="store_true", help="smoke run: short, small")
+    p.add_argument("--tag", default="", help="suffix of the result file")
     add_render_arguments(p)
     args = p.parse_args(argv)
     if args.seed is None:

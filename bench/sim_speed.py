@@ -38,6 +38,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke run")
+    p.add_argument("--tag", default="", help="suffix of the result file")
     add_render_arguments(p)
     args = p.parse_args(argv)
     if args.seed is None:
