@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "relaygr.sim.simulate",
         "simulate a fleet on a virtual clock with a device profile (the services' own policies)",
     ),
+    "plan": (
+        "relaygr.sim.plan_cli",
+        "how many rankers, and how much device and host memory each, meet a P99 SLO (simulated)",
+    ),
     "bench": ("relaygr.local.bench_cli", "run a benchmark from the source tree's bench/"),
 }
 

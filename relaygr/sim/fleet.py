@@ -22,6 +22,7 @@ from relaygr.room import RelayRoom
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
 from relaygr.sim.ranker import (
+    MemoryUse,
     PreInferReply,
     Ranker,
     RankReply,
@@ -76,6 +77,15 @@ class FleetStats:
     deregistrations: int = 0  # a ranker leaving (drain) or its lease lapsing (kill)
     peak_directory_entries: int = 0
     busy_s: dict[str, float] = field(default_factory=dict)  # compute per ranker, seconds
+    # Per ranker, the most its tiers held at any observation tick (the trigger's interval).
+    peak_memory: dict[str, MemoryUse] = field(default_factory=dict)
+
+    def peak(self) -> MemoryUse:
+        """The most any one ranker held, figure by figure."""
+        peak = MemoryUse()
+        for use in self.peak_memory.values():
+            peak = peak.peak(use)
+        return peak
 
 
 MakeRanker = Callable[[str, "Fleet"], Ranker]
@@ -215,6 +225,10 @@ class Fleet:
             ranker = self.rankers[instance]
             if ranker.alive:
                 self.policy.room.observe(instance, ranker.room(), now)
+        peaks = self.stats.peak_memory
+        for instance, ranker in self.rankers.items():
+            if ranker.alive:
+                peaks[instance] = peaks.get(instance, MemoryUse()).peak(ranker.memory())
         self.policy.sweep(now, view)
         self.stats.peak_directory_entries = max(
             self.stats.peak_directory_entries, self.cluster.placements()

@@ -84,6 +84,24 @@ class RankReply:
     relayed: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """Bytes a ranker's prefix caches hold: in the device tier (of which `device_pinned_bytes`
+    are relays pinned for their Rank) and in the host tier."""
+
+    device_bytes: int = 0
+    device_pinned_bytes: int = 0
+    host_bytes: int = 0
+
+    def peak(self, other: "MemoryUse") -> "MemoryUse":
+        """The larger of each figure."""
+        return MemoryUse(
+            max(self.device_bytes, other.device_bytes),
+            max(self.device_pinned_bytes, other.device_pinned_bytes),
+            max(self.host_bytes, other.host_bytes),
+        )
+
+
 R = TypeVar("R")
 Landed = Callable[[SimKV | None, Exception | None], None]
 
@@ -97,6 +115,8 @@ class Ranker(Protocol):
     busy_s: float
 
     def room(self) -> RoomReport: ...
+
+    def memory(self) -> MemoryUse: ...
 
     def pre_infer(
         self,
@@ -190,6 +210,11 @@ class SimRanker:
         usage = self.store.usage(Tier.HBM)
         queued = self.scheduler.queued_background_ms()
         return RoomReport(usage.pinned_bytes, usage.budget_bytes, queued)
+
+    def memory(self) -> MemoryUse:
+        """What its tiers hold now."""
+        device, host = self.store.usage(Tier.HBM), self.store.usage(Tier.DRAM)
+        return MemoryUse(device.used_bytes, device.pinned_bytes, host.used_bytes)
 
     # -- PreInfer ---------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, SHARE, Bound, Bounded
 from relaygr.cli_help import HelpFormatter
-from relaygr.errors import InvalidInput
+from relaygr.errors import ConfigError, InvalidInput
 from relaygr.local.workload import WorkloadSpec, read_trace
 from relaygr.sim import output
 from relaygr.sim.fleet import FleetSettings
@@ -26,7 +26,7 @@ from relaygr.sim.membership import FleetEvent
 from relaygr.sim.profile import DeviceProfile, load_profile, write_profile
 from relaygr.sim.progress import Progress
 from relaygr.sim.sweep import VARIANTS, SweepSpec, run_sweep
-from relaygr.sim.workload import visits_of
+from relaygr.sim.workload import Visit, visits_of
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
 from services.trigger.config import TriggerConfig
@@ -38,26 +38,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relaygr simulate", description=__doc__, formatter_class=HelpFormatter
     )
-    src = p.add_argument_group("device")
-    src.add_argument("--profile", type=Path, help="device profile (TOML; see profiles/)")
-    src.add_argument(
-        "--profile-from",
-        metavar="HOST:PORT",
-        help="read a measured profile from a live ranker's Describe instead (plaintext)",
-    )
-    src.add_argument("--write-profile", type=Path, help="also write the profile used to this file")
-    src.add_argument(
-        "--device-tier-mib",
-        type=Bounded(float, POSITIVE),
-        help="override the profile's device (HBM) tier per ranker, MiB (default: the profile's)",
-    )
-    work = p.add_argument_group("workload")
-    work.add_argument("--trace", type=Path, help="replay this trace file (docs/trace-format.md)")
+    add_device_args(p)
+    work = add_workload_args(p)
     work.add_argument(
         "--rates", type=Bounded(float, POSITIVE), nargs="+", default=[1.0], help="req/s"
-    )
-    work.add_argument(
-        "--duration", type=Bounded(float, POSITIVE), default=60.0, help="seconds per point"
     )
     work.add_argument(
         "--seeds",
@@ -65,48 +49,15 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         help="workload and fleet seeds (default: one drawn at random, printed)",
     )
-    work.add_argument("--users", type=Bounded(int, AT_LEAST_ONE), default=1_000_000)
-    work.add_argument(
-        "--median-long-term",
-        type=Bounded(int, AT_LEAST_ONE),
-        default=DEFAULTS.median_long_term,
-        help="median long-term behaviours",
-    )
-    work.add_argument(
-        "--long-term-sigma", type=Bounded(float, Bound(low=0)), default=1.0, help="log-normal"
-    )
-    work.add_argument(
-        "--max-long-term", type=Bounded(int, AT_LEAST_ONE), default=8192, help="length cap"
-    )
-    work.add_argument("--candidates", type=Bounded(int, AT_LEAST_ONE), default=128)
-    work.add_argument(
-        "--warmup", type=Bounded(float, Bound(low=0, high=1, high_open=True)), default=0.2,
-        help="share of each point not counted",
-    )  # fmt: skip
-    fleet = p.add_argument_group("fleet")
-    fleet.add_argument("--rankers", type=Bounded(int, AT_LEAST_ONE), default=2)
+    fleet = add_fleet_args(p)
+    fleet.add_argument("--rankers", type=Bounded(int, AT_LEAST_ONE), default=2, help="fleet size")
     fleet.add_argument(
         "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="V",
         help=f"of: {', '.join(VARIANTS)}",
     )  # fmt: skip
-    fleet.add_argument("--slo-ms", type=Bounded(float, POSITIVE), default=50.0)
     fleet.add_argument(
-        "--margin-ms", type=Bounded(float, Bound(low=0)), default=5.0, help="at-risk margin"
+        "--slo-ms", type=Bounded(float, POSITIVE), default=50.0, help="P99 ranking SLO, ms"
     )
-    fleet.add_argument(
-        "--gap-ms", type=Bounded(float, POSITIVE), default=1000.0, help="retrieval to Rank"
-    )
-    fleet.add_argument(
-        "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE), default=2000, help="relay pin"
-    )
-    fleet.add_argument(
-        "--relay-budget-share", type=Bounded(float, SHARE), default=0.9,
-        help="share of each ranker's relay budget the trigger fills",
-    )  # fmt: skip
-    fleet.add_argument(
-        "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
-        help="background prefill chunk",
-    )  # fmt: skip
     fleet.add_argument(
         "--event",
         dest="events",
@@ -124,8 +75,91 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def spec_from(args: argparse.Namespace, profile: DeviceProfile) -> SweepSpec:
-    workload = WorkloadSpec(
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """The device profile's options (`profile_of` reads them); shared with `relaygr plan`."""
+    src = p.add_argument_group("device")
+    src.add_argument(
+        "--profile",
+        type=Path,
+        help="device profile, TOML (see profiles/); this or --profile-from (no default)",
+    )
+    src.add_argument(
+        "--profile-from",
+        metavar="HOST:PORT",
+        help="read a measured profile from a live ranker's Describe instead (plaintext; "
+        "default: none)",
+    )
+    src.add_argument(
+        "--write-profile",
+        type=Path,
+        help="also write the profile used to this file (default: none)",
+    )
+    src.add_argument(
+        "--device-tier-mib",
+        type=Bounded(float, POSITIVE),
+        help="override the profile's device (HBM) tier per ranker, MiB (default: the profile's)",
+    )
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The workload's options (`workload_of`, `trace_of` read them), rates and seeds apart."""
+    work = p.add_argument_group("workload")
+    work.add_argument(
+        "--trace",
+        type=Path,
+        help="replay this trace file, docs/trace-format.md (default: none, visits are drawn)",
+    )
+    work.add_argument(
+        "--duration", type=Bounded(float, POSITIVE), default=60.0, help="seconds per point"
+    )
+    work.add_argument(
+        "--users", type=Bounded(int, AT_LEAST_ONE), default=1_000_000, help="the population"
+    )
+    work.add_argument(
+        "--median-long-term",
+        type=Bounded(int, AT_LEAST_ONE),
+        default=DEFAULTS.median_long_term,
+        help="median long-term behaviours",
+    )
+    work.add_argument(
+        "--long-term-sigma", type=Bounded(float, Bound(low=0)), default=1.0, help="log-normal"
+    )
+    work.add_argument(
+        "--max-long-term", type=Bounded(int, AT_LEAST_ONE), default=8192, help="length cap"
+    )
+    work.add_argument("--candidates", type=Bounded(int, AT_LEAST_ONE), default=128, help="per Rank")
+    work.add_argument(
+        "--warmup", type=Bounded(float, Bound(low=0, high=1, high_open=True)), default=0.2,
+        help="share of each point not counted",
+    )  # fmt: skip
+    return work
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The services' options (`fleet_of` reads them), fleet size and SLO apart."""
+    fleet = p.add_argument_group("fleet")
+    fleet.add_argument(
+        "--margin-ms", type=Bounded(float, Bound(low=0)), default=5.0, help="at-risk margin"
+    )
+    fleet.add_argument(
+        "--gap-ms", type=Bounded(float, POSITIVE), default=1000.0, help="retrieval to Rank"
+    )
+    fleet.add_argument(
+        "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE), default=2000, help="relay pin"
+    )
+    fleet.add_argument(
+        "--relay-budget-share", type=Bounded(float, SHARE), default=0.9,
+        help="share of each ranker's relay budget the trigger fills",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
+        help="background prefill chunk",
+    )  # fmt: skip
+    return fleet
+
+
+def workload_of(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
         users=args.users,
         median_long_term=args.median_long_term,
         long_term_sigma=args.long_term_sigma,
@@ -134,8 +168,13 @@ def spec_from(args: argparse.Namespace, profile: DeviceProfile) -> SweepSpec:
         candidates=args.candidates,
         gap_s=args.gap_ms / 1e3,
     )
-    fleet = FleetSettings(
-        rankers=args.rankers,
+
+
+def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
+    """The services' configurations; ConfigError when they do not hold together (a margin not
+    below the SLO, say)."""
+    return FleetSettings(
+        rankers=rankers,
         ranker=RankerConfig(
             plaintext=True,
             relay_window_ms=args.relay_window_ms,
@@ -152,19 +191,23 @@ def spec_from(args: argparse.Namespace, profile: DeviceProfile) -> SweepSpec:
         ),
         gap_s=args.gap_ms / 1e3,
     )
-    trace = None
-    if args.trace is not None:
-        trace = tuple(visits_of(read_trace(args.trace)))
+
+
+def trace_of(args: argparse.Namespace) -> tuple[Visit, ...] | None:
+    return None if args.trace is None else tuple(visits_of(read_trace(args.trace)))
+
+
+def spec_from(args: argparse.Namespace, profile: DeviceProfile) -> SweepSpec:
     return SweepSpec(
         profile=profile,
-        fleet=fleet,
-        workload=workload,
+        fleet=fleet_of(args, args.rankers),
+        workload=workload_of(args),
         rates=tuple(args.rates),
         duration_s=args.duration,
         seeds=tuple(args.seeds),
         variants=tuple(args.variants),
         warmup=args.warmup,
-        trace=trace,
+        trace=trace_of(args),
         events=tuple(FleetEvent.parse(e) for e in args.events),
         bin_s=args.bin_s,
     )
@@ -194,13 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"seed {args.seeds[0]}", flush=True)
     try:
         spec = spec_from(args, profile_of(args))
-    except (InvalidInput, OSError) as err:
+    except (InvalidInput, ConfigError, OSError) as err:
         print(f"relaygr simulate: error: {err}", file=sys.stderr)
         return 2
     rates = 1 if spec.trace is not None else len(spec.rates)
     bar = Progress(len(spec.seeds) * rates * len(spec.variants), "simulating")
     result = run_sweep(spec, lambda p: bar.step(f"{p.variant} {p.point.rate:g}/s"))
-    command = shlex.join(["relaygr", "simulate", *_with_seeds(argv, spec.seeds)])
+    command = shlex.join(["relaygr", "simulate", *with_seeds(argv, spec.seeds)])
     data = output.to_json(result, command)
     written = output.write(data, args.out)
     print(output.markdown(data))
@@ -208,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _with_seeds(argv: list[str], seeds: Sequence[int]) -> list[str]:
+def with_seeds(argv: list[str], seeds: Sequence[int]) -> list[str]:
     """The command line as run: the seeds drawn are spelled out."""
     if "--seeds" in argv:
         return argv

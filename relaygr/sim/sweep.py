@@ -15,6 +15,7 @@ from relaygr.sim.events import EventLoop
 from relaygr.sim.fleet import Fleet, FleetSettings
 from relaygr.sim.membership import FleetEvent, schedule
 from relaygr.sim.profile import DeviceProfile
+from relaygr.sim.ranker import MemoryUse
 from relaygr.sim.workload import Visit, light_visits
 from services.trigger.config import Mode
 
@@ -62,6 +63,7 @@ class PointResult:
     timeline: list[dict[str, float]]
     wall_s: float
     simulated: int
+    peak: MemoryUse = field(default_factory=MemoryUse)  # the most one ranker's tiers held
 
     def summary(self, slo_ms: float) -> dict[str, Any]:
         p = self.point
@@ -170,6 +172,7 @@ def run_point(
         timeline(records, spec.bin_s, spec.slo_ms),
         wall,
         len(visits),
+        fleet.stats.peak(),
     )
 
 
@@ -180,8 +183,11 @@ def fleet_summary(fleet: Fleet, span_s: float) -> dict[str, Any]:
     ttl = fleet.settings.ranker.lease_ttl_s
     ranker_seconds = sum(1 for _ in fleet.rankers) * span_s  # rankers alive, at most
     busy = {name: seconds / span_s for name, seconds in sorted(stats.busy_s.items())}
+    peak = stats.peak()  # the most any one ranker held, figure by figure
     return {
-        **{k: v for k, v in dataclasses.asdict(stats).items() if k != "busy_s"},
+        **{
+            k: v for k, v in dataclasses.asdict(stats).items() if k not in ("busy_s", "peak_memory")
+        },
         "rankers": len(fleet.rankers),
         "utilisation_mean": statistics.fmean(busy.values()) if busy else 0.0,
         "utilisation_max": max(busy.values(), default=0.0),
@@ -191,6 +197,11 @@ def fleet_summary(fleet: Fleet, span_s: float) -> dict[str, Any]:
         # Each ranker renews its lease about three times per TTL (the client's keepalive).
         "lease_keepalives_estimate": ranker_seconds * 3 / ttl,
         "directory_entries_end": fleet.cluster.placements(),
+        "peak_memory_per_ranker": {
+            "device_used": peak.device_bytes,
+            "device_pinned": peak.device_pinned_bytes,
+            "host_used": peak.host_bytes,
+        },
     }
 
 

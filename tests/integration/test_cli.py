@@ -40,7 +40,9 @@ def option_helps(text: str) -> dict[str, str]:
 
 
 def test_the_subcommands_tested_are_every_subcommand() -> None:
-    assert set(COMMANDS) == {"ranker", "router", "trigger", "up", "demo", "bench"}
+    assert set(COMMANDS) == {
+        "ranker", "router", "trigger", "up", "demo", "simulate", "plan", "bench"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

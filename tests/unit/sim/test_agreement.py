@@ -23,7 +23,7 @@ from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_ar
 from relaygr.room import RoomReport
 from relaygr.sim.fleet import Fleet, FleetSettings, run_visits
 from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.ranker import PreInferReply, RankReply, Status, status_of
+from relaygr.sim.ranker import MemoryUse, PreInferReply, RankReply, Status, status_of
 from relaygr.sim.workload import Visit, visits_of
 from services.ranker.config import RankerConfig
 from services.ranker.engine import RankerEngine
@@ -114,6 +114,11 @@ class EngineRanker:
         usage = self.engine.store.usage(Tier.HBM)
         queued = self.engine.scheduler.queued_background_ms()
         return RoomReport(usage.pinned_bytes, usage.budget_bytes, queued)
+
+    def memory(self) -> MemoryUse:
+        store = self.engine.store
+        device, host = store.usage(Tier.HBM), store.usage(Tier.DRAM)
+        return MemoryUse(device.used_bytes, device.pinned_bytes, host.used_bytes)
 
     def pre_infer(
         self,

@@ -1,0 +1,283 @@
+"""Capacity planning by search: the fewest rankers that meet a P99 SLO, then the least device
+memory each needs, over an injected evaluator (`relaygr plan` gives it the simulator).
+
+Two searches on integers, both assuming that more never hurts (more rankers, more device
+memory): the ranker count by doubling from 1 until a count passes, then bisection between it and
+the last that failed; at that count, the device tier on a grid of `memory_step_bytes`, by halving
+from the profile's tier until one fails, then bisection. A size passes when every seed does.
+
+A fleet of N rankers is simulated as a `Slice` of k = min(N, most) of them, with k/N of the load
+and of the users (see `Slice`).
+"""
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from relaygr.placement import ranking
+from relaygr.sim.ranker import MemoryUse
+from relaygr.sim.workload import Visit
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One simulated fleet size, device tier and seed, as the search judges it."""
+
+    seed: int
+    ranks: int  # Ranks counted (after the warm-up)
+    failed: int  # of them, not answered OK
+    p50_ms: float
+    p99_ms: float
+    hit_ratio: float
+    relayed_ratio: float
+    memory: MemoryUse  # the most one ranker's tiers held
+    span_s: float  # simulated seconds of visits (the tiers start empty)
+
+    def meets(self, slo_ms: float) -> bool:
+        """P99 within the SLO and no failed Rank."""
+        return self.failed == 0 and self.p99_ms <= slo_ms
+
+
+# (rankers, device tier bytes per ranker, seed) -> what the simulation measured
+Evaluate = Callable[[int, int, int], Run]
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """A fleet size and device tier judged over the seeds; the search stops at the first seed
+    that fails, so `runs` may be fewer than the seeds unless every seed was asked for."""
+
+    rankers: int
+    device_tier_bytes: int
+    runs: tuple[Run, ...]
+    passed: bool
+
+    @property
+    def p50_ms(self) -> float:
+        return max(r.p50_ms for r in self.runs)
+
+    @property
+    def p99_ms(self) -> float:
+        """The worst seed's."""
+        return max(r.p99_ms for r in self.runs)
+
+    @property
+    def failed(self) -> int:
+        return sum(r.failed for r in self.runs)
+
+    @property
+    def ranks(self) -> int:
+        return min(r.ranks for r in self.runs)
+
+    @property
+    def hit_ratio(self) -> float:
+        return statistics.fmean(r.hit_ratio for r in self.runs)
+
+    @property
+    def relayed_ratio(self) -> float:
+        return statistics.fmean(r.relayed_ratio for r in self.runs)
+
+    @property
+    def span_s(self) -> float:
+        return min(r.span_s for r in self.runs)
+
+    @property
+    def memory(self) -> MemoryUse:
+        """The most one ranker held on any seed, figure by figure."""
+        peak = MemoryUse()
+        for run in self.runs:
+            peak = peak.peak(run.memory)
+        return peak
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    """What to plan for: the SLO, the seeds every size must pass, the device tier the memory
+    search starts from (the profile's) and its grid, and where the ranker search gives up."""
+
+    slo_ms: float
+    seeds: tuple[int, ...]
+    device_tier_bytes: int
+    memory_step_bytes: int
+    max_rankers: int
+
+    def tier(self, units: int) -> int:
+        """Grid point `units` of the memory search: that many steps, never above the top."""
+        return min(units * self.memory_step_bytes, self.device_tier_bytes)
+
+    @property
+    def tier_units(self) -> int:
+        """The grid point of the top tier."""
+        return math.ceil(self.device_tier_bytes / self.memory_step_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The answer and what it is compared with, every seed run for each; `steps` is the search
+    in the order it ran."""
+
+    goal: Goal
+    answer: Trial | None  # (fewest rankers, least device tier); None: none up to max_rankers
+    at_top: Trial | None  # the same rankers with the top device tier
+    fewer: Trial | None  # one ranker fewer, top tier (None for one ranker); max_rankers if none
+    steps: tuple[Trial, ...]
+
+    @property
+    def rankers(self) -> int | None:
+        return None if self.answer is None else self.answer.rankers
+
+
+def fewest(passes: Callable[[int], bool], limit: int) -> int | None:
+    """The least n in [1, limit] with `passes(n)`, for `passes` false below some n and true
+    from there: 1, 2, 4, ... until one passes, then bisection between it and the last that
+    failed. None when `limit` fails too."""
+    failed, n = 0, 1
+    while not passes(n):
+        if n >= limit:
+            return None
+        failed, n = n, min(2 * n, limit)
+    return _bisect(passes, failed, n)
+
+
+def least_below(passes: Callable[[int], bool], top: int) -> int:
+    """The least i in [1, top] with `passes(i)`, given that `top` passes (it is not asked)
+    and that `passes` is false below some i and true from there: top/2, top/4, ... until one
+    fails, then bisection between it and the last that passed."""
+    passed = top
+    while passed > 1 and passes(passed // 2):
+        passed //= 2
+    return _bisect(passes, passed // 2, passed)
+
+
+def _bisect(passes: Callable[[int], bool], failed: int, passed: int) -> int:
+    """The least passing value in (failed, passed], `passed` passing."""
+    while passed - failed > 1:
+        middle = (failed + passed) // 2
+        if passes(middle):
+            passed = middle
+        else:
+            failed = middle
+    return passed
+
+
+def search(
+    evaluate: Evaluate, goal: Goal, on_run: Callable[[int, int, Run], None] = lambda *_: None
+) -> Plan:
+    """The fewest rankers that pass at the top device tier, then the least tier that passes
+    with that many; `evaluate` runs once per (rankers, tier, seed) at most, and `on_run`
+    hears each run."""
+    judge = _Judge(evaluate, goal, on_run)
+    top = goal.device_tier_bytes
+    rankers = fewest(lambda n: judge.trial(n, top).passed, goal.max_rankers)
+    if rankers is None:
+        largest = judge.trial(goal.max_rankers, top, every_seed=True)
+        return Plan(goal, None, None, largest, tuple(judge.steps))
+    units = least_below(lambda i: judge.trial(rankers, goal.tier(i)).passed, goal.tier_units)
+    answer = judge.trial(rankers, goal.tier(units), every_seed=True)
+    at_top = judge.trial(rankers, top, every_seed=True)
+    fewer = judge.trial(rankers - 1, top, every_seed=True) if rankers > 1 else None
+    return Plan(goal, answer, at_top, fewer, tuple(judge.steps))
+
+
+class _Judge:
+    """Trials from runs, each (rankers, tier, seed) evaluated once."""
+
+    def __init__(
+        self, evaluate: Evaluate, goal: Goal, on_run: Callable[[int, int, Run], None]
+    ) -> None:
+        self._evaluate = evaluate
+        self._goal = goal
+        self._on_run = on_run
+        self._runs: dict[tuple[int, int, int], Run] = {}
+        self.steps: list[Trial] = []
+
+    def trial(self, rankers: int, tier: int, every_seed: bool = False) -> Trial:
+        slo, seeds = self._goal.slo_ms, self._goal.seeds
+        runs: list[Run] = []
+        for seed in seeds:
+            key = (rankers, tier, seed)
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = self._evaluate(rankers, tier, seed)
+                self._on_run(rankers, tier, run)
+            runs.append(run)
+            if not run.meets(slo) and not every_seed:
+                break
+        passed = len(runs) == len(seeds) and all(r.meets(slo) for r in runs)
+        trial = Trial(rankers, tier, tuple(runs), passed)
+        if not every_seed:
+            self.steps.append(trial)
+        return trial
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """`rankers` of a fleet of `fleet`, standing in for all of it.
+
+    Rendezvous hashing gives each user one owner, uniformly over the rankers, so k of N rankers
+    serve k/N of the users and, on average, k/N of the load: the slice runs at that share of
+    the rate over that share of the population. With Zipf-skewed visits (weight rank^-s,
+    s < 1) the scaled population's per-user rates match those of the users the slice serves,
+    up to the few most active ones.
+    """
+
+    rankers: int
+    fleet: int
+
+    @classmethod
+    def of(cls, fleet: int, most: int) -> "Slice":
+        return cls(min(fleet, most), fleet)
+
+    @property
+    def share(self) -> float:
+        return self.rankers / self.fleet
+
+    def rate(self, qps: float) -> float:
+        return qps * self.share
+
+    def users(self, users: int) -> int:
+        return max(1, round(users * self.share))
+
+
+def slice_trace(visits: Sequence[Visit], qps: float, part: Slice) -> list[Visit]:
+    """A trace as the slice sees it: the visits of the users whose rendezvous owner among the
+    fleet's rankers is one of the slice's, with time scaled so that the whole trace would run
+    at `qps`."""
+    if not visits:
+        return []
+    span = visits[-1].at
+    scale = len(visits) / span / qps if span > 0 else 1.0
+    names = [f"ranker-{i}" for i in range(part.fleet)]
+    ours = set(names[: part.rankers])
+    owned: dict[str, bool] = {}
+    kept: list[Visit] = []
+    for v in visits:
+        mine = owned.get(v.user)
+        if mine is None:
+            mine = owned[v.user] = ranking(v.user, names)[0] in ours
+        if mine:
+            kept.append(
+                Visit(
+                    v.at * scale, v.user, v.user_features, v.behaviours, v.short_term, v.candidates
+                )
+            )
+    return kept
+
+
+def host_estimate(peak_bytes: int, run_s: float, ttl_s: float) -> int:
+    """Host-tier bytes a ranker holds once the tier is in its steady state, from the peak of a
+    run that started empty: entries leave after `ttl_s`, so a run shorter than that saw the
+    tier still filling; assuming it fills at a steady rate, scale up to the TTL."""
+    if run_s <= 0 or run_s >= ttl_s:
+        return peak_bytes
+    return math.ceil(peak_bytes * ttl_s / run_s)
+
+
+def round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def default_step(device_tier_bytes: int) -> int:
+    """The memory search's grid: the largest power of two of bytes at most 1/32 of the tier."""
+    return 1 << max(0, (device_tier_bytes // 32).bit_length() - 1)

@@ -1,0 +1,234 @@
+"""`relaygr plan`: the search finds the exact least fleet and device tier, a fleet is sliced as
+hashing would slice it, and the command answers with a size that meets the SLO where one ranker
+fewer does not; bad input is refused with a message and exit code 2."""
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from relaygr.placement import ranking
+from relaygr.sim.plan import (
+    Goal,
+    Run,
+    Slice,
+    fewest,
+    host_estimate,
+    least_below,
+    search,
+    slice_trace,
+)
+from relaygr.sim.plan_cli import main
+from relaygr.sim.profile import write_profile
+from relaygr.sim.ranker import MemoryUse
+from relaygr.sim.workload import Visit
+from tests.unit.sim.test_agreement import PROFILE
+
+SLO_MS = 100.0
+
+
+def seed() -> int:
+    drawn = random.SystemRandom().randrange(2**32)
+    print(f"seed {drawn}")
+    return drawn
+
+
+NOTHING = MemoryUse()
+
+
+def run(seed: int, meets: bool, memory: MemoryUse = NOTHING) -> Run:
+    p99 = SLO_MS * (0.5 if meets else 2.0)
+    return Run(seed, 1000, 0, p99 / 2, p99, 0.5, 0.25, memory, 60.0)
+
+
+def from_(threshold: int) -> tuple[Callable[[int], bool], list[int]]:
+    """A monotone test passing from `threshold` on, and the values it was asked, in order."""
+    asked: list[int] = []
+
+    def passes(value: int) -> bool:
+        asked.append(value)
+        return value >= threshold
+
+    return passes, asked
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 64])
+def test_fewest_finds_every_threshold_and_none_beyond_the_limit(limit: int) -> None:
+    for threshold in range(1, limit + 2):
+        passes, asked = from_(threshold)
+        found = fewest(passes, limit)
+        assert found == (threshold if threshold <= limit else None)
+        assert len(asked) == len(set(asked)) and max(asked) <= limit
+        assert len(asked) <= 2 * limit.bit_length() + 1
+
+
+@pytest.mark.parametrize("top", [1, 2, 9, 32])
+def test_least_below_finds_every_threshold_without_asking_the_top(top: int) -> None:
+    for threshold in range(1, top + 1):
+        passes, asked = from_(threshold)
+        assert least_below(passes, top) == threshold
+        assert top not in asked and len(asked) == len(set(asked))
+
+
+def test_search_finds_the_least_rankers_then_the_least_tier_over_every_seed() -> None:
+    rng = random.Random(seed())
+    step = 1 << 20
+    top = rng.randrange(8, 200) * step + rng.randrange(step)  # not on the grid
+    seeds = (rng.randrange(100), rng.randrange(100, 200))
+    # Each seed needs its own fleet and, at the fleet's size, its own device tier.
+    need = {s: rng.randrange(1, 300) for s in seeds}
+    tier_need = {s: rng.randrange(1, top) for s in seeds}
+    calls: list[tuple[int, int, int]] = []
+
+    def evaluate(rankers: int, tier: int, s: int) -> Run:
+        calls.append((rankers, tier, s))
+        memory = MemoryUse(tier, tier // 4, rankers)
+        return run(s, rankers >= need[s] and tier >= tier_need[s], memory)
+
+    goal = Goal(SLO_MS, seeds, top, step, max_rankers=1000)
+    plan = search(evaluate, goal)
+
+    rankers = max(need.values())
+    least_tier = min(-(-max(tier_need.values()) // step) * step, top)
+    assert plan.rankers == rankers
+    assert plan.answer is not None and plan.answer.device_tier_bytes == least_tier
+    assert plan.answer.passed and len(plan.answer.runs) == len(seeds)
+    assert plan.answer.memory == MemoryUse(least_tier, least_tier // 4, rankers)
+    assert plan.at_top is not None and plan.at_top.device_tier_bytes == top
+    if rankers > 1:
+        assert plan.fewer is not None and not plan.fewer.passed
+        assert plan.fewer.rankers == rankers - 1 and len(plan.fewer.runs) == len(seeds)
+    else:
+        assert plan.fewer is None
+    assert len(calls) == len(set(calls)), "each (rankers, tier, seed) is simulated once"
+    assert len(calls) < 2 * len(seeds) * (2 * 10 + 2 * top.bit_length())
+
+
+def test_search_says_so_when_no_fleet_is_enough() -> None:
+    goal = Goal(SLO_MS, (1, 2), 64, 8, max_rankers=20)
+    plan = search(lambda n, tier, s: run(s, False), goal)
+    assert plan.rankers is None and plan.answer is None
+    assert plan.fewer is not None and plan.fewer.rankers == 20
+    assert [t.rankers for t in plan.steps] == [1, 2, 4, 8, 16, 20]
+
+
+def test_a_run_with_a_failed_rank_does_not_pass() -> None:
+    assert not replace(run(1, True), failed=1).meets(SLO_MS)
+    assert run(1, True).meets(SLO_MS) and not run(1, False).meets(SLO_MS)
+
+
+def test_a_slice_has_its_share_of_rate_and_users() -> None:
+    part = Slice.of(16, 4)
+    assert (part.rankers, part.fleet) == (4, 16)
+    assert part.rate(1000.0) == 250.0 and part.users(1_000_000) == 250_000
+    assert Slice.of(3, 8) == Slice(3, 3) and Slice.of(3, 8).rate(10.0) == 10.0
+    assert Slice.of(10_000, 1).users(10) == 1
+
+
+def test_a_trace_slice_keeps_the_users_the_slice_owns_at_the_target_rate() -> None:
+    rng = random.Random(seed())
+    visits = [
+        Visit(t * 0.5, f"u{rng.randrange(300)}", 4, rng.randrange(10, 100), 8, 16)
+        for t in range(2000)
+    ]
+    qps = 100.0
+    whole = slice_trace(visits, qps, Slice.of(5, 8))
+    assert len(whole) == len(visits)
+    assert whole[-1].at == pytest.approx(len(visits) / qps)
+    part = Slice.of(16, 4)
+    kept = slice_trace(visits, qps, part)
+    names = [f"ranker-{i}" for i in range(16)]
+    owners = {v.user: ranking(v.user, names)[0] for v in visits}
+    expected = [v for v in visits if owners[v.user] in names[:4]]
+    assert [(v.user, v.behaviours) for v in kept] == [(v.user, v.behaviours) for v in expected]
+    assert 0.1 < len(kept) / len(visits) < 0.4  # about a quarter
+
+
+def test_host_use_is_scaled_to_the_tiers_ttl_when_the_run_was_shorter() -> None:
+    assert host_estimate(1000, 60.0, 300.0) == 5000
+    assert host_estimate(1000, 600.0, 300.0) == 1000
+
+
+# -- the command ------------------------------------------------------------------------------
+
+# The agreement test's device with room for relays: full inference of the longest history
+# (~570 tokens) takes ~170 ms, so a 250 ms SLO is met at low load and missed when queues form.
+TINY = replace(
+    PROFILE,
+    name="tiny",
+    device_tier_bytes=4000 * PROFILE.kv_bytes_per_token,
+    host_tier_bytes=20000 * PROFILE.kv_bytes_per_token,
+)
+SMALL = ["--users", "2000", "--median-long-term", "120", "--max-long-term", "400",
+         "--candidates", "32", "--slo-ms", "250", "--margin-ms", "100", "--gap-ms", "500",
+         "--duration", "20", "--min-ranks", "400", "--qps", "30"]  # fmt: skip
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    write_profile(TINY, path)
+    return path
+
+
+def test_plan_answers_with_the_fewest_rankers_that_meet_the_slo(
+    profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["--profile", str(profile), *SMALL, "--seeds", str(seed()), str(seed())]
+    extra = ["--memory-step-mib", "0.5", "--slice", "4", "--check-slice", "--json", str(out)]
+    assert main([*argv, *extra]) == 0
+    data = json.loads(out.read_text())
+    rows = {row["label"]: row for row in data["rows"]}
+    answer = data["answer"]
+    assert answer["rankers"] > 1, "the load needs more than one ranker"
+    assert 0 < answer["device_tier_bytes"] <= TINY.device_tier_bytes
+    assert 0 <= answer["host_bytes"] <= TINY.host_tier_bytes
+    met = rows["answer"]["runs"]
+    assert len(met) == 2 and all(r["failed"] == 0 and r["p99_ms"] <= 250 for r in met)
+    assert all(0 < r["memory"]["device_bytes"] <= answer["device_tier_bytes"] for r in met)
+    fewer = rows["one ranker fewer"]
+    assert fewer["rankers"] == answer["rankers"] - 1 and not fewer["passed"]
+    assert any(r["failed"] or r["p99_ms"] > 250 for r in fewer["runs"])
+    if answer["rankers"] > 4:  # the whole fleet was simulated beside its slice of 4
+        assert [c["whole"]["seed"] for c in data["slice_check"]] == [r["seed"] for r in met]
+    printed = capsys.readouterr().out
+    assert f"Answer: {answer['rankers']} rankers" in printed
+    assert "Slice: N rankers" in printed and "Not simulated" in printed
+    assert data["command"].startswith("relaygr plan --profile") and "--seeds" in printed
+
+
+def test_no_profile_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(SMALL) == 2
+    assert "give one of --profile FILE or --profile-from" in capsys.readouterr().err
+
+
+def test_a_bad_profile_line_is_refused_with_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('name = "bad"\n[cost]\nfixed_ms = "one"\n')
+    assert main(["--profile", str(path), *SMALL]) == 2
+    assert f"{path}:3:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--qps", "0"), ("--qps", "-5"), ("--slo-ms", "0"), ("--slo-ms", "-1")]
+)
+def test_a_rate_or_slo_not_above_zero_is_refused(
+    profile: Path, option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--profile", str(profile), *SMALL, option, value])
+    assert exited.value.code == 2
+    assert f"argument {option}: must be > 0" in capsys.readouterr().err
+
+
+def test_an_slo_within_the_margin_is_refused(
+    profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--profile", str(profile), *SMALL, "--slo-ms", "50"]) == 2
+    assert "margin_ms" in capsys.readouterr().err
