@@ -31,9 +31,6 @@ from relaygr.sim.fleet import FleetSettings
 from relaygr.sim.profile import load_profile
 from relaygr.sim.sweep import BASELINES, RELAYS, VARIANTS, SweepSpec, run_point
 from relaygr.sim.workload import light_visits
-from services.ranker.config import RankerConfig
-from services.router.config import RouterConfig
-from services.trigger.config import TriggerConfig
 
 LENGTH_STEP = 1024
 
@@ -91,18 +88,7 @@ def base_spec(args: argparse.Namespace, seed: int) -> SweepSpec:
         candidates=args.candidates,
         gap_s=args.gap_ms / 1e3,
     )
-    fleet = FleetSettings(
-        rankers=args.rankers,
-        ranker=RankerConfig(plaintext=True),
-        router=RouterConfig(plaintext=True),
-        trigger=TriggerConfig(
-            plaintext=True,
-            slo_ms=args.slo_ms,
-            margin_ms=args.margin_ms,
-            expected_gap_ms=args.gap_ms,
-        ),
-        gap_s=args.gap_ms / 1e3,
-    )
+    fleet = FleetSettings.serving(args.rankers, args.slo_ms, args.margin_ms, args.gap_ms)
     return SweepSpec(profile, fleet, workload, (), args.duration, (seed,))
 
 

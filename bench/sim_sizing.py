@@ -28,9 +28,6 @@ from relaygr.sim.membership import FleetEvent
 from relaygr.sim.profile import load_profile
 from relaygr.sim.sweep import SweepSpec, run_point
 from relaygr.sim.workload import light_visits
-from services.ranker.config import RankerConfig
-from services.router.config import RouterConfig
-from services.trigger.config import TriggerConfig
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,19 +71,7 @@ def spec_for(args: argparse.Namespace, rankers: int, share: float) -> tuple[Swee
     workload = WorkloadSpec(
         users=max(1, int(args.users * share)), candidates=args.candidates, gap_s=args.gap_ms / 1e3
     )
-    fleet = FleetSettings(
-        rankers=rankers,
-        ranker=RankerConfig(plaintext=True),
-        router=RouterConfig(plaintext=True),
-        trigger=TriggerConfig(
-            plaintext=True,
-            slo_ms=args.slo_ms,
-            margin_ms=args.margin_ms,
-            expected_gap_ms=args.gap_ms,
-        ),
-        gap_s=args.gap_ms / 1e3,
-        triggers=triggers,
-    )
+    fleet = FleetSettings.serving(rankers, args.slo_ms, args.margin_ms, args.gap_ms, triggers)
     spec = SweepSpec(profile, fleet, workload, (), args.duration, (args.seed,), bin_s=2.0)
     return spec, args.per_ranker * rankers
 

@@ -23,7 +23,6 @@ from relaygr.sim.fleet import FleetSettings
 from relaygr.sim.profile import load_profile
 from relaygr.sim.sweep import VARIANTS, SweepSpec, run_point
 from relaygr.sim.workload import light_visits
-from services.trigger.config import TriggerConfig
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,12 +49,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     workload = WorkloadSpec(users=args.users, candidates=256, gap_s=0.1)
-    fleet = FleetSettings(
-        rankers=args.rankers,
-        trigger=TriggerConfig(plaintext=True, slo_ms=20.0, margin_ms=10.0, expected_gap_ms=100.0),
-        gap_s=0.1,
-        triggers=max(1, args.rankers // 10),
-    )
+    fleet = FleetSettings.serving(args.rankers, 20.0, 10.0, 100.0, max(1, args.rankers // 10))
     spec = SweepSpec(load_profile(args.profile), fleet, workload, (), args.duration, (args.seed,))
     rate = args.per_ranker * args.rankers
     rows: list[dict] = []

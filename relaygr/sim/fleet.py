@@ -56,6 +56,16 @@ class FleetSettings:
     triggers: int = 1
     rank_timeout_s: float = 30.0  # the ranking caller's deadline
 
+    @classmethod
+    def serving(
+        cls, rankers: int, slo_ms: float, margin_ms: float, gap_ms: float, triggers: int = 1
+    ) -> "FleetSettings":
+        """The services' defaults but for the SLO, the at-risk margin and the gap."""
+        trigger = TriggerConfig(
+            plaintext=True, slo_ms=slo_ms, margin_ms=margin_ms, expected_gap_ms=gap_ms
+        )
+        return cls(rankers=rankers, trigger=trigger, gap_s=gap_ms / 1e3, triggers=triggers)
+
     def engine(self) -> EngineSettings:
         r = self.ranker
         return EngineSettings(

@@ -24,22 +24,19 @@ from services.ranker.digest import PrefixDigest
 from services.ranker.engine import EngineSettings
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
-from services.ranker.plan import Costed, Held, Source, cheapest, sooner
+from services.ranker.plan import (
+    PRE_INFER_OUTCOME,
+    RANK_OUTCOME,
+    Costed,
+    Held,
+    Source,
+    cheapest,
+    sooner,
+)
 from services.ranker.prefix_kv import ModelVersion
 from services.ranker.scheduler import ComputeScheduler, Job, Priority
 
 MODEL_VERSION = ModelVersion("sim")
-
-_PRE_INFER_OUTCOME = {
-    Source.RELOAD: PreInferOutcome.RELOADED,
-    Source.EXTEND: PreInferOutcome.EXTENDED,
-    Source.PREFILL: PreInferOutcome.COMPUTED,
-}
-_RANK_OUTCOME = {
-    Source.RELOAD: CacheOutcome.DRAM_HIT,
-    Source.EXTEND: CacheOutcome.EXTENDED,
-    Source.PREFILL: CacheOutcome.MISS,
-}
 
 
 class Status(StrEnum):
@@ -259,7 +256,7 @@ class SimRanker:
             if joined or flight.taken_over:
                 outcome = PreInferOutcome.JOINED_INFLIGHT
             else:
-                outcome = _PRE_INFER_OUTCOME[flight.source]
+                outcome = PRE_INFER_OUTCOME[flight.source]
             answer(self._pin(key, window_s, outcome))
 
         flight.waiters.append(landed)
@@ -349,7 +346,7 @@ class SimRanker:
             if kv is None:
                 answer(RankReply(status_of(err or Unavailable("lost"))))
                 return
-            outcome = _RANK_OUTCOME[flight.source]
+            outcome = RANK_OUTCOME[flight.source]
             total = computed + flight.computed_tokens
             self._score(key, kv, visit, deadline, answer, outcome, total, False)
 

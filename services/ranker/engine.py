@@ -17,21 +17,11 @@ from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.model import RankingModel
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
-from services.ranker.plan import Held, Source, cheapest, sooner
+from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, cheapest, sooner
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Job, Priority, Steps
 from services.ranker.validation import validate_prefix, validate_rank_input
 
-_PRE_INFER_OUTCOME = {
-    Source.RELOAD: PreInferOutcome.RELOADED,
-    Source.EXTEND: PreInferOutcome.EXTENDED,
-    Source.PREFILL: PreInferOutcome.COMPUTED,
-}
-_RANK_OUTCOME = {
-    Source.RELOAD: CacheOutcome.DRAM_HIT,
-    Source.EXTEND: CacheOutcome.EXTENDED,
-    Source.PREFILL: CacheOutcome.MISS,
-}
 _WORK = {
     Source.RELOAD: Work.RELOAD,
     Source.EXTEND: Work.EXTEND,
@@ -170,7 +160,7 @@ class RankerEngine:
             outcome = (
                 PreInferOutcome.JOINED_INFLIGHT  # the computation became the Rank's
                 if inflight.taken_over
-                else _PRE_INFER_OUTCOME[inflight.source]
+                else PRE_INFER_OUTCOME[inflight.source]
             )
         kv = self.store.get(key, Tier.HBM)
         if kv is None or not self.store.put_device(key, kv, pin_for=window, origin=origin):
@@ -227,7 +217,7 @@ class RankerEngine:
             mine = self._start(key, request.prefix, Priority.RANK, deadline, None, own)
             kv = await asyncio.shield(mine.task)
         if mine is not None:
-            outcome = _RANK_OUTCOME[mine.source]
+            outcome = RANK_OUTCOME[mine.source]
             computed += mine.computed_tokens
             relayed = False
             consumed = mine.origin if mine.source is Source.RELOAD else None

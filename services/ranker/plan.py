@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from relaygr.cost import CostModel
 from services.ranker.chunks import chunk_ms, extension_spans, prefill_spans
+from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 
 # A Rank computes its prefix itself only when that is predicted sooner than waiting by more than
 # rounding: the two sums of the same costs differ in their last bits, and ties wait.
@@ -19,6 +20,19 @@ class Source(StrEnum):
     RELOAD = "reload"
     EXTEND = "extend"
     PREFILL = "prefill"
+
+
+# What a PreInfer and a Rank report when their prefix was made from each source.
+PRE_INFER_OUTCOME = {
+    Source.RELOAD: PreInferOutcome.RELOADED,
+    Source.EXTEND: PreInferOutcome.EXTENDED,
+    Source.PREFILL: PreInferOutcome.COMPUTED,
+}
+RANK_OUTCOME = {
+    Source.RELOAD: CacheOutcome.DRAM_HIT,
+    Source.EXTEND: CacheOutcome.EXTENDED,
+    Source.PREFILL: CacheOutcome.MISS,
+}
 
 
 @dataclass(frozen=True, slots=True)
