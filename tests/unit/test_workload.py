@@ -36,7 +36,9 @@ def test_a_seed_reproduces_the_schedule_and_requests() -> None:
 
 
 def test_return_visits_reuse_or_extend_the_users_history(rng: np.random.Generator) -> None:
-    spec = WorkloadSpec(users=3, new_behaviours_p=0.5)
+    # Three users, so every later visit returns; short first histories and no session burn-in,
+    # so no user reaches the length cap, where a return cannot grow.
+    spec = WorkloadSpec(users=3, new_behaviours_p=0.5, median_long_term=100, revisit_p=0.0)
     population = Population(spec, rng)
     seen: dict[str, np.ndarray] = {}
     grew = 0
