@@ -223,6 +223,9 @@ class SimRanker:
         deadline: float | None,
         reply: Callable[[PreInferReply], None],
     ) -> None:
+        if not self.alive:  # a dead process: the caller's connection fails at once
+            reply(PreInferReply(Status.UNAVAILABLE))
+            return
         call = self._call(lambda status: reply(PreInferReply(status)))
         answer = self._answer(call, reply)
         try:
@@ -272,6 +275,9 @@ class SimRanker:
     def rank(
         self, visit: Visit, deadline: float | None, reply: Callable[[RankReply], None]
     ) -> None:
+        if not self.alive:
+            reply(RankReply(Status.UNAVAILABLE))
+            return
         call = self._call(lambda status: reply(RankReply(status)))
         answer = self._answer(call, reply)
         candidates = visit.candidates
@@ -442,8 +448,6 @@ class SimRanker:
             if self._unanswered.pop(call, None) is not None:
                 reply(value)
 
-        if not self.alive:
-            self._unanswered.pop(call)(Status.UNAVAILABLE)
         return answer
 
     def _key(self, visit: Visit) -> CacheKey:
