@@ -229,12 +229,17 @@ class Fleet:
 
         self.loop.after(interval_s, tick)
 
-    def _trigger_observes(self) -> None:
-        now, view = self.loop.now, self.cluster.view()
-        for instance in view:
+    def _describe_into(self, room: RelayRoom) -> None:
+        """Every live member's Describe answer, booked on `room` as sent now."""
+        now = self.loop.now
+        for instance in self.cluster.view():
             ranker = self.rankers[instance]
             if ranker.alive:
-                self.policy.room.observe(instance, ranker.room(), now)
+                room.observe(instance, ranker.room(), now)
+
+    def _trigger_observes(self) -> None:
+        now, view = self.loop.now, self.cluster.view()
+        self._describe_into(self.policy.room)
         peaks = self.stats.peak_memory
         for instance, ranker in self.rankers.items():
             if ranker.alive:
@@ -247,12 +252,8 @@ class Fleet:
     def _router_observes(self) -> None:
         room = self.forwarder.room
         assert room is not None
-        now, view = self.loop.now, self.cluster.view()
-        for instance in view:
-            ranker = self.rankers[instance]
-            if ranker.alive:
-                room.observe(instance, ranker.room(), now)
-        room.sweep(now, view)
+        self._describe_into(room)
+        room.sweep(self.loop.now, self.cluster.view())
 
     # -- one arrival ------------------------------------------------------------------------
 

@@ -416,7 +416,7 @@ class SimRanker:
         costed = self._costed(key, visit, None)
         if not sooner(sum(costed.step_ms), job.remaining_ms):
             return False
-        steps = _steps(len(costed.step_ms), self._result(key, visit, costed))
+        steps = _steps(len(costed.step_ms), self._result(visit))
         if not self.scheduler.restart(job, steps, costed.step_ms, deadline):
             return False
         flight.source, flight.computed_tokens = costed.source, costed.computed_tokens
@@ -474,7 +474,7 @@ class SimRanker:
             chunk,
         )
 
-    def _result(self, key: CacheKey, visit: Visit, costed: Costed) -> SimKV:
+    def _result(self, visit: Visit) -> SimKV:
         tokens = visit.prefix_tokens
         return SimKV(visit.behaviours, tokens, tokens * self.profile.kv_bytes_per_token)
 
@@ -489,7 +489,7 @@ class SimRanker:
     ) -> _Flight:
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
         costed = self._costed(key, visit, chunk)
-        steps = _steps(len(costed.step_ms), self._result(key, visit, costed))
+        steps = _steps(len(costed.step_ms), self._result(visit))
         job = self.scheduler.submit(
             f"{costed.source}:{visit.user}",
             steps,
