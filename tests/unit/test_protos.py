@@ -7,7 +7,7 @@ from google.protobuf import descriptor, message
 
 MODULES = ["common", "ranker", "router", "trigger"]
 SERVICES = {
-    "ranker": ("RankerService", ["PreInfer", "Rank", "Describe"]),
+    "ranker": ("RankerService", ["PreInfer", "Rank", "Describe", "Handoff", "Fetch"]),
     "router": ("RouterService", ["PreInfer", "Rank"]),
     "trigger": ("TriggerService", ["OnRetrieval"]),
 }
