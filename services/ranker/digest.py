@@ -40,6 +40,26 @@ class PrefixHasher:
     def digest(self) -> PrefixDigest:
         return PrefixDigest(self._state.hexdigest())
 
+    @classmethod
+    def sealed(cls, digest: PrefixDigest) -> "PrefixHasher":
+        """A hasher that knows only its `digest`: that of a prefix received from a peer, whose
+        inputs this process never saw. It cannot absorb more; a request that extends such a
+        prefix rebuilds the hasher from its own inputs (which it checks against the digest)."""
+        return _Sealed(digest)
+
+
+class _Sealed(PrefixHasher):
+    __slots__ = ("_digest",)
+
+    def __init__(self, digest: PrefixDigest) -> None:
+        self._digest = digest
+
+    def absorb(self, behaviours: Behaviours) -> PrefixHasher:
+        raise ValueError("a received prefix's hasher is sealed: rebuild it from the prefix inputs")
+
+    def digest(self) -> PrefixDigest:
+        return self._digest
+
 
 def prefix_digest(user_features: Int64Array, long_term: Behaviours) -> PrefixDigest:
     return PrefixHasher.start(user_features).absorb(long_term).digest()

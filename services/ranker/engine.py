@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -392,15 +392,17 @@ class RankerEngine:
         return _Plan(costed.source, steps, costed.computed_tokens, costed.step_ms)
 
     def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
-        """The user's newest cached prefix that is a strict prefix of `prefix`, if any."""
+        """The user's newest cached prefix that is a strict prefix of `prefix`, if any, with
+        the hasher of its content (a prefix received from a peer came with its digest only)."""
         for old in self.store.user_keys(key.user_id, key.model_version):
             tier = self.store.tier_of(old)
             entry = self.store.peek(old, tier) if tier is not None else None
             if entry is None or entry.kv.num_behaviours >= len(prefix.long_term):
                 continue
             head = prefix.long_term.slice(0, entry.kv.num_behaviours)
-            if PrefixHasher.start(prefix.user_features).absorb(head).digest() == old.digest:
-                return entry.kv
+            hasher = PrefixHasher.start(prefix.user_features).absorb(head)
+            if hasher.digest() == old.digest:
+                return replace(entry.kv, hasher=hasher)
         return None
 
     def _prefill_steps(self, prefix: Prefix, chunk: int) -> Generator[None, None, PrefixKV]:

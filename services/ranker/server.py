@@ -280,6 +280,8 @@ async def start_ranker(
         await mesh.cluster.register(
             ranker_record(instance_id, address, loaded, cost_model, cfg), cfg.lease_ttl_s
         )
+        # The peers' view: where a draining ranker hands its prefixes, whom a miss fetches from.
+        await mesh.cluster.start()
     if learner is not None:
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         ranker.learning = asyncio.create_task(
