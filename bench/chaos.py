@@ -244,7 +244,7 @@ def wrong_scores(
     return checked, wrong
 
 
-class _Traffic:
+class Traffic:
     """One phase's arrivals, sent by an `OpenLoopDriver` on a thread and loop of their own (the
     fault runs on the calling thread); `stop_after` ends the schedule."""
 
@@ -310,7 +310,7 @@ def run_phase(
     """Steady traffic, the fault, traffic until `after_s` past its end; then the books."""
     horizon = settings.before_s + settings.fault_budget_s + settings.after_s
     arrivals = poisson_arrivals(population, settings.rate, horizon)
-    traffic = _Traffic(mesh, arrivals, settings)
+    traffic = Traffic(mesh, arrivals, settings)
     traffic.begin()
     try:
         time.sleep(max(0.0, traffic.start + settings.before_s - time.monotonic()))

@@ -37,7 +37,7 @@ REASONS = {
     v: k.removeprefix("ADMISSION_REASON_").lower() for k, v in trigger_pb2.AdmissionReason.items()
 }
 # Rank outcomes served from a relayed prefix (not by full inference).
-HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended"})
+HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended", "peer_fetched"})
 # The status of a call with no answer `hang_grace_s` past its deadline.
 HUNG = "HUNG"
 OK = "OK"

@@ -325,6 +325,23 @@ class LocalMesh:
         self._write_processes()
         return service
 
+    def add_ranker(self) -> Service:
+        """Start one more ranker (a scale-out) with the first ranker's flags, named after the
+        rankers already started, and return once it answers SERVING."""
+        assert self.rankers, "mesh not started"
+        name = f"ranker-{len(self.rankers)}"
+        args = list(self.rankers[0].args)
+        args[args.index("--listen") + 1] = f"{LOOPBACK}:0"
+        args[args.index("--instance-id") + 1] = name
+        if "--metrics-port" in args:  # _spawn gives it the next port
+            at = args.index("--metrics-port")
+            del args[at : at + 4]  # --metrics-port N --metrics-host H
+        service = self._spawn(name, args)
+        self.rankers.append(service)
+        self._wait_serving(service)
+        self._write_processes()
+        return service
+
     def stop_etcd(self) -> None:
         """Stop etcd (an outage); `start_etcd` brings back the same member, ports and data."""
         assert self.etcd is not None, "mesh not started"

@@ -1,0 +1,317 @@
+"""Fleet changes under steady load, with and without hand-off on drain and peer fetch.
+
+Two changes, each on a fresh local mesh (etcd, rankers, a router, a trigger; separate
+processes) under open-loop traffic of return visits, in two variants side by side:
+
+- a rolling restart of every ranker, one at a time (SIGTERM: drain, then the same flags on the
+  same port), 3 rankers;
+- a scale-out from 3 rankers to 4.
+
+`without` runs the rankers with `--no-handoff --no-peer-fetch` (the strongest system without
+the feature: the same caches, tiers, router and directory); `with` runs them as shipped. The
+trigger runs `off`: every hit is a prefix an earlier visit left (cache only), so a miss is
+exactly a prefix the change lost. Per change it reports the Ranks' misses, failures, wrong
+scores (every Rank checked against full inference of the rankers' own checkpoint), P99 during
+the change against the steady window before it, and the prefix tokens recomputed by misses.
+
+    .venv/bin/python bench/lifecycle_bench.py --seeds 2   # ~15 min on 2 cores
+    .venv/bin/python bench/lifecycle_bench.py --quick     # a smoke run
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from chaos import ChaosSettings, Traffic, wrong_scores
+from pipeline import ROOT, save_results
+from report import add_render_arguments, publish, run_stamp
+
+from relaygr.behaviours import RankInput
+from relaygr.cli_help import HelpFormatter
+from relaygr.local.drive import OK, RequestRecord
+from relaygr.local.mesh import LocalMesh, MeshSpec
+from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
+from services.ranker.checkpoint import load_checkpoint, save_checkpoint
+from services.ranker.model import RankingModel
+from services.ranker.model_config import PRESETS, ModelPreset
+
+NAME = "lifecycle_bench"
+# The tiny preset: full inference of a 1k-token history takes milliseconds on one core, so
+# five services and the driver share two cores and still meet a 5 s deadline through a restart.
+MODEL = replace(PRESETS[ModelPreset.TINY], max_history_tokens=2048)
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "without": ("--no-handoff", "--no-peer-fetch"),
+    "with": (),
+}
+CHANGES = ("rolling restart", "scale-out 3 -> 4")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    rate: float = 20.0  # visits per second
+    users: int = 150
+    warm_s: float = 25.0  # traffic before the steady window: users' prefixes get cached
+    steady_s: float = 10.0  # the steady window the change is compared with
+    after_s: float = 10.0  # traffic after the change ends, still counted as during it
+    timeout_s: float = 5.0
+    hbm_mb: int = 96
+    dram_mb: int = 192
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The Ranks sent in one window of a run."""
+
+    sent: int
+    failed: int
+    misses: int
+    fetched: int  # served from a prefix fetched from a peer
+    recomputed_tokens: int  # prefix tokens the misses computed again
+    p50_ms: float
+    p99_ms: float
+    seconds: float
+
+    @classmethod
+    def of(
+        cls, records: Sequence[RequestRecord], arrivals: Sequence[Arrival], seconds: float
+    ) -> "Window":
+        ok = [r for r in records if r.status == OK]
+        misses = [r for r in ok if not r.hit]
+        latencies = np.array([r.latency_s * 1e3 for r in ok]) if ok else np.zeros(1)
+        return cls(
+            sent=len(records),
+            failed=len(records) - len(ok),
+            misses=len(misses),
+            fetched=sum(r.outcome == "peer_fetched" for r in ok),
+            recomputed_tokens=sum(arrivals[r.index].request.prefix.num_tokens for r in misses),
+            p50_ms=float(np.percentile(latencies, 50)),
+            p99_ms=float(np.percentile(latencies, 99)),
+            seconds=seconds,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeRun:
+    variant: str
+    change: str
+    seed: int
+    steady: Window
+    during: Window
+    change_s: float  # how long the change itself took
+    checked: int
+    wrong_scores: int
+
+
+def mesh_spec(checkpoint: Path, variant: str, settings: Settings) -> MeshSpec:
+    ranker = (
+        "--checkpoint", str(checkpoint), "--device", "cpu", "--calibration-lengths", "64,256",
+        "--hbm-budget-mb", str(settings.hbm_mb), "--dram-budget-mb", str(settings.dram_mb),
+        "--lease-ttl-s", "2", *VARIANTS[variant],
+    )  # fmt: skip
+    return MeshSpec(rankers=3, ranker_args=ranker, trigger_args=("--mode", "off"))
+
+
+def workload(settings: Settings, seed: int) -> WorkloadSpec:
+    """Return visits with unchanged histories: in steady state every visit of a cached user
+    hits, so what a change loses shows as misses."""
+    return WorkloadSpec(
+        users=settings.users, zipf_s=0.3, median_long_term=768, long_term_sigma=0.4,
+        min_long_term=128, max_long_term=1536, short_term=(8, 32), candidates=32,
+        user_features=4, gap_s=0.05, revisit_p=0.0, new_behaviours_p=0.0,
+        user_prefix=f"u{seed}",
+    )  # fmt: skip
+
+
+def rolling_restart(mesh: LocalMesh) -> None:
+    for ranker in list(mesh.rankers):
+        mesh.restart(ranker.name)
+
+
+def scale_out(mesh: LocalMesh) -> None:
+    mesh.add_ranker()
+
+
+def run_change(
+    change: str,
+    variant: str,
+    seed: int,
+    settings: Settings,
+    checkpoint: Path,
+    reference: Callable[[RankInput], np.ndarray],
+    model_version: str,
+) -> ChangeRun:
+    """One fresh mesh: warm-up, the steady window, the change, `after_s` more; the books."""
+    act = rolling_restart if change == CHANGES[0] else scale_out
+    rng = np.random.default_rng(seed)
+    population = Population(workload(settings, seed), rng)
+    horizon = settings.warm_s + settings.steady_s + 300.0 + settings.after_s
+    arrivals = poisson_arrivals(population, settings.rate, horizon)
+    chaos = ChaosSettings(rate=settings.rate, gap_s=0.05, timeout_s=settings.timeout_s)
+    with LocalMesh(mesh_spec(checkpoint, variant, settings)) as mesh:
+        traffic = Traffic(mesh, arrivals, chaos)
+        traffic.begin()
+        try:
+            steady_from = settings.warm_s
+            change_from = steady_from + settings.steady_s
+            time.sleep(max(0.0, traffic.start + change_from - time.monotonic()))
+            started = time.monotonic() - traffic.start
+            act(mesh)
+            ended = time.monotonic() - traffic.start
+        finally:
+            traffic.stop_after((time.monotonic() - traffic.start) + settings.after_s)
+            traffic.join()
+    records = traffic.records
+    steady = [r for r in records if steady_from <= r.at < started]
+    during = [r for r in records if started <= r.at < ended + settings.after_s]
+    checked, wrong = wrong_scores(records, arrivals, reference, model_version, chaos, rng)
+    return ChangeRun(
+        variant=variant,
+        change=change,
+        seed=seed,
+        steady=Window.of(steady, arrivals, started - steady_from),
+        during=Window.of(during, arrivals, ended + settings.after_s - started),
+        change_s=ended - started,
+        checked=checked,
+        wrong_scores=wrong,
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    settings = Settings(
+        rate=args.rate,
+        users=args.users,
+        warm_s=args.warm,
+        steady_s=args.steady,
+        after_s=args.after,
+    )
+    seeds = [args.seed + k for k in range(args.seeds)]
+    runs: list[ChangeRun] = []
+    with tempfile.TemporaryDirectory(prefix="relaygr-lifecycle-") as tmp:
+        checkpoint = save_checkpoint(RankingModel(MODEL, seed=args.seed), Path(tmp))
+        model = load_checkpoint(checkpoint)
+        torch.set_num_threads(1)
+
+        def reference(request: RankInput) -> np.ndarray:
+            return model.full_forward(request).numpy()
+
+        for seed in seeds:
+            for change in CHANGES:
+                # Alternate which variant runs first, so drift on the machine spreads over both.
+                order = list(VARIANTS) if seed % 2 == 0 else list(VARIANTS)[::-1]
+                for variant in order:
+                    result = run_change(
+                        change, variant, seed, settings, checkpoint, reference,
+                        model.model_version,
+                    )  # fmt: skip
+                    runs.append(result)
+                    print(_row(result), flush=True)
+    return save_results(
+        NAME,
+        args,
+        {"runs": [dataclasses.asdict(r) for r in runs], "settings": dataclasses.asdict(settings)},
+        1,
+    )
+
+
+def _row(r: ChangeRun) -> str:
+    d, s = r.during, r.steady
+    return (
+        f"| {r.change} | {r.variant} | {r.seed} | {d.sent} | {d.failed} | {d.misses} "
+        f"| {d.fetched} | {d.recomputed_tokens:,} | {s.p99_ms:.0f} | {d.p99_ms:.0f} "
+        f"| {d.p99_ms / s.p99_ms:.2f} | {r.change_s:.1f} | {r.wrong_scores} of {r.checked} |"
+    )
+
+
+def _load(saved: dict) -> list[ChangeRun]:
+    runs = []
+    for raw in saved["runs"]:
+        steady, during = Window(**raw.pop("steady")), Window(**raw.pop("during"))
+        runs.append(ChangeRun(**raw, steady=steady, during=during))
+    return runs
+
+
+def render(saved: dict) -> str:
+    runs = _load(saved)
+    s = Settings(**saved["settings"])
+    lines = [
+        "## Fleet changes: hand-off on drain and peer fetch",
+        "",
+        f"Reproduce: `{saved['command']}`.",
+        "",
+        f"- {run_stamp(saved['machine'])}. Local mesh per run: etcd, 3 rankers (CPU, the tiny "
+        f"model, one thread each, device tier {s.hbm_mb} MiB, host tier {s.dram_mb} MiB), a "
+        "router, a trigger in mode `off` (cache only: every hit is a prefix an earlier visit "
+        "left). `without`: rankers run `--no-handoff --no-peer-fetch`; `with`: as shipped.",
+        f"- Traffic: open-loop Poisson, {s.rate:g} visits/s over {s.users} users (Zipf 0.3), "
+        f"histories of 128-1,536 tokens that do not change between visits; {s.warm_s:g} s of "
+        f"warm-up, a {s.steady_s:g} s steady window, the change, then {s.after_s:g} s more, "
+        "counted as during the change. Every successful Rank is checked against full "
+        "inference (relative error <= 1e-5).",
+        "",
+        "| change | variant | seed | Ranks during | failed | misses | peer-fetched "
+        "| recomputed prefix tokens | steady P99 ms | P99 during ms | ratio | change took s "
+        "| wrong scores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        *(_row(r) for r in runs),
+        "",
+        "| change | misses without (per seed) | misses with | fewer misses | P99 ratio with "
+        "(during / steady) |",
+        "|---|---|---|---:|---|",
+    ]
+    for change in CHANGES:
+        without = [r for r in runs if r.change == change and r.variant == "without"]
+        with_ = [r for r in runs if r.change == change and r.variant == "with"]
+        if not without or not with_:
+            continue
+        w0 = sum(r.during.misses for r in without)
+        w1 = sum(r.during.misses for r in with_)
+        fewer = f"{1 - w1 / w0:.0%}" if w0 else "n/a"
+        ratios = ", ".join(f"{r.during.p99_ms / r.steady.p99_ms:.2f}" for r in with_)
+        lines.append(
+            f"| {change} | {', '.join(str(r.during.misses) for r in without)} "
+            f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} | {ratios} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    defaults = Settings()
+    parser.add_argument("--rate", type=float, default=defaults.rate, help="visits per second")
+    parser.add_argument("--users", type=int, default=defaults.users, help="population size")
+    parser.add_argument("--warm", type=float, default=defaults.warm_s, help="warm-up seconds")
+    parser.add_argument(
+        "--steady", type=float, default=defaults.steady_s, help="steady window, seconds"
+    )
+    parser.add_argument(
+        "--after", type=float, default=defaults.after_s, help="seconds after the change"
+    )
+    parser.add_argument("--seeds", type=int, default=2, help="seeds, each a pair of runs")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int.from_bytes(os.urandom(4), "little"),
+        help="first seed (default: random)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run's sizes")
+    add_render_arguments(parser)
+    parser.add_argument("--tag", default="", help="results and doc section get _TAG")
+    args = parser.parse_args()
+    if args.quick and args.from_json is None:
+        args.seeds, args.warm, args.steady, args.after, args.users = 1, 8.0, 4.0, 4.0, 60
+        args.no_docs = True
+    name = f"{NAME}_{args.tag}" if args.tag else NAME
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
