@@ -369,7 +369,8 @@ def test_sweep_drops_expired_relays_and_departed_instances() -> None:
     room.refuse(X, 1.0, 5.0)
     room.refuse("ranker-1", 1.0, 5.0)
     room.sweep(2.0, {X: ranker()})
-    assert set(room.relays) == {("new", "digest-a")}  # not expired, nor on a departed ranker
+    # Not expired, nor on a departed ranker (relays are keyed by user, version and prefix).
+    assert set(room.relays) == {("new", "", "digest-a")}
     assert set(room.observed) == {X}
     assert set(room.refusals) == {X}
     assert room.held(X, 2.0) == 10 + NBYTES
