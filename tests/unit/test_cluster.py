@@ -190,3 +190,29 @@ def test_deregister_drops_entries_held_by_or_placed_on_the_instance() -> None:
     run(cluster.forget_instance("r3"))
     assert cluster.lookup("dave", "") is None
     assert sorted(cluster.view()) == ["r2", "r3"]  # forgetting entries leaves membership alone
+
+
+def test_directory_entries_are_namespaced_by_model_version() -> None:
+    cluster = MemoryCluster(FakeClock(0.0))
+    for r in ("r1", "r2"):
+        run(cluster.register(ranker(r), ttl_s=10))
+    assert run(cluster.record(PlacementRecord("alice", "r1", 60.0, "v1"), "r1"))
+    assert run(cluster.record(PlacementRecord("alice", "r2", 60.0, "v2"), "r2"))
+    assert (cluster.lookup("alice", "v1"), cluster.lookup("alice", "v2")) == ("r1", "r2")
+    assert cluster.lookup("alice", "") is None and cluster.entry("alice", "v3") is None
+    assert cluster.entry("alice", "v2") == PlacementRecord("alice", "r2", 60.0, "v2")
+    run(cluster.forget_instance("r2"))
+    assert (cluster.lookup("alice", "v1"), cluster.lookup("alice", "v2")) == ("r1", None)
+
+
+def test_a_placement_record_without_a_version_parses_and_a_version_has_no_slash() -> None:
+    older = b'{"expires_at": 5, "instance_id": "r1", "user_id": "alice"}'
+    assert PlacementRecord.from_json(older) == PlacementRecord("alice", "r1", 5.0, "")
+    record = PlacementRecord("alice", "r1", 5.0, "v1")
+    assert PlacementRecord.from_json(record.to_json()) == record
+    with pytest.raises(InvalidInput, match="model_version must not contain '/'"):
+        PlacementRecord("alice", "r1", 5.0, "v/1")
+    with pytest.raises(InvalidInput, match="model_version must not contain '/'"):
+        ranker(model_version="v/1")
+    with pytest.raises(InvalidInput, match="user_id must be a non-empty string"):
+        PlacementRecord("", "r1", 5.0, "v1")
