@@ -27,9 +27,10 @@ class RankerRecord:
     """What a ranker registers under its lease: where it listens, its model, budgets, cost model.
 
     Invariants (checked on construction, so a record from the store is usable as is): ids,
-    address and model version are non-empty strings; `address` is "host:port" with a port in
-    1..65535; budgets and bytes per token are non-negative ints; cost coefficients are finite,
-    non-negative floats (see `services.ranker.cost_model.CostModel` for their meaning).
+    address and model version are non-empty strings, the version without "/" (it names a
+    directory namespace); `address` is "host:port" with a port in 1..65535; budgets and bytes
+    per token are non-negative ints; cost coefficients are finite, non-negative floats (see
+    `services.ranker.cost_model.CostModel` for their meaning).
     """
 
     instance_id: str
@@ -52,6 +53,8 @@ class RankerRecord:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if "/" in self.model_version:
+            raise InvalidInput(f"model_version must not contain '/', got {self.model_version!r}")
         for name in _COSTS:
             if getattr(self, name) < 0:
                 raise InvalidInput(f"{name} must be non-negative, got {getattr(self, name)!r}")
@@ -79,17 +82,24 @@ class RankerRecord:
 
 @dataclass(frozen=True, slots=True)
 class PlacementRecord:
-    """A user's prefix cache lives on `instance_id` until `expires_at` (wall-clock seconds).
+    """A user's prefix cache for `model_version` lives on `instance_id` until `expires_at`
+    (wall-clock seconds).
 
-    Invariants: ids are non-empty strings; `expires_at` is a finite float.
+    Invariants: ids are non-empty strings; `expires_at` is a finite float; `model_version`
+    contains no "/" (it names the entry's directory namespace). An empty version is a record
+    written before versions were a routing dimension (or by a caller without one): it is never
+    found under a named version.
     """
 
     user_id: str
     instance_id: str
     expires_at: float
+    model_version: str = ""
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if "/" in self.model_version:
+            raise InvalidInput(f"model_version must not contain '/', got {self.model_version!r}")
 
     def to_json(self) -> bytes:
         return _to_json(self)
@@ -114,19 +124,24 @@ class Membership(Protocol):
 
 
 class Directory(Protocol):
-    """Where users' caches live when not on their hash owner. `lookup` never does I/O."""
+    """Where users' caches live when not on their hash owner, per model version: a user has at
+    most one entry per version, and an entry is only ever found under its own version (a
+    prefix computed by one version is never sent to be consumed by another). `entry` and
+    `lookup` never do I/O."""
 
     async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
-        """Record `placement`, bound to the holder's lease so it dies with that instance.
+        """Record `placement` under its `model_version`, bound to the holder's lease so it
+        dies with that instance.
 
         Returns False (and records nothing) when the holder is not a live member.
         """
 
-    def entry(self, user_id: str) -> PlacementRecord | None:
-        """The user's live placement, or None when absent or expired."""
+    def entry(self, user_id: str, model_version: str) -> PlacementRecord | None:
+        """The user's live placement under `model_version`, or None when absent or expired."""
 
-    def lookup(self, user_id: str) -> str | None:
-        """The recorded instance for the user, or None when absent or expired."""
+    def lookup(self, user_id: str, model_version: str) -> str | None:
+        """The recorded instance for the user under `model_version`, or None when absent or
+        expired."""
 
     async def forget_instance(self, instance_id: str) -> None:
         """Drop every entry held by or placed on the instance."""
@@ -145,8 +160,8 @@ class MemoryCluster:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._rankers: dict[str, RankerRecord] = {}
-        # user id -> (placement, holder instance id)
-        self._placements: dict[str, tuple[PlacementRecord, str]] = {}
+        # (model version, user id) -> (placement, holder instance id)
+        self._placements: dict[tuple[str, str], tuple[PlacementRecord, str]] = {}
 
     async def register(self, record: RankerRecord, ttl_s: float) -> None:
         if not ttl_s > 0:
@@ -163,16 +178,18 @@ class MemoryCluster:
     async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
         if holder_instance_id not in self._rankers:
             return False
-        self._placements[placement.user_id] = (placement, holder_instance_id)
+        key = (placement.model_version, placement.user_id)
+        self._placements[key] = (placement, holder_instance_id)
         return True
 
-    def entry(self, user_id: str) -> PlacementRecord | None:
-        entry = self._placements.get(user_id)
+    def entry(self, user_id: str, model_version: str) -> PlacementRecord | None:
+        key = (model_version, user_id)
+        entry = self._placements.get(key)
         if entry is None:
             return None
         placement, _ = entry
         if self._clock() >= placement.expires_at:
-            del self._placements[user_id]
+            del self._placements[key]
             return None
         return placement
 
@@ -180,27 +197,28 @@ class MemoryCluster:
         """Directory entries held, expired ones not yet noticed included."""
         return len(self._placements)
 
-    def lookup(self, user_id: str) -> str | None:
-        placement = self.entry(user_id)
+    def lookup(self, user_id: str, model_version: str) -> str | None:
+        placement = self.entry(user_id, model_version)
         return None if placement is None else placement.instance_id
 
     async def forget_instance(self, instance_id: str) -> None:
         self._placements = {
-            user: (placement, holder)
-            for user, (placement, holder) in self._placements.items()
+            key: (placement, holder)
+            for key, (placement, holder) in self._placements.items()
             if instance_id not in (holder, placement.instance_id)
         }
 
 
 def _check_fields(value: Any) -> None:
-    """Check each field against its annotation: str non-empty, int non-negative, float finite.
+    """Check each field against its annotation: str non-empty (unless its default is ""), int
+    non-negative, float finite.
 
     JSON writes 1.0 as 1, so an int where a float is declared is accepted and stored as float.
     """
     for field in dataclasses.fields(value):
         name, v = field.name, getattr(value, field.name)
         if field.type is str:
-            if not isinstance(v, str) or not v:
+            if not isinstance(v, str) or (not v and field.default != ""):
                 raise InvalidInput(f"{name} must be a non-empty string, got {v!r}")
         elif field.type is int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -17,6 +17,11 @@ class Unavailable(RelayGRError):
     """No instance can serve the request now; retrying may succeed (gRPC UNAVAILABLE)."""
 
 
+class FailedPrecondition(RelayGRError):
+    """The request cannot be served here as asked, e.g. it names another model version than
+    this ranker serves (gRPC FAILED_PRECONDITION): resending it here will not help."""
+
+
 class ConfigError(RelayGRError):
     """A configuration value is invalid; the message names the valid values."""
 

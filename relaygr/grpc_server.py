@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from relaygr.errors import (
     ConfigError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidInput,
     RelayGRError,
     ResourceExhausted,
@@ -31,6 +32,7 @@ _STATUS_BY_ERROR: dict[type[RelayGRError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     RelayGRError: grpc.StatusCode.INTERNAL,
 }
 

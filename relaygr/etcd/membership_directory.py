@@ -21,6 +21,9 @@ from relaygr.etcd.watch import EventKind, Watch, WatchEvent
 log = logging.getLogger(__name__)
 
 
+_Key = tuple[str, str]  # a directory entry's (model version, user id)
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     """A directory entry as last seen, with the store revision it was written at."""
@@ -37,9 +40,12 @@ class EtcdMembershipDirectory:
     dies with it, so the two share the rankers view and the leases seen in it.
 
     Keys: `{prefix}/rankers/{instance_id}` holds the RankerRecord JSON plus `"lease"`, the id of
-    the lease it is put under (kept alive by the registering process); `{prefix}/directory/{user}`
-    holds the PlacementRecord JSON plus `"holder"`, put under the holder ranker's lease, so an
-    entry dies with its holder.
+    the lease it is put under (kept alive by the registering process);
+    `{prefix}/directory/{model_version}/{user}` holds the PlacementRecord JSON plus `"holder"`,
+    put under the holder ranker's lease, so an entry dies with its holder. Versions contain no
+    "/", so the key's first segment after `directory/` is the version. An entry an older router
+    wrote without a version (`{prefix}/directory/{user}`) is ignored: it is never consumed under
+    any version, dies with its holder's lease, and its writer purges it.
 
     Invariants: `view()` and `lookup()` read only the local views, which two watches (rankers,
     directory) maintain from `start()` to `stop()`; they never do I/O. The rankers view is replaced,
@@ -67,8 +73,8 @@ class EtcdMembershipDirectory:
         self._directory_prefix = f"{prefix.rstrip('/')}/directory/"
         self._rankers: dict[str, RankerRecord] = {}
         self._leases: dict[str, int] = {}  # instance id -> lease id of its record, as last seen
-        self._entries: dict[str, _Entry] = {}  # user id -> entry
-        self._recorded: set[str] = set()  # users whose entry this process last wrote
+        self._entries: dict[_Key, _Entry] = {}  # (model version, user id) -> entry
+        self._recorded: set[_Key] = set()  # entries this process last wrote
         self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
         self._watches: list[Watch] = []
         self.writes: Counter[str] = Counter()
@@ -148,7 +154,8 @@ class EtcdMembershipDirectory:
         if lease_id is None:
             return False
         data = _with_key(placement.to_json(), "holder", holder_instance_id)
-        key = self._directory_prefix + placement.user_id
+        entry_key = (placement.model_version, placement.user_id)
+        key = self._directory_key(entry_key)
         try:
             # put sends only the lease id; the TTL is the holder's business.
             revision = await self._etcd.put(key, data, Lease(id=lease_id, ttl_s=0))
@@ -156,33 +163,33 @@ class EtcdMembershipDirectory:
             log.info("placement of %s not recorded: %s", placement.user_id, err)
             return False
         self.writes["put"] += 1
-        self._recorded.add(placement.user_id)
-        self._apply(placement.user_id, _Entry(placement, holder_instance_id, revision), revision)
+        self._recorded.add(entry_key)
+        self._apply(entry_key, _Entry(placement, holder_instance_id, revision), revision)
         return True
 
-    def entry(self, user_id: str) -> PlacementRecord | None:
-        entry = self._entries.get(user_id)
+    def entry(self, user_id: str, model_version: str) -> PlacementRecord | None:
+        entry = self._entries.get((model_version, user_id))
         if entry is None or self._clock() >= entry.placement.expires_at:
             return None
         if entry.placement.instance_id not in self._rankers or entry.holder not in self._rankers:
             return None
         return entry.placement
 
-    def lookup(self, user_id: str) -> str | None:
-        placement = self.entry(user_id)
+    def lookup(self, user_id: str, model_version: str) -> str | None:
+        placement = self.entry(user_id, model_version)
         return None if placement is None else placement.instance_id
 
     async def forget_instance(self, instance_id: str) -> None:
         """Delete every entry held by or placed on the instance, in etcd and locally."""
-        users = [
-            user
-            for user, entry in self._entries.items()
+        keys = [
+            key
+            for key, entry in self._entries.items()
             if instance_id in (entry.holder, entry.placement.instance_id)
         ]
-        for user in users:
-            await self._etcd.delete(self._directory_prefix + user)
+        for key in keys:
+            await self._etcd.delete(self._directory_key(key))
             self.writes["delete"] += 1
-            self._entries.pop(user, None)
+            self._entries.pop(key, None)
 
     async def purge_expired(self, others_after_s: float = math.inf) -> int:
         """Delete expired entries from etcd (their holder's lease outlives them); return how many.
@@ -194,18 +201,18 @@ class EtcdMembershipDirectory:
         """
         now = self._clock()
         self._recorded.intersection_update(self._entries)  # forget entries gone otherwise
-        users = [
-            user
-            for user, entry in self._entries.items()
+        keys = [
+            key
+            for key, entry in self._entries.items()
             if now >= entry.placement.expires_at
-            and (user in self._recorded or now >= entry.placement.expires_at + others_after_s)
+            and (key in self._recorded or now >= entry.placement.expires_at + others_after_s)
         ]
-        for user in users:
-            await self._etcd.delete(self._directory_prefix + user)
+        for key in keys:
+            await self._etcd.delete(self._directory_key(key))
             self.writes["delete"] += 1
-            self._entries.pop(user, None)
-            self._recorded.discard(user)
-        return len(users)
+            self._entries.pop(key, None)
+            self._recorded.discard(key)
+        return len(keys)
 
     # Watch callbacks and helpers
 
@@ -239,17 +246,25 @@ class EtcdMembershipDirectory:
         self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
         self._leases.pop(instance_id, None)
         # etcd deletes the entries it holds with its lease; drop them (and those naming it) now.
-        for user in [
-            u
-            for u, e in self._entries.items()
+        for key in [
+            k
+            for k, e in self._entries.items()
             if instance_id in (e.holder, e.placement.instance_id)
         ]:
-            del self._entries[user]
+            del self._entries[key]
+
+    def _directory_key(self, key: _Key) -> str:
+        version, user_id = key
+        return f"{self._directory_prefix}{version}/{user_id}"
 
     def _on_directory_event(self, event: WatchEvent) -> None:
-        user_id = event.key.removeprefix(self._directory_prefix)
+        version, slash, user_id = event.key.removeprefix(self._directory_prefix).partition("/")
+        if not slash:
+            log.debug("ignoring an unversioned placement (an older router's) at %s", event.key)
+            return
+        key = (version, user_id)
         if event.kind is EventKind.DELETE or event.value is None:
-            self._apply(user_id, None, event.revision)
+            self._apply(key, None, event.revision)
             return
         try:
             placement = PlacementRecord.from_json(event.value)
@@ -258,21 +273,23 @@ class EtcdMembershipDirectory:
                 raise InvalidInput(f"holder must be a non-empty string, got {holder!r}")
             if placement.user_id != user_id:
                 raise InvalidInput(f"record names user {placement.user_id!r}")
+            if placement.model_version != version:
+                raise InvalidInput(f"record names model version {placement.model_version!r}")
         except InvalidInput as err:
             log.warning("ignoring malformed placement at %s: %s", event.key, err)
-            self._apply(user_id, None, event.revision)
+            self._apply(key, None, event.revision)
             return
-        self._apply(user_id, _Entry(placement, holder, event.revision), event.revision)
+        self._apply(key, _Entry(placement, holder, event.revision), event.revision)
 
-    def _apply(self, user_id: str, entry: _Entry | None, revision: int) -> None:
-        """Set (or, with None, drop) the user's entry as of `revision`, unless ours is newer."""
-        current = self._entries.get(user_id)
+    def _apply(self, key: _Key, entry: _Entry | None, revision: int) -> None:
+        """Set (or, with None, drop) an entry as of `revision`, unless ours is newer."""
+        current = self._entries.get(key)
         if current is not None and revision < current.revision:
             return
         if entry is None:
-            self._entries.pop(user_id, None)
+            self._entries.pop(key, None)
         else:
-            self._entries[user_id] = entry
+            self._entries[key] = entry
 
 
 def _with_key(record_json: bytes, key: str, value: object) -> bytes:

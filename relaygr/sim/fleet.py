@@ -17,7 +17,6 @@ from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
 from relaygr.local.drive import OK, RequestRecord
-from relaygr.placement import route_rank
 from relaygr.room import RelayRoom
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
@@ -31,6 +30,7 @@ from relaygr.sim.ranker import (
     ranker_record,
 )
 from relaygr.sim.workload import Visit
+from relaygr.versions import choose_version, live_versions
 from services.ranker.config import RankerConfig
 from services.ranker.engine import EngineSettings
 from services.ranker.scheduler import Priority
@@ -38,7 +38,7 @@ from services.router.config import RouterConfig
 from services.router.forward import CallFailed, Forwarder, Method, RelayHint, Route, Served
 from services.router.forward import Status as CallStatus
 from services.trigger.config import Mode, TriggerConfig
-from services.trigger.policy import AdmissionPolicy, Decision, Event
+from services.trigger.policy import AdmissionPolicy, Decision, Event, fallback_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,16 +265,18 @@ class Fleet:
     def _retrieval(self, index: int, visit: Visit) -> None:
         now = self.loop.now
         view = self.cluster.view()
-        recorded = self.cluster.lookup(visit.user)
-        order = route_rank(visit.user, view, {} if recorded is None else {visit.user: recorded})
+        # One model version here: the trigger's choice, as the service makes it.
+        version = choose_version(visit.user, "", self.forwarder.versions, live_versions(view))
+        order = [] if version is None else fallback_order(visit.user, version, view, self.cluster)
         event = Event(
             visit.user,
             visit.prefix_tokens,
             visit.short_term,
             visit.candidates,
             lambda: str(visit.behaviours),
+            version or "",
         )
-        decision = self.policy.decide(event, [view[i] for i in order], now)
+        decision = self.policy.decide(event, order, now)
         self.records[index] = RequestRecord(
             index, visit.at + self.settings.gap_s, 0.0, "", decision_status=OK,
             decision=decision.reason.value, admitted=decision.admitted,
@@ -284,7 +286,7 @@ class Fleet:
         cfg = self.settings.trigger
         if len(self._waiting) >= cfg.dispatch_queue * self.settings.triggers:
             self.stats.dispatch_dropped += 1
-            self.policy.failed(visit.user, decision.digest)
+            self.policy.failed(visit.user, decision.digest, decision.model_version)
             return
         self._waiting.append(_Relay(index, visit, decision, now + cfg.expected_gap_ms / 1e3))
         self._dispatch()
@@ -302,7 +304,9 @@ class Fleet:
         cfg = self.settings.trigger
         preferred = relay.decision.target if cfg.mode is Mode.SEQUENCE_AWARE else ""
         hint = RelayHint(preferred, relay.visit.prefix_tokens)
-        route = self.forwarder.route(Method.PRE_INFER, relay.visit.user, hint)
+        route = self.forwarder.route(
+            Method.PRE_INFER, relay.visit.user, hint, relay.decision.model_version
+        )
         deadline = self.loop.now + cfg.relay_window_ms / 1e3
         if not isinstance(route, Route):
             self._relay_done(relay, None, False)
@@ -348,7 +352,7 @@ class Fleet:
 
     def _book(self, route: Route, served: Served) -> None:
         if self.forwarder.book(route, served):
-            run_now(self.forwarder.record(route.user, served.instance))
+            run_now(self.forwarder.record(route.user, served.instance, route.model_version))
 
     def _relay_done(self, relay: _Relay, landed: tuple[str, int] | None, refused: bool) -> None:
         """The trigger hears how its PreInfer ended (the dispatcher's `on_outcome`)."""
@@ -363,7 +367,7 @@ class Fleet:
             self.policy.refused(decision, user, now)
         else:
             self.stats.relays_failed += 1
-            self.policy.failed(user, decision.digest)
+            self.policy.failed(user, decision.digest, decision.model_version)
         self._dispatch()
 
     # -- the router's Rank ------------------------------------------------------------------

@@ -5,7 +5,7 @@ import time
 import grpc
 import torch
 
-from relaygr.errors import Unavailable
+from relaygr.errors import FailedPrecondition, Unavailable
 from relaygr.grpc_server import absolute_deadline
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import InputLimits, prefix_from_proto, rank_input_from_proto
@@ -60,10 +60,20 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             raise Unavailable("ranker is loading its model and calibrating")
         return self._limits
 
+    def _check_version(self, asked: str) -> None:
+        """A request naming another model version than this ranker's is never served here:
+        FailedPrecondition naming both (empty: any, the router chose this ranker's)."""
+        serving = self.engine.model.model_version
+        if asked and asked != serving:
+            raise FailedPrecondition(
+                f"this ranker serves model version {serving!r}, the request asks for {asked!r}"
+            )
+
     async def PreInfer(
         self, request: common_pb2.PreInferRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.PreInferReply:
         start = time.perf_counter()
+        self._check_version(request.model_version)
         prefix = prefix_from_proto(request, self.limits)
         window = request.relay_window_ms / 1e3 if request.relay_window_ms else None
         expected = request.rank_expected_in_ms / 1e3 if request.rank_expected_in_ms else None
@@ -86,6 +96,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         self, request: common_pb2.RankRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.RankReply:
         start = time.perf_counter()
+        self._check_version(request.model_version)
         rank_input = rank_input_from_proto(request, self.limits)
         deadline = absolute_deadline(context.time_remaining(), time.monotonic())
         result = await self.engine.rank(rank_input, deadline)

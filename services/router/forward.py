@@ -26,6 +26,13 @@ from relaygr.placement import (
     with_room,
 )
 from relaygr.room import RelayRoom
+from relaygr.versions import (
+    VersionPolicy,
+    choose_version,
+    live_versions,
+    serving,
+    unavailable_message,
+)
 from services.router.load import WindowedLoad
 
 _log = logging.getLogger("services.router")
@@ -124,9 +131,11 @@ class RelayHint:
 class Route:
     """The rankers a request tries, in `order`, and why the first was chosen.
 
-    `reason` is None under random placement. A PreInfer placed by affinity also carries its
-    `placement` (the owner among it) and `known`, the user's directory entry when it was routed
-    as (instance, expires_at), which decide whether the directory must be written once served.
+    `model_version` is the version chosen for the request and `view` that version's rankers
+    only: every ranker of `order` serves it. `reason` is None under random placement. A
+    PreInfer placed by affinity also carries its `placement` (the owner among it) and `known`,
+    the user's directory entry when it was routed as (instance, expires_at), which decide
+    whether the directory must be written once served.
     """
 
     method: Method
@@ -137,6 +146,7 @@ class Route:
     placement: Placement | None = None
     known: tuple[str, float] | None = None
     tokens: int = 0  # a PreInfer's prefix tokens
+    model_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +182,9 @@ class RouterStats:
     those lost to an unreachable store.
     `refused_then_spilled`: PreInfers served by a ranker after an earlier one of their route
     refused them for room (a round trip the room view exists to avoid).
+    `versions`: requests routed, by method and the model version chosen for them.
+    `version_unavailable`: requests refused because no live ranker serves the version they
+    asked for (not by version: a caller could name any number of them).
     """
 
     placed: Counter[Reason] = field(default_factory=Counter)
@@ -183,12 +196,18 @@ class RouterStats:
     directory_writes: int = 0
     directory_write_failures: int = 0
     refused_then_spilled: int = 0
+    versions: Counter[tuple[Method, str]] = field(default_factory=Counter)
+    version_unavailable: Counter[Method] = field(default_factory=Counter)
 
 
 class Forwarder:
     """Places PreInfers by rendezvous hashing with bounded load and sends Ranks after them.
 
     A request goes `route` -> `forward` -> `settle` (served ones only); `serve` runs all three.
+    Routing first chooses the request's model version (`relaygr.versions.choose_version` with
+    the policy in `versions`, which live config replaces) and from then on sees only that
+    version's rankers: placement, Rank order, hedging and failover never reach a ranker of
+    another version, and the directory and room are read and written under that version.
     Routing reads only local views (membership and directory are watched), never the store. A
     placement is written to the directory only when the serving ranker is not the user's hash
     owner and the directory does not already say so for at least half a relay window (see
@@ -211,10 +230,13 @@ class Forwarder:
         clock: Callable[[], float] = time.time,
         draw: Callable[[int], int] | None = None,
         room: RelayRoom | None = None,
+        versions: VersionPolicy | None = None,
     ) -> None:
         """`clock`: wall-clock seconds (directory expiry, load window, `room`). `draw` (an int
         in [0, n) per call; default a fresh `random.Random`) orders rankers under random
-        placement. `room` (None: none) is the relay room view PreInfers are placed by."""
+        placement. `room` (None: none) is the relay room view PreInfers are placed by.
+        `versions` (None: the default policy, the majority version) chooses the version of a
+        request that names none."""
         self.settings = settings
         self.room = room
         self._membership = membership
@@ -224,6 +246,11 @@ class Forwarder:
         self._draw = draw if draw is not None else random.Random().randrange
         self.load = WindowedLoad(settings.relay_window_s, clock)
         self.stats = RouterStats()
+        self.versions = versions if versions is not None else VersionPolicy()
+
+    def use_versions(self, policy: VersionPolicy) -> None:
+        """Route by `policy` from now on (live config)."""
+        self.versions = policy
 
     async def serve(
         self,
@@ -232,9 +259,10 @@ class Forwarder:
         request: bytes,
         time_remaining: Callable[[], float | None] = lambda: None,
         hint: RelayHint | None = None,
+        model_version: str = "",
     ) -> Served | Refused:
         """Route, forward and settle one request (what the servicer does around its span)."""
-        route = self.route(method, user, hint)
+        route = self.route(method, user, hint, model_version)
         if isinstance(route, Refused):
             return route
         outcome = await self.forward(route, request, time_remaining)
@@ -242,20 +270,35 @@ class Forwarder:
             await self.settle(route, outcome)
         return outcome
 
-    def route(self, method: Method, user: str, hint: RelayHint | None = None) -> Route | Refused:
+    def route(
+        self, method: Method, user: str, hint: RelayHint | None = None, model_version: str = ""
+    ) -> Route | Refused:
         """The rankers to try for `user`'s request, in order; a PreInfer with no live ranker to
-        place it on is refused at once (an empty route is refused by `forward`). `hint`: what a
-        PreInfer says of where it should land."""
-        view = self._membership.view()
+        place it on is refused at once (an empty route is refused by `forward`), and so is a
+        request for a `model_version` (empty: the policy's choice) no live ranker serves.
+        `hint`: what a PreInfer says of where it should land."""
+        everyone = self._membership.view()
+        live = live_versions(everyone)
+        version = choose_version(user, model_version, self.versions, live)
+        if version is None:
+            if not model_version:  # nobody is live: the plain no-ranker answer below
+                version = ""
+            else:
+                self.stats.version_unavailable[method] += 1
+                return Refused(Status.UNAVAILABLE, unavailable_message(model_version, live))
+        else:
+            self.stats.versions[method, version] += 1
+        view = serving(everyone, version)
         if self.settings.random_placement:
-            return Route(method, user, tuple(shuffled(view, self._draw)), view, None)
+            drawn = tuple(shuffled(view, self._draw))
+            return Route(method, user, drawn, view, None, model_version=version)
         if method is Method.RANK:
-            instance = self._directory.lookup(user)
+            instance = self._directory.lookup(user, version)
             order = route_rank(user, view, {} if instance is None else {user: instance})
             reason = RankRoute.DIRECTORY if order and order[0] == instance else RankRoute.HASH
             self.stats.rank_routes[reason] += 1
-            return Route(method, user, tuple(order), view, reason)
-        entry = self._directory.entry(user)
+            return Route(method, user, tuple(order), view, reason, model_version=version)
+        entry = self._directory.entry(user, version)
         recorded = {} if entry is None else {user: entry.instance_id}
         s = self.settings
         placement = place(user, view, self.load.loads(), s.load_epsilon, recorded, s.load_floor)
@@ -280,8 +323,9 @@ class Forwarder:
             placement = with_room(placement, hint.preferred, full)
         known = None if entry is None else (entry.instance_id, entry.expires_at)
         return Route(
-            method, user, placement.order, view, placement.reason, placement, known, hint.tokens
-        )
+            method, user, placement.order, view, placement.reason, placement, known, hint.tokens,
+            version,
+        )  # fmt: skip
 
     async def forward(
         self,
@@ -323,7 +367,7 @@ class Forwarder:
     async def settle(self, route: Route, served: Served) -> None:
         """Book a served request (`book`) and write the directory when it must be told."""
         if self.book(route, served):
-            await self.record(route.user, served.instance)
+            await self.record(route.user, served.instance, route.model_version)
 
     def book(self, route: Route, served: Served) -> bool:
         """Book a served request: its placement's load and count, and the relay on the room
@@ -339,7 +383,8 @@ class Forwarder:
         now = self._clock()
         if self.room is not None:
             nbytes = route.tokens * route.view[served.instance].kv_bytes_per_token
-            self.room.landed((route.user, route.tokens), served.instance, nbytes, now)
+            key = (route.user, route.model_version, route.tokens)
+            self.room.landed(key, served.instance, nbytes, now)
         window_s = self.settings.relay_window_s
         return directory_write(served.instance, route.placement.owner, route.known, now, window_s)
 
@@ -421,9 +466,11 @@ class Forwarder:
             self.stats.refused_then_spilled += 1
         return Served(reply, instance, attempts, fallback)
 
-    async def record(self, user: str, instance: str) -> None:
-        """Tell the directory that the user's cache lives on `instance` (for a relay window)."""
-        placement = PlacementRecord(user, instance, self._clock() + self.settings.relay_window_s)
+    async def record(self, user: str, instance: str, model_version: str) -> None:
+        """Tell the directory that the user's cache for `model_version` lives on `instance`
+        (for a relay window)."""
+        expires_at = self._clock() + self.settings.relay_window_s
+        placement = PlacementRecord(user, instance, expires_at, model_version)
         try:
             if await self._directory.record(placement, instance):
                 self.stats.directory_writes += 1

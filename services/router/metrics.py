@@ -43,6 +43,20 @@ def register_router_metrics(
             placements,
         )
         yield counter(
+            "relaygr_router_version_requests",
+            "Requests routed, by method and the model version chosen for them (asked for, the "
+            "canary's, the current one or the majority's: see docs/deploy.md, Model versions)",
+            ["method", "model_version"],
+            {(m.value, version): n for (m, version), n in stats.versions.items()},
+        )
+        yield counter(
+            "relaygr_router_version_unavailable",
+            "Requests refused UNAVAILABLE because no live ranker serves the model version they"
+            " asked for",
+            ["method"],
+            {(m.value,): stats.version_unavailable[m] for m in Method},
+        )
+        yield counter(
             "relaygr_router_forwarded",
             "Calls to rankers by method and the ranker's status code (failed-over attempts too)",
             ["method", "code"],

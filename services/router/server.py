@@ -10,14 +10,17 @@ from dataclasses import dataclass
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import Unavailable
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
+from relaygr.etcd.watch import Watch
 from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
+from relaygr.live_value import LiveValue, live_policy
 from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
 from relaygr.room import RelayRoom
 from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
+from relaygr.versions import VersionPolicy
 from services.router.config import ENV_PREFIX, RouterConfig
 from services.router.limits import RequestLimits
 from services.router.metrics import register_router_metrics
@@ -37,6 +40,8 @@ class RouterServer:
     mesh: MeshLink
     pool: RankerPool
     maintenance: asyncio.Task[None]
+    versions: LiveValue[VersionPolicy]  # the live version policy the forwarder routes by
+    versions_watch: Watch
     metrics_server: MetricsServer | None = None
     poller: RoomPoller | None = None  # reads rankers' relay room (None: observe_interval_ms 0)
     observe: asyncio.Task[None] | None = None
@@ -62,6 +67,7 @@ class RouterServer:
             await self.metrics_server.close()
             self.metrics_server = None
         await cancel_and_wait(self.maintenance, self.observe)
+        await self.versions_watch.cancel()
         await self.mesh.close()
         await self.pool.close()
 
@@ -70,7 +76,8 @@ class RouterServer:
 
 
 async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) -> RouterServer:
-    """Serve RouterService; health turns SERVING once the etcd views are loaded.
+    """Serve RouterService; health turns SERVING once the etcd views and the live version
+    policy are loaded.
 
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
     is served; by default nothing is traced and metrics are served at `cfg.metrics_address`.
@@ -99,6 +106,8 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
         _log,
     )
     await cluster.start()
+    versions = live_policy(cfg.etcd_prefix, servicer.forwarder.use_versions, _log)
+    versions_watch = await mesh.etcd.watch_prefix(versions.key, versions.on_event)
     await server.set_serving(True)
     _log.info("router serving on port %d, %d rankers in view", server.port, len(cluster.view()))
     window_s = cfg.relay_window_ms / 1e3
@@ -110,7 +119,10 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
             telemetry.tracer, "router.observe",
         )  # fmt: skip
         observe = asyncio.create_task(poller.run(), name="router-observe")
-    return RouterServer(server, servicer, mesh, pool, maintenance, metrics_server, poller, observe)
+    return RouterServer(
+        server, servicer, mesh, pool, maintenance, versions, versions_watch, metrics_server,
+        poller, observe,
+    )  # fmt: skip
 
 
 async def _maintain(cluster: EtcdMembershipDirectory, pool: RankerPool, window_s: float) -> None:

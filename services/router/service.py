@@ -1,9 +1,10 @@
 """RouterService: sends a user's PreInfer and Rank to the same ranker, over pooled channels.
 
-The router reads only the user id of a request (parsed as a `RoutingKey`) and forwards the
-request's bytes, and the ranker's reply bytes, unparsed: the hop costs one small parse, not a
-decode and re-encode of every behaviour array. Routing, retry and hedging are the forwarder's
-(`services.router.forward`); this module translates gRPC to it and back, and traces.
+The router reads only the user id and model version of a request (parsed as a `RoutingKey`)
+and forwards the request's bytes, and the ranker's reply bytes, unparsed: the hop costs one
+small parse, not a decode and re-encode of every behaviour array. Routing, retry and hedging
+are the forwarder's (`services.router.forward`); this module translates gRPC to it and back,
+and traces.
 """
 
 import time
@@ -100,7 +101,7 @@ class RouterServicer:
     ) -> bytes:
         key = _routing_key(request, _KIND[method], self._limits)
         hint = _hint(key) if method is Method.PRE_INFER else None
-        route = self.forwarder.route(method, key.user_id, hint)
+        route = self.forwarder.route(method, key.user_id, hint, key.model_version)
         if isinstance(route, Refused):
             await _refuse(route, context)
         with child_span(self._tracer, "router.route", _decision(route)):
@@ -140,9 +141,10 @@ def ranker_calls(pool: RankerPool) -> Connect:
 def _decision(route: Route) -> Attributes:
     """The routing decision as the `router.route` span's attributes."""
     if route.reason is None:
-        return {"relaygr.placement.reason": "random"}
+        return {"relaygr.placement.reason": "random", "relaygr.model_version": route.model_version}
     decision: dict[str, str] = {
         "relaygr.user_id": route.user,
+        "relaygr.model_version": route.model_version,
         "relaygr.placement.reason": route.reason.value,
     }
     if route.placement is not None:
@@ -169,7 +171,7 @@ def _hint(key: router_pb2.RoutingKey) -> RelayHint:
 
 def _routing_key(request: bytes, kind: str, limits: RequestLimits | None) -> router_pb2.RoutingKey:
     """A serialized PreInferRequest or RankRequest parsed as a RoutingKey (the user id is field
-    2 of both), once the request is known to be within `limits`."""
+    2 of both, the model version field 9), once the request is known to be within `limits`."""
     key = router_pb2.RoutingKey()
     try:
         key.ParseFromString(request)

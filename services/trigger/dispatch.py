@@ -48,6 +48,8 @@ class Job:
             request_ts=e.request_ts,
             rank_expected_in_ms=due_in_ms,
             preferred_instance=self.preferred_instance,
+            # The version admission judged: the router sends it to that version's rankers only.
+            model_version=self.decision.model_version,
         )
         request.user_features.extend(e.user_features)
         request.long_term.CopyFrom(e.long_term)

@@ -31,6 +31,12 @@ def register_trigger_metrics(
             ["reason"],
             {(reason.value,): stats.decisions[reason] for reason in Reason},
         )
+        yield counter(
+            "relaygr_trigger_version_decisions",
+            "Retrieval events decided, by the model version chosen for the user",
+            ["model_version"],
+            {(version,): n for version, n in stats.versions.items()},
+        )
         outcomes = {
             ("relayed",): stats.relayed,
             ("refused",): stats.refused,

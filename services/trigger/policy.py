@@ -10,8 +10,10 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from relaygr.cluster import RankerRecord
+from relaygr.cluster import Directory, RankerRecord
+from relaygr.placement import route_rank
 from relaygr.room import Relay, RelayRoom
+from relaygr.versions import serving
 from services.trigger.config import Mode, TriggerConfig
 
 
@@ -32,13 +34,16 @@ class Reason(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class Event:
     """A retrieval event as the policy sees it. `digest` returns the prefix's identity (the
-    service's cheap fingerprint); it is called only for events that may be relayed."""
+    service's cheap fingerprint); it is called only for events that may be relayed.
+    `model_version` is the version chosen for the user (`relaygr.versions.choose_version`): the
+    order the event comes with holds only its rankers, and its relay is booked under it."""
 
     user_id: str
     prefix_tokens: int  # user features + long-term behaviours
     short_term: int  # expected short-term behaviours at ranking time
     candidates: int  # expected candidates
     digest: Callable[[], str]
+    model_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,7 @@ class Decision:
     kv_bytes: int = 0  # what the relay would pin there
     prefill_ms: float = 0.0  # what prefilling the prefix costs there
     digest: str = ""  # the prefix's identity, when it was computed
+    model_version: str = ""  # the version it was judged for (the event's)
 
     @property
     def admitted(self) -> bool:
@@ -70,6 +76,8 @@ class AdmissionPolicy:
     (expected_gap_ms); none -> LOAD_LIMIT if the relay had room somewhere, else NO_ROOM if it
     fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays every event that
     is not a duplicate to the owner. An admitted relay is booked at once on its target.
+    Relays are booked per (user, model version, prefix): a prefix relayed for one version is
+    neither cached nor in flight for another.
     """
 
     def __init__(self, cfg: TriggerConfig) -> None:
@@ -82,7 +90,14 @@ class AdmissionPolicy:
         self.room.refusal_s = cfg.refusal_cooldown_ms / 1e3
 
     def decide(self, event: Event, order: Sequence[RankerRecord], now: float) -> Decision:
-        """Decide on `event`, whose PreInfer would try the rankers of `order` in turn."""
+        """Decide on `event`, whose PreInfer would try the rankers of `order` in turn (all of
+        them serving the event's model version)."""
+        decision = self._decide(event, order, now)
+        if event.model_version:
+            return dataclasses.replace(decision, model_version=event.model_version)
+        return decision
+
+    def _decide(self, event: Event, order: Sequence[RankerRecord], now: float) -> Decision:
         cfg = self.cfg
         if cfg.mode is Mode.OFF:
             return Decision(Reason.RELAY_DISABLED)
@@ -95,7 +110,7 @@ class AdmissionPolicy:
         if aware and predicted <= cfg.slo_ms - cfg.margin_ms:
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
-        key = (event.user_id, digest)
+        key = (event.user_id, event.model_version, digest)
         decided = self._decision(event, owner, predicted, digest)
         relay = self.room.live(key, now)
         if relay is not None:
@@ -145,9 +160,17 @@ class AdmissionPolicy:
         prefill_ms = ranker.cost_model().prefill_ms(event.prefix_tokens)
         return Decision(Reason.ADMITTED, predicted, ranker.instance_id, nbytes, prefill_ms, digest)
 
-    def settled(self, user_id: str, digest: str, instance: str, nbytes: int, now: float) -> None:
+    def settled(
+        self,
+        user_id: str,
+        digest: str,
+        instance: str,
+        nbytes: int,
+        now: float,
+        model_version: str = "",
+    ) -> None:
         """The relay's PreInfer came back from `instance`, which pinned `nbytes`."""
-        self.room.settle((user_id, digest), instance, nbytes, now)
+        self.room.settle((user_id, model_version, digest), instance, nbytes, now)
 
     def landed(
         self,
@@ -161,22 +184,34 @@ class AdmissionPolicy:
         """The relay's PreInfer, sent to land on `preferred` ("": wherever the router chose),
         came back from `instance`, which pinned `nbytes`. True when it landed elsewhere: the
         preferred ranker refused it (or was down), so it is full until observed otherwise."""
-        self.settled(user_id, decision.digest, instance, nbytes, now)
+        self.settled(user_id, decision.digest, instance, nbytes, now, decision.model_version)
         if preferred and instance != preferred:
             self.room.refuse(preferred, now)
             return True
         return False
 
-    def failed(self, user_id: str, digest: str) -> None:
+    def failed(self, user_id: str, digest: str, model_version: str = "") -> None:
         """The relay was not sent, or failed for a reason other than room."""
-        self.room.fail((user_id, digest))
+        self.room.fail((user_id, model_version, digest))
 
     def refused(self, decision: Decision, user_id: str, now: float) -> None:
         """The target refused the relay for want of room: full until observed otherwise (or
         for refusal_cooldown_ms)."""
-        self.room.fail((user_id, decision.digest))
+        self.room.fail((user_id, decision.model_version, decision.digest))
         self.room.refuse(decision.target, now)
 
     def sweep(self, now: float, instances: Mapping[str, object]) -> None:
         """Forget expired relays and everything about rankers no longer in `instances`."""
         self.room.sweep(now, instances)
+
+
+def fallback_order(
+    user_id: str, model_version: str, view: Mapping[str, RankerRecord], directory: Directory
+) -> list[RankerRecord]:
+    """The rankers of `model_version` the router would try for the user's PreInfer, in its
+    order: the directory's live entry for the user under that version, then the user's
+    rendezvous order over that version's rankers."""
+    mine = serving(view, model_version)
+    recorded = directory.lookup(user_id, model_version)
+    placed = {} if recorded is None else {user_id: recorded}
+    return [mine[i] for i in route_rank(user_id, mine, placed)]

@@ -13,6 +13,7 @@ from relaygr.etcd.membership_directory import EtcdMembershipDirectory
 from relaygr.etcd.watch import Watch
 from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
+from relaygr.live_value import LiveValue, live_policy
 from relaygr.metrics import MetricsServer
 from relaygr.pool import RankerPool
 from relaygr.room_poll import RoomPoller
@@ -20,9 +21,10 @@ from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
 from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.versions import VersionPolicy
 from services.trigger.config import ENV_PREFIX, TriggerConfig
 from services.trigger.dispatch import Dispatcher
-from services.trigger.live_config import LiveConfig, live_config_key
+from services.trigger.live_config import LiveConfig, live_config, live_config_key
 from services.trigger.metrics import register_trigger_metrics
 from services.trigger.policy import AdmissionPolicy
 from services.trigger.service import SERVICE_NAME, TriggerServicer
@@ -44,6 +46,8 @@ class TriggerServer:
     router_channel: grpc.aio.Channel
     tasks: list[asyncio.Task[None]]
     watch: Watch
+    versions: LiveValue[VersionPolicy]  # the live version policy events are judged by
+    versions_watch: Watch
     metrics_server: MetricsServer | None = None
 
     @property
@@ -73,6 +77,7 @@ class TriggerServer:
         await cancel_and_wait(*self.tasks)
         await self.dispatcher.stop()
         await self.watch.cancel()
+        await self.versions_watch.cancel()
         await self.mesh.close()
         await self.pool.close()
         await self.router_channel.close()
@@ -82,7 +87,8 @@ class TriggerServer:
 
 
 async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) -> TriggerServer:
-    """Serve TriggerService; health turns SERVING once the etcd views and live config are read.
+    """Serve TriggerService; health turns SERVING once the etcd views, live config and version
+    policy are read.
 
     `telemetry` (one per service; the caller shuts it down) traces and names where `/metrics`
     is served; by default nothing is traced and metrics are served at `cfg.metrics_address`.
@@ -108,7 +114,8 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     register_trigger_metrics(
         telemetry.registry, servicer, dispatcher, cluster.view, lambda: mesh.etcd.connected
     )
-    live = LiveConfig(cfg, live_config_key(cfg.etcd_prefix), policy.reconfigure)
+    live = live_config(cfg, live_config_key(cfg.etcd_prefix), policy.reconfigure)
+    versions = live_policy(cfg.etcd_prefix, servicer.use_versions, _log)
     server, metrics_server = await start_service_servers(
         cfg,
         "trigger",
@@ -119,6 +126,7 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     )
     await cluster.start()
     watch = await mesh.etcd.watch_prefix(live.key, live.on_event)
+    versions_watch = await mesh.etcd.watch_prefix(versions.key, versions.on_event)
     dispatcher.start(servicer.on_outcome)
     poller = RoomPoller(
         policy.room, pool, cluster.view, cfg.observe_interval_ms / 1e3,
@@ -134,7 +142,7 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     )
     return TriggerServer(
         server, servicer, dispatcher, live, mesh, pool, router_channel, [observe], watch,
-        metrics_server,
+        versions, versions_watch, metrics_server,
     )  # fmt: skip
 
 

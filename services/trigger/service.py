@@ -10,15 +10,15 @@ import grpc
 from opentelemetry.trace import Tracer
 
 from relaygr.behaviours import Prefix
-from relaygr.cluster import Directory, Membership, RankerRecord
+from relaygr.cluster import Directory, Membership
 from relaygr.errors import InvalidInput
-from relaygr.placement import route_rank
 from relaygr.tracing import child_span, current_context
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
+from relaygr.versions import VersionPolicy, choose_version, live_versions
 from relaygr.wire import InputLimits, prefix_from_proto
 from services.trigger.config import Mode
 from services.trigger.dispatch import Dispatcher, Failure, Job
-from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason
+from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason, fallback_order
 
 SERVICE_NAME = "relaygr.v1.TriggerService"
 
@@ -34,9 +34,11 @@ class TriggerStats:
     ADMITTED into LOAD_LIMIT); admitted relays by outcome: `relayed` (resident on a ranker),
     `refused` (no room), `dispatch_failed` (any other error), `dispatch_dropped` (the dispatch
     queue was full); `landed_elsewhere`: relayed ones the router placed on another ranker than
-    the one the trigger found room on."""
+    the one the trigger found room on; `versions`: decisions by the model version chosen for
+    the user (none counted when no live ranker serves the version asked for: NO_RANKER)."""
 
     decisions: Counter[Reason] = field(default_factory=Counter)
+    versions: Counter[str] = field(default_factory=Counter)
     relayed: int = 0
     landed_elsewhere: int = 0
     refused: int = 0
@@ -48,9 +50,12 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
     """Validates a retrieval event, asks the policy, queues an admitted relay, answers.
 
     OnRetrieval does no I/O: the membership and directory are local watched views and the
-    PreInfer goes through `dispatcher`. An admitted relay the dispatch queue cannot take is
-    answered LOAD_LIMIT and counted in `stats.dispatch_dropped`; `stats` also tallies decisions
-    by reason and dispatch outcomes.
+    PreInfer goes through `dispatcher`. The event's model version is chosen as the router
+    chooses it (`relaygr.versions.choose_version` under the live policy in `versions`);
+    admission then judges that version's rankers only, and the relay's PreInfer names the
+    version, so the router cannot send it to another. An admitted relay the dispatch queue
+    cannot take is answered LOAD_LIMIT and counted in `stats.dispatch_dropped`; `stats` also
+    tallies decisions by reason and version, and dispatch outcomes.
     """
 
     def __init__(
@@ -75,22 +80,36 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         self._dispatcher = dispatcher
         self._clock = clock
         self.stats = TriggerStats()
+        self.versions = VersionPolicy()
+
+    def use_versions(self, policy: VersionPolicy) -> None:
+        """Choose versions by `policy` from now on (live config)."""
+        self.versions = policy
 
     async def OnRetrieval(
         self, request: trigger_pb2.RetrievalEvent, context: grpc.aio.ServicerContext
     ) -> trigger_pb2.TriggerDecision:
-        event = self._event(request)
+        view = self._membership.view()
+        user = request.user_id
+        version = choose_version(user, request.model_version, self.versions, live_versions(view))
+        event = self._event(request, version or "")
         with child_span(self._tracer, "trigger.decide") as span:
             now = self._clock()
-            decision = self.policy.decide(event, self._order(request.user_id), now)
+            # No live ranker of the version: an empty order (NO_RANKER).
+            order = [] if version is None else fallback_order(user, version, view, self._directory)
+            decision = self.policy.decide(event, order, now)
             if decision.admitted and not self._dispatch(request, decision, now):
-                self.policy.failed(request.user_id, decision.digest)
+                self.policy.failed(user, decision.digest, decision.model_version)
                 self.stats.dispatch_dropped += 1
-                decision = Decision(Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target)
+                decision = Decision(
+                    Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target,
+                    model_version=decision.model_version,
+                )  # fmt: skip
             if span is not None:
                 span.set_attributes(
                     {
                         "relaygr.user_id": request.user_id,
+                        "relaygr.model_version": decision.model_version,
                         "relaygr.admission.reason": decision.reason.value,
                         "relaygr.admission.admitted": decision.admitted,
                         "relaygr.admission.predicted_full_ms": decision.predicted_full_ms,
@@ -101,6 +120,8 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
                     }
                 )
         self.stats.decisions[decision.reason] += 1
+        if version is not None:
+            self.stats.versions[version] += 1
         return trigger_pb2.TriggerDecision(
             request_id=request.request_id,
             admitted=decision.admitted,
@@ -108,10 +129,12 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
             predicted_full_ms=decision.predicted_full_ms,
             target_instance=decision.target if decision.admitted else "",
             prefix_digest=decision.digest,
+            model_version=decision.model_version,
         )
 
-    def _event(self, request: trigger_pb2.RetrievalEvent) -> Event:
-        """The policy's view of a valid event; InvalidInput names what is wrong."""
+    def _event(self, request: trigger_pb2.RetrievalEvent, model_version: str) -> Event:
+        """The policy's view of a valid event for `model_version`; InvalidInput names what is
+        wrong."""
         cfg = self.policy.cfg  # input limits are startup settings, never changed live
         if not request.user_id:
             raise InvalidInput("user_id must not be empty")
@@ -130,16 +153,8 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
             request.expected_short_term,
             request.expected_candidates,
             lambda: fingerprint(prefix),
+            model_version,
         )
-
-    def _order(self, user_id: str) -> list[RankerRecord]:
-        """The rankers the router would try for the user's PreInfer, in its order."""
-        view = self._membership.view()
-        recorded = self._directory.lookup(user_id)
-        return [
-            view[i]
-            for i in route_rank(user_id, view, {} if recorded is None else {user_id: recorded})
-        ]
 
     def _dispatch(
         self, request: trigger_pb2.RetrievalEvent, decision: Decision, now: float
@@ -172,7 +187,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
             policy.refused(job.decision, job.user_id, now)
         else:
             self.stats.dispatch_failed += 1
-            policy.failed(job.user_id, job.decision.digest)
+            policy.failed(job.user_id, job.decision.digest, job.decision.model_version)
 
 
 def fingerprint(prefix: Prefix, tail: int = 64) -> str:

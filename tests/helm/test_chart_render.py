@@ -18,6 +18,7 @@ from tests.helm.chart import (
     NAMESPACE,
     RELEASE,
     SERVICES,
+    VALUES_DIR,
     VALUES_FILES,
     Rendered,
     all_containers,
@@ -427,3 +428,22 @@ def test_notes_tell_how_to_call_the_router_and_find_traces(file: Path, tmp_path:
         assert f"*.{CHART_NAME}-ranker.{NAMESPACE}.svc.cluster.local" in notes
     else:
         assert "TLS=-plaintext" in notes
+
+
+def test_a_second_ranker_set_joins_the_first_releases_etcd_with_its_own_checkpoint() -> None:
+    # Not among VALUES_FILES: a release of rankers only, which the whole-chart cases don't fit.
+    rendered = render([VALUES_DIR / "model-versions" / "ranker-set.yaml"])
+    for manifest in rendered.manifests:
+        kubernetes_validate.validate(manifest, K8S_VERSIONS[-1], strict=True)
+    kinds = {(m["kind"], m["metadata"]["name"]) for m in rendered.manifests}
+    assert ("StatefulSet", f"{CHART_NAME}-ranker") in kinds
+    assert not any(kind == "StatefulSet" and "etcd" in name for kind, name in kinds)
+    for manifest in rendered.manifests:
+        if manifest["kind"] == "Deployment":  # the first release's routers and triggers serve
+            assert manifest["spec"]["replicas"] == 0, manifest["metadata"]["name"]
+    args = rendered.container("ranker")["args"]
+    assert flag_value(args, "--checkpoint") == "/var/lib/relaygr/checkpoint/v2"
+    assert flag_value(args, "--etcd-prefix") == "/relaygr"
+    assert flag_value(args, "--etcd-endpoints").startswith(
+        "relaygr-etcd-0.relaygr-etcd.recsys.svc.cluster.local:2379,"
+    )

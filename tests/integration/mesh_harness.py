@@ -62,13 +62,19 @@ class Mesh:
         self.telemetry.append(telemetry)
         return telemetry
 
-    async def add_ranker(self, instance_id: str, **config: object) -> RankerServer:
+    async def add_ranker(
+        self, instance_id: str, ranking_model: RankingModel | None = None, **config: object
+    ) -> RankerServer:
+        """A ranker serving `ranking_model` (None: the mesh's `model`)."""
         cfg = replace(
             BASE, instance_id=instance_id, etcd_endpoints=(self.endpoint,),
             **{"lease_ttl_s": 2.0, **transport(self.pki), **config},
         )  # type: ignore[arg-type]  # fmt: skip
         ranker = await start_ranker(
-            cfg, model=self.model, cost_model=COST, telemetry=self._telemetry("relaygr-ranker")
+            cfg,
+            model=ranking_model or self.model,
+            cost_model=COST,
+            telemetry=self._telemetry("relaygr-ranker"),
         )
         self.rankers[instance_id] = ranker
         await self.converged()

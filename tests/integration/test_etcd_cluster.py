@@ -17,13 +17,14 @@ from tests.polling import eventually
 
 TTL_S = 2  # etcd's smallest lease TTL with default election settings
 DIRECTORY = "/relaygr/directory/"
+MV = "v1"  # every ranker's model version here
 
 
 def ranker(instance_id: str) -> RankerRecord:
     return RankerRecord(
         instance_id=instance_id,
         address=f"{instance_id}.rankers:50051",
-        model_version="v1",
+        model_version=MV,
         hbm_budget_bytes=1 << 30,
         dram_budget_bytes=1 << 32,
         kv_bytes_per_token=2048,
@@ -56,7 +57,7 @@ async def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServ
         await router_client.put("/relaygr/rankers/bad", b"{not json")
         await ranker_side.start()
         await router_side.start()
-        await router_client.put(DIRECTORY + "bad", b"[]")
+        await router_client.put(DIRECTORY + "v1/bad", b"[]")
         await ranker_side.register(ranker("r0"), TTL_S)
         await ranker_side.register(ranker("r1"), TTL_S)
         await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "both rankers seen")
@@ -64,23 +65,23 @@ async def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServ
         snapshot = router_side.view()
 
         # r0 holds (its lease carries) a placement on r1: a spill-over.
-        assert await router_side.record(PlacementRecord("u1", "r1", 1010.0), "r0")
-        assert router_side.lookup("u1") == "r1"  # the writer sees its own record at once
-        await eventually(lambda: ranker_side.lookup("u1") == "r1", "seen on the other side")
-        assert not await router_side.record(PlacementRecord("u2", "r1", 1010.0), "ghost")
-        assert router_side.lookup("u2") is None
-        assert router_side.lookup("bad") is None
+        assert await router_side.record(PlacementRecord("u1", "r1", 1010.0, MV), "r0")
+        assert router_side.lookup("u1", MV) == "r1"  # the writer sees its own record at once
+        await eventually(lambda: ranker_side.lookup("u1", MV) == "r1", "seen on the other side")
+        assert not await router_side.record(PlacementRecord("u2", "r1", 1010.0, MV), "ghost")
+        assert router_side.lookup("u2", MV) is None
+        assert router_side.lookup("bad", MV) is None
 
         clock.now = 1010.0
-        assert router_side.lookup("u1") is None and ranker_side.lookup("u1") is None
+        assert router_side.lookup("u1", MV) is None and ranker_side.lookup("u1", MV) is None
         clock.now = 1009.9
-        assert router_side.lookup("u1") == "r1"
+        assert router_side.lookup("u1", MV) == "r1"
 
         await ranker_side.deregister("r0")
         await eventually(lambda: set(router_side.view()) == {"r1"}, "r0 leaves the other view")
         assert set(snapshot) == {"r0", "r1"}, "a view is a snapshot"
-        assert router_side.lookup("u1") is None, "the entry went with its holder"
-        assert (await router_client.get_prefix(DIRECTORY))[0].keys() == {DIRECTORY + "bad"}
+        assert router_side.lookup("u1", MV) is None, "the entry went with its holder"
+        assert (await router_client.get_prefix(DIRECTORY))[0].keys() == {DIRECTORY + "v1/bad"}
     finally:
         await ranker_side.stop()
         await router_side.stop()
@@ -101,8 +102,8 @@ async def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(
         await ranker_side.register(ranker("r1"), TTL_S)
         await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "rankers seen")
         expires_at = time.time() + 60
-        assert await router_side.record(PlacementRecord("u0", "r0", expires_at), "r0")
-        assert await router_side.record(PlacementRecord("u1", "r1", expires_at), "r1")
+        assert await router_side.record(PlacementRecord("u0", "r0", expires_at, MV), "r0")
+        assert await router_side.record(PlacementRecord("u1", "r1", expires_at, MV), "r1")
 
         await ranker_client.close()  # the rankers' process dies: no keepalive, no revoke
         await router_side.deregister("r0")  # not registered by the router: left alone
@@ -110,7 +111,7 @@ async def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(
         await eventually(lambda: set(router_side.view()) == set(), "dead rankers leave", TTL_S + 2)
         # etcd checks expiry every 0.5 s; the last keepalive may have been TTL/3 before.
         assert time.monotonic() - died < TTL_S + 1.0
-        assert router_side.lookup("u0") is None and router_side.lookup("u1") is None
+        assert router_side.lookup("u0", MV) is None and router_side.lookup("u1", MV) is None
         assert (await router_client.get_prefix(DIRECTORY))[0] == {}
     finally:
         await router_side.stop()
@@ -127,20 +128,20 @@ async def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServ
         await router_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
         await eventually(lambda: "r0" in router_side.view(), "r0 seen")
-        assert await router_side.record(PlacementRecord("u1", "r0", time.time() + 60), "r0")
+        assert await router_side.record(PlacementRecord("u1", "r0", time.time() + 60, MV), "r0")
 
         await asyncio.to_thread(etcd_server.stop)
         stopped = time.monotonic()
-        assert set(router_side.view()) == {"r0"} and router_side.lookup("u1") == "r0"
+        assert set(router_side.view()) == {"r0"} and router_side.lookup("u1", MV) == "r0"
         with pytest.raises(Unavailable):
-            await router_side.record(PlacementRecord("u2", "r0", time.time() + 60), "r0")
+            await router_side.record(PlacementRecord("u2", "r0", time.time() + 60, MV), "r0")
         with pytest.raises(Unavailable):
             await ranker_side.register(ranker("r1"), TTL_S)
         with pytest.raises(Unavailable):
             await router_side.forget_instance("r0")
         # The outage itself is under test: it outlasts the TTL, so r0's lease counts as lost.
         await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - stopped)))
-        assert set(router_side.view()) == {"r0"} and router_side.lookup("u1") == "r0"
+        assert set(router_side.view()) == {"r0"} and router_side.lookup("u1", MV) == "r0"
         await asyncio.to_thread(etcd_server.start)
 
         async def r0_in_etcd() -> bool:
@@ -155,10 +156,10 @@ async def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServ
 
         # A record may still go under r0's pre-outage lease (which etcd restored and then lets
         # lapse, as r0 moved to a new one): repeat it until the other side sees it.
-        placement = PlacementRecord("u2", "r0", time.time() + 60)
+        placement = PlacementRecord("u2", "r0", time.time() + 60, MV)
 
         async def recorded_and_seen() -> bool:
-            if ranker_side.lookup("u2") == "r0":
+            if ranker_side.lookup("u2", MV) == "r0":
                 return True
             with contextlib.suppress(Unavailable):
                 await router_side.record(placement, "r0")
@@ -184,11 +185,11 @@ async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: Etc
         assert cluster.writes == {"lease_grant": 1, "put": 1}
         await eventually(lambda: "r0" in cluster.view(), "r0 seen")
         for i in range(5):
-            placement = PlacementRecord(f"u{i}", "r0", 1010.0 if i < 2 else 1100.0)
+            placement = PlacementRecord(f"u{i}", "r0", 1010.0 if i < 2 else 1100.0, MV)
             assert await cluster.record(placement, "r0")
-        assert not await cluster.record(PlacementRecord("u9", "r0", 1100.0), "ghost")
+        assert not await cluster.record(PlacementRecord("u9", "r0", 1100.0, MV), "ghost")
         for _ in range(1000):
-            assert cluster.lookup("u4") == "r0"
+            assert cluster.lookup("u4", MV) == "r0"
         assert cluster.writes == {"lease_grant": 1, "put": 6}
         values, _ = await client.get_prefix("/other/directory/")
         assert len(values) == 5
@@ -204,3 +205,34 @@ async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: Etc
     finally:
         await cluster.stop()
         await client.close()
+
+
+async def test_directory_entries_are_namespaced_by_model_version(etcd_server: EtcdServer) -> None:
+    clock = Clock(1000.0)
+    endpoints = [etcd_server.endpoint]
+    writer_client, reader_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    writer = EtcdMembershipDirectory(writer_client, clock=clock)
+    reader = EtcdMembershipDirectory(reader_client, clock=clock)
+    try:
+        await writer.start()
+        await reader.start()
+        await writer.register(ranker("r0"), TTL_S)
+        await writer.register(ranker("r1"), TTL_S)
+        await eventually(lambda: set(reader.view()) == {"r0", "r1"}, "rankers seen")
+        # An older router's unversioned entry is never found under any version.
+        await writer_client.put(DIRECTORY + "u1", PlacementRecord("u1", "r0", 1100.0).to_json())
+        assert await writer.record(PlacementRecord("u1", "r0", 1100.0, "v1"), "r0")
+        assert await writer.record(PlacementRecord("u1", "r1", 1100.0, "v2"), "r1")
+        await eventually(lambda: reader.lookup("u1", "v2") == "r1", "the v2 entry seen")
+        assert reader.lookup("u1", "v1") == "r0" and reader.lookup("u1", "") is None
+        assert reader.lookup("u1", "v3") is None
+        keys = (await reader_client.get_prefix(DIRECTORY))[0].keys()
+        assert keys == {DIRECTORY + "u1", DIRECTORY + "v1/u1", DIRECTORY + "v2/u1"}
+        await writer.forget_instance("r1")  # the v2 entry goes, the v1 entry stays
+        await eventually(lambda: reader.lookup("u1", "v2") is None, "the v2 entry gone")
+        assert reader.lookup("u1", "v1") == "r0"
+    finally:
+        await writer.stop()
+        await reader.stop()
+        await writer_client.close()
+        await reader_client.close()

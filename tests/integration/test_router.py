@@ -81,7 +81,11 @@ async def test_spilled_users_still_meet_their_cache(
             reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
             assert reply.instance_id != "r0"
         router_b = mesh.routers[1]
-        await poll(lambda: all(router_b.cluster.lookup(q.prefix.user_id) for q in owned))
+        await poll(
+            lambda: all(
+                router_b.cluster.lookup(q.prefix.user_id, model.model_version) for q in owned
+            )
+        )
         for request in owned:
             ranked = await b.Rank(rank_request_to_proto(request))
             assert ranked.cache_outcome == HIT and ranked.instance_id != "r0"
@@ -200,7 +204,10 @@ async def test_serving_survives_an_etcd_outage(
 
         async def spilled_and_seen() -> bool:
             reply = await a.PreInfer(pre_infer_request_to_proto(request.prefix))
-            return reply.instance_id == "r2" and router_b.cluster.lookup(user) == "r2"
+            return (
+                reply.instance_id == "r2"
+                and router_b.cluster.lookup(user, model.model_version) == "r2"
+            )
 
         deadline = time.monotonic() + 15
         while not await spilled_and_seen():  # the holder's lease may be renewed once more

@@ -104,7 +104,7 @@ async def test_zipf_traffic_never_pushes_a_ranker_past_the_load_bound(
             before = Counter(servicer.load.loads())
             placed = _placements(servicer.stats)
             puts = cluster.writes["put"]
-            entry = cluster.entry(user)
+            entry = cluster.entry(user, model.model_version)
             assert (None if entry is None else entry.instance_id) == directory.get(user)
             start = time.time()
             p = prefix(rng, 12, user_id=user)  # the user's history moves on: a new prefix
@@ -158,7 +158,11 @@ async def test_zipf_traffic_never_pushes_a_ranker_past_the_load_bound(
         # has an entry naming where it is: router b's Ranks find every cache.
         for user, (instance, _) in last.items():
             assert directory.get(user, ranking(user, names)[0]) == instance, user
-        await poll(lambda: all(router_b.cluster.lookup(u) == directory.get(u) for u in last))
+        await poll(
+            lambda: all(
+                router_b.cluster.lookup(u, model.model_version) == directory.get(u) for u in last
+            )
+        )
         for user, (instance, p) in last.items():
             request = rank_input(rng, p, 2, 3)
             ranked = await b.Rank(rank_request_to_proto(request))

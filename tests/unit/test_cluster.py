@@ -127,7 +127,7 @@ def test_memory_cluster_implements_both_ports() -> None:
     cluster = MemoryCluster(FakeClock())
     membership: Membership = cluster
     directory: Directory = cluster
-    assert membership.view() == {} and directory.lookup("alice") is None
+    assert membership.view() == {} and directory.lookup("alice", "") is None
 
 
 def test_membership_register_replace_deregister_and_snapshot_views() -> None:
@@ -154,11 +154,11 @@ def test_directory_entry_expires_exactly_at_expires_at() -> None:
     run(cluster.register(ranker("r1"), ttl_s=10))
     assert run(cluster.record(PlacementRecord("alice", "r1", 130.0), "r1"))
     clock.now = 129.999
-    assert cluster.lookup("alice") == "r1"
+    assert cluster.lookup("alice", "") == "r1"
     clock.now = 130.0
-    assert cluster.lookup("alice") is None
+    assert cluster.lookup("alice", "") is None
     clock.now = 100.0  # an expired entry is gone, not hidden
-    assert cluster.lookup("alice") is None
+    assert cluster.lookup("alice", "") is None
 
 
 def test_directory_latest_record_wins_and_needs_a_live_holder() -> None:
@@ -167,9 +167,9 @@ def test_directory_latest_record_wins_and_needs_a_live_holder() -> None:
     run(cluster.register(ranker("r2"), ttl_s=10))
     assert run(cluster.record(PlacementRecord("alice", "r1", 60.0), "r1"))
     assert run(cluster.record(PlacementRecord("alice", "r2", 60.0), "r2"))
-    assert cluster.lookup("alice") == "r2"
+    assert cluster.lookup("alice", "") == "r2"
     assert not run(cluster.record(PlacementRecord("bob", "r9", 60.0), "r9"))
-    assert cluster.lookup("bob") is None
+    assert cluster.lookup("bob", "") is None
 
 
 def test_deregister_drops_entries_held_by_or_placed_on_the_instance() -> None:
@@ -181,12 +181,38 @@ def test_deregister_drops_entries_held_by_or_placed_on_the_instance() -> None:
     run(cluster.record(PlacementRecord("carol", "r2", 60.0), "r1"))  # held by r1
     run(cluster.record(PlacementRecord("dave", "r3", 60.0), "r3"))
     run(cluster.deregister("r1"))
-    assert [cluster.lookup(u) for u in ("alice", "bob", "carol", "dave")] == [
+    assert [cluster.lookup(u, "") for u in ("alice", "bob", "carol", "dave")] == [
         None,
         None,
         None,
         "r3",
     ]
     run(cluster.forget_instance("r3"))
-    assert cluster.lookup("dave") is None
+    assert cluster.lookup("dave", "") is None
     assert sorted(cluster.view()) == ["r2", "r3"]  # forgetting entries leaves membership alone
+
+
+def test_directory_entries_are_namespaced_by_model_version() -> None:
+    cluster = MemoryCluster(FakeClock(0.0))
+    for r in ("r1", "r2"):
+        run(cluster.register(ranker(r), ttl_s=10))
+    assert run(cluster.record(PlacementRecord("alice", "r1", 60.0, "v1"), "r1"))
+    assert run(cluster.record(PlacementRecord("alice", "r2", 60.0, "v2"), "r2"))
+    assert (cluster.lookup("alice", "v1"), cluster.lookup("alice", "v2")) == ("r1", "r2")
+    assert cluster.lookup("alice", "") is None and cluster.entry("alice", "v3") is None
+    assert cluster.entry("alice", "v2") == PlacementRecord("alice", "r2", 60.0, "v2")
+    run(cluster.forget_instance("r2"))
+    assert (cluster.lookup("alice", "v1"), cluster.lookup("alice", "v2")) == ("r1", None)
+
+
+def test_a_placement_record_without_a_version_parses_and_a_version_has_no_slash() -> None:
+    older = b'{"expires_at": 5, "instance_id": "r1", "user_id": "alice"}'
+    assert PlacementRecord.from_json(older) == PlacementRecord("alice", "r1", 5.0, "")
+    record = PlacementRecord("alice", "r1", 5.0, "v1")
+    assert PlacementRecord.from_json(record.to_json()) == record
+    with pytest.raises(InvalidInput, match="model_version must not contain '/'"):
+        PlacementRecord("alice", "r1", 5.0, "v/1")
+    with pytest.raises(InvalidInput, match="model_version must not contain '/'"):
+        ranker(model_version="v/1")
+    with pytest.raises(InvalidInput, match="user_id must be a non-empty string"):
+        PlacementRecord("", "r1", 5.0, "v1")

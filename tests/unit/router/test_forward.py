@@ -31,6 +31,7 @@ WINDOW_S = 2.0
 SETTINGS = ForwardSettings(load_epsilon=0.25, load_floor=16.0, relay_window_s=WINDOW_S)
 HEDGE_S = 0.05
 USER = "alice"
+MV = "mv-1"  # every ranker's model version here
 ORDER = tuple(ranking(USER, NAMES))  # alice's rendezvous order: ORDER[0] owns her
 REQUEST = b"\x12\x05alice"
 PRE, RANK = Method.PRE_INFER, Method.RANK
@@ -45,7 +46,7 @@ def record(name: str) -> RankerRecord:
     return RankerRecord(
         instance_id=name,
         address=f"{name}.rankers:50051",
-        model_version="mv-1",
+        model_version=MV,
         hbm_budget_bytes=2**30,
         dram_budget_bytes=2**32,
         kv_bytes_per_token=1024,
@@ -143,10 +144,12 @@ def test_a_pre_infer_goes_to_its_owner_and_is_booked_there() -> None:
         assert outcome == Served(reply(ORDER[0], PRE), ORDER[0], attempts=1, fallback=False)
         assert r.rankers.calls == [(ORDER[0], PRE, REQUEST, 4.5)]
         assert r.forwarder.stats == RouterStats(
-            placed=Counter({Reason.HASH: 1}), forwarded=Counter({(PRE, OK): 1})
+            placed=Counter({Reason.HASH: 1}),
+            forwarded=Counter({(PRE, OK): 1}),
+            versions=Counter({(PRE, MV): 2}),  # routed twice (`route`, then `serve`)
         )
         assert r.forwarder.load.loads() == Counter({ORDER[0]: 1})
-        assert r.cluster.entry(USER) is None  # on its owner: nothing to tell the directory
+        assert r.cluster.entry(USER, MV) is None  # on its owner: nothing to tell the directory
 
     run(scenario)
 
@@ -163,9 +166,12 @@ def test_an_unavailable_owner_fails_over_and_the_directory_learns_where_the_user
             failed_over=Counter({PRE: 1}),
             forwarded=Counter({(PRE, UNAVAILABLE): 1, (PRE, OK): 1}),
             directory_writes=1,
+            versions=Counter({(PRE, MV): 1}),
         )
         assert r.forwarder.load.loads() == Counter({ORDER[1]: 1})  # where it was served
-        assert r.cluster.entry(USER) == PlacementRecord(USER, ORDER[1], r.clock.now + WINDOW_S)
+        assert r.cluster.entry(USER, MV) == PlacementRecord(
+            USER, ORDER[1], r.clock.now + WINDOW_S, MV
+        )
 
         # The user's Rank follows the directory to where the PreInfer landed, at first try.
         route = r.forwarder.route(RANK, USER)
@@ -186,7 +192,7 @@ def test_a_ranker_without_room_spills_the_request_to_the_next_one() -> None:
         assert outcome == Served(reply(ORDER[1], PRE), ORDER[1], attempts=2, fallback=True)
         assert r.forwarder.stats.forwarded == Counter({(PRE, EXHAUSTED): 1, (PRE, OK): 1})
         assert r.forwarder.stats.failed_over == Counter({PRE: 1})
-        assert r.cluster.lookup(USER) == ORDER[1]
+        assert r.cluster.lookup(USER, MV) == ORDER[1]
 
     run(scenario)
 
@@ -203,8 +209,10 @@ def test_every_ranker_without_room_is_resource_exhausted_naming_each_answer() ->
         assert outcome == Refused(EXHAUSTED, expected)
         assert r.rankers.called() == [(name, PRE) for name in ORDER]
         # Nothing placed: no load, no placement count, no directory write.
-        assert r.forwarder.stats == RouterStats(forwarded=Counter({(PRE, EXHAUSTED): 3}))
-        assert not r.forwarder.load.loads() and r.cluster.entry(USER) is None
+        assert r.forwarder.stats == RouterStats(
+            forwarded=Counter({(PRE, EXHAUSTED): 3}), versions=Counter({(PRE, MV): 1})
+        )
+        assert not r.forwarder.load.loads() and r.cluster.entry(USER, MV) is None
 
     run(scenario)
 
@@ -246,6 +254,7 @@ def test_a_rankers_own_error_is_the_answer_without_trying_another() -> None:
             forwarded=Counter(
                 {(RANK, Status.INVALID_ARGUMENT): 1, (PRE, Status.DEADLINE_EXCEEDED): 1}
             ),
+            versions=Counter({(RANK, MV): 1, (PRE, MV): 1}),
         )
 
     run(scenario)
@@ -306,8 +315,9 @@ def test_random_placement_ignores_affinity_and_books_no_load() -> None:
             placed_random=Counter({RANK: 1}),
             failed_over=Counter({RANK: 1}),
             forwarded=Counter({(RANK, UNAVAILABLE): 2, (RANK, OK): 1}),
+            versions=Counter({(PRE, MV): 1, (RANK, MV): 1}),
         )
-        assert not r.forwarder.load.loads() and r.cluster.entry(USER) is None
+        assert not r.forwarder.load.loads() and r.cluster.entry(USER, MV) is None
 
     run(scenario)
 
@@ -330,6 +340,7 @@ def test_a_frozen_rankers_rank_is_answered_by_the_hedge_and_the_frozen_call_canc
             hedged=Counter({RANK: 1}),
             failed_over=Counter({RANK: 1}),
             forwarded=Counter({(RANK, OK): 1}),  # the cancelled call had no answer
+            versions=Counter({(RANK, MV): 1}),
         )
 
     run(scenario)

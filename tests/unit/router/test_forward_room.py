@@ -9,6 +9,7 @@ from relaygr.room import RelayRoom, RoomReport
 from services.router.forward import CallFailed, Forwarder, RelayHint, Route, RouterStats, Served
 from tests.unit.router.test_forward import (
     EXHAUSTED,
+    MV,
     OK,
     ORDER,
     PRE,
@@ -53,8 +54,10 @@ def test_a_live_preferred_ranker_is_tried_first_and_the_directory_learns_it() ->
             placed=Counter({Reason.PREFERRED: 1}),
             forwarded=Counter({(PRE, OK): 1}),
             directory_writes=1,
+            versions=Counter({(PRE, MV): 2}),
         )
-        assert r.cluster.entry(USER) == PlacementRecord(USER, ORDER[2], r.clock.now + WINDOW_S)
+        placed = PlacementRecord(USER, ORDER[2], r.clock.now + WINDOW_S, MV)
+        assert r.cluster.entry(USER, MV) == placed
         ranked = await r.forwarder.serve(RANK, USER, REQUEST)  # the Rank follows it there
         assert isinstance(ranked, Served) and ranked.instance == ORDER[2]
 

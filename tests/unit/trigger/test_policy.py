@@ -369,7 +369,8 @@ def test_sweep_drops_expired_relays_and_departed_instances() -> None:
     room.refuse(X, 1.0, 5.0)
     room.refuse("ranker-1", 1.0, 5.0)
     room.sweep(2.0, {X: ranker()})
-    assert set(room.relays) == {("new", "digest-a")}  # not expired, nor on a departed ranker
+    # Not expired, nor on a departed ranker (relays are keyed by user, version and prefix).
+    assert set(room.relays) == {("new", "", "digest-a")}
     assert set(room.observed) == {X}
     assert set(room.refusals) == {X}
     assert room.held(X, 2.0) == 10 + NBYTES
@@ -597,3 +598,24 @@ def test_an_old_queue_figure_ages_out_with_the_view() -> None:
     policy.room.observe(X, seen(0, queued_ms=10_000.0), 0.0)
     assert policy.decide(event("a"), [ranker()], 1.0).reason is Reason.LOAD_LIMIT
     assert policy.decide(event("a"), [ranker()], 2.0).admitted
+
+
+# -- model versions -------------------------------------------------------------------------
+
+
+def test_relays_are_booked_per_model_version() -> None:
+    policy = AdmissionPolicy(config())
+    v1, v2 = ranker(X, model_version="v1"), ranker("ranker-1", model_version="v2")
+    first = policy.decide(dataclasses.replace(event(), model_version="v1"), [v1], NOW)
+    assert first.admitted and first.model_version == "v1" and first.target == X
+    again = policy.decide(dataclasses.replace(event(), model_version="v1"), [v1], NOW)
+    assert again.reason is Reason.IN_FLIGHT and again.model_version == "v1"
+    # The same user and prefix under v2: another relay, judged on v2's ranker.
+    other = policy.decide(dataclasses.replace(event(), model_version="v2"), [v2], NOW)
+    assert other.admitted and (other.model_version, other.target) == ("v2", "ranker-1")
+    policy.settled("user-0", "digest-a", X, NBYTES, NOW, "v1")
+    assert policy.room.live(("user-0", "v1", "digest-a"), NOW) is not None
+    policy.failed("user-0", "digest-a", "v2")
+    assert policy.room.live(("user-0", "v2", "digest-a"), NOW) is None
+    cached = policy.decide(dataclasses.replace(event(), model_version="v1"), [v1], NOW)
+    assert cached.reason is Reason.ALREADY_CACHED
