@@ -162,7 +162,7 @@ class PeerFetch:
                 return await self.source.fetch(key, peer, timeout_s)
         except TimeoutError:
             return FetchResult.TIMEOUT
-        except Exception:  # noqa: BLE001 - a peer's failure never fails the request
+        except Exception:
             return FetchResult.ERROR
 
 

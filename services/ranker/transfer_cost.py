@@ -1,4 +1,4 @@
-"""The peer-transfer cost model, refitted from the fetches a ranker makes: robust fixed + per-MiB."""
+"""The peer-transfer cost model, refitted from the fetches a ranker makes: fixed + per-MiB."""
 
 import threading
 from collections import deque
