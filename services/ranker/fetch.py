@@ -162,7 +162,7 @@ class PeerFetch:
                 return await self.source.fetch(key, peer, timeout_s)
         except TimeoutError:
             return FetchResult.TIMEOUT
-        except Exception:
+        except Exception:  # a peer's failure never fails the request
             return FetchResult.ERROR
 
 
