@@ -55,8 +55,11 @@ def assert_exact(model: RankingModel, reply: common_pb2.RankReply, request: Rank
     assert err <= 1e-5, (reply.instance_id, err)
 
 
-async def scale_out(mesh: Mesh, rng: np.random.Generator, **config: object) -> None:
-    """Three warm rankers, a router, then a fourth ranker; every user ranked after it joined."""
+async def scale_out(
+    mesh: Mesh, rng: np.random.Generator, **config: object
+) -> list[tuple[str, str, str, int]]:
+    """Three warm rankers, a router, then a fourth ranker; every user ranked after it joined:
+    (user, its ranker before, its ranker after, the outcome there)."""
     for name in OLD:
         await mesh.add_ranker(name, **config)
     router = await mesh.add_router()
@@ -78,7 +81,7 @@ async def scale_out(mesh: Mesh, rng: np.random.Generator, **config: object) -> N
         reply = await router.Rank(rank_request_to_proto(request), timeout=10)
         assert_exact(mesh.model, reply, request)
         results.append((user, warm[user], reply.instance_id, reply.cache_outcome))
-    return results  # type: ignore[return-value]
+    return results
 
 
 async def test_moved_users_are_served_from_fetched_prefixes_when_fetching_is_cheaper(
