@@ -56,3 +56,20 @@ class CostModel:
     def reload_is_cheaper(self, nbytes: int, tokens: int) -> bool:
         """Bring a host copy back rather than recompute the prefix?"""
         return self.reload_ms(nbytes) < self.prefill_ms(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCost:
+    """Milliseconds to fetch a cached prefix of `nbytes` from a peer ranker (see ranker.proto
+    CostModel.transfer_*): fixed + ms_per_mb * MiB, request to a checked, device-resident entry.
+
+    `median_abs_rel_error` and `samples` as in `CostModel` (0 and 0: the configured prior).
+    """
+
+    fixed_ms: float
+    ms_per_mb: float
+    median_abs_rel_error: float = 0.0
+    samples: int = 0
+
+    def ms(self, nbytes: int) -> float:
+        return self.fixed_ms + self.ms_per_mb * nbytes / 2**20

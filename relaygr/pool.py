@@ -1,7 +1,7 @@
 """Pooled gRPC channels from the router to rankers, one per ranker address, carrying raw bytes."""
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -10,7 +10,10 @@ from relaygr.tls_settings import TlsSettings
 
 # A ranker method taking and returning serialized messages: (request bytes, timeout) -> reply.
 RawCall = Callable[..., Awaitable[bytes]]
+# A ranker method streaming its reply: (request bytes, timeout) -> reply messages' bytes.
+RawStream = Callable[..., AsyncIterator[bytes]]
 _METHODS = ("PreInfer", "Rank", "Describe")
+_STREAMS = ("Fetch",)  # a peer ranker fetching a prefix (services/ranker/fetch_client.py)
 _SERVICE = "/relaygr.v1.RankerService/"
 
 
@@ -37,13 +40,23 @@ class RankerPool:
 
     def call(self, address: str, method: str) -> RawCall:
         """The raw callable of a RankerService `method` on the ranker at `address`."""
+        return self._open(address)[1][method]
+
+    def stream(self, address: str, method: str) -> RawStream:
+        """The raw callable of a server-streaming RankerService `method` (Fetch)."""
+        if method not in _STREAMS:
+            raise KeyError(method)
+        channel = self._open(address)[0]
+        return channel.unary_stream(_SERVICE + method)  # type: ignore[return-value]
+
+    def _open(self, address: str) -> tuple[grpc.aio.Channel, dict[str, RawCall]]:
         entry = self._channels.get(address)
         if entry is None:
             channel = open_channel(address, self._tls, self._options, self._interceptors)
             calls = {m: channel.unary_unary(_SERVICE + m) for m in _METHODS}
             entry = (channel, calls)  # type: ignore[assignment]
             self._channels[address] = entry
-        return entry[1][method]
+        return entry
 
     def addresses(self) -> set[str]:
         """The addresses a channel is open to."""

@@ -12,6 +12,7 @@ from typing import TypeAlias, TypeGuard
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanContext, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 Attributes: TypeAlias = Mapping[str, AttributeValue]
@@ -92,3 +93,40 @@ def attached(ctx: otel_context.Context | None) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def traceparent(span_context: SpanContext) -> str:
+    """The W3C traceparent of `span_context` ("" when it is not valid)."""
+    if not span_context.is_valid:
+        return ""
+    return (
+        f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
+        f"{int(span_context.trace_flags):02x}"
+    )
+
+
+def span_context_of(traceparent_header: str) -> SpanContext | None:
+    """The remote span context a W3C traceparent names; None when it is empty or malformed."""
+    if not traceparent_header:
+        return None
+    carrier = {"traceparent": traceparent_header}
+    ctx = TraceContextTextMapPropagator().extract(carrier)
+    span_context = trace.get_current_span(ctx).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+def record_linked_span(
+    tracer: Tracer | None,
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    attributes: Attributes | None,
+    link: SpanContext | None,
+    link_attributes: Attributes | None = None,
+) -> None:
+    """`record_span` with a link to `link` (None: none), e.g. a fetch to its producer."""
+    if not recording(tracer) or start_ns <= 0:
+        return
+    links = [] if link is None else [trace.Link(link, link_attributes)]
+    span = tracer.start_span(name, start_time=start_ns, attributes=attributes, links=links)
+    span.end(end_time=max(end_ns, start_ns))

@@ -78,6 +78,8 @@ class EtcdMembershipDirectory:
         self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
         self._watches: list[Watch] = []
         self.writes: Counter[str] = Counter()
+        # When a ranker last joined or left the view (`clock` seconds); its start counts.
+        self.members_changed_at = clock()
 
     async def start(self) -> None:
         """Load both views afresh and follow changes; raises `Unavailable` if etcd is down."""
@@ -237,6 +239,8 @@ class EtcdMembershipDirectory:
             log.warning("ignoring malformed ranker record at %s: %s", event.key, err)
             self._drop_ranker(instance_id)
             return
+        if instance_id not in self._rankers:
+            self.members_changed_at = self._clock()
         self._rankers = {**self._rankers, instance_id: record}
         self._leases[instance_id] = lease_id
 
@@ -245,6 +249,7 @@ class EtcdMembershipDirectory:
             return
         self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
         self._leases.pop(instance_id, None)
+        self.members_changed_at = self._clock()
         # etcd deletes the entries it holds with its lease; drop them (and those naming it) now.
         for key in [
             k

@@ -129,6 +129,43 @@ class RankerConfig(ServiceOptions):
         default="", metadata=helped("host:port routers dial (default: 127.0.0.1:<bound port>)")
     )
 
+    # Peer fetch (docs/reliability.md): a miss fetches the prefix from a peer that may hold it.
+    peer_fetch: bool = field(
+        default=True,
+        metadata=helped(
+            "on a miss, fetch the prefix from the peer that held it (the user's previous owner,"
+            " or its directory entry) when the transfer is predicted sooner than recomputing"
+        ),
+    )
+    peer_fetch_window_s: float = field(
+        default=300.0,
+        metadata=helped(
+            "ask a user's previous owner only this long after a ranker joined or left (this"
+            " one's start included): a settled fleet's cold misses pay no fetch round trip",
+            POSITIVE,
+        ),
+    )
+    transfer_fixed_ms: float = field(
+        default=2.0,
+        metadata=helped(
+            "prior of a peer fetch's fixed cost, ms (refitted from the fetches made once the"
+            " compute cost is calibrated here)",
+            non_negative("0: free"),
+        ),
+    )
+    transfer_ms_per_mb: float = field(
+        default=1.0,
+        metadata=helped("prior of a peer fetch's cost per MiB, ms", non_negative("0: free")),
+    )
+    fetch_timeout_ms: int = field(
+        default=250,
+        metadata=helped(
+            "most time one peer fetch may take (else twice its predicted time + 20 ms, within"
+            " the request's deadline); then the prefix is computed",
+            POSITIVE,
+        ),
+    )
+
     def __post_init__(self) -> None:
         parse_device_kind(self.device)
         try:

@@ -3,7 +3,7 @@
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,6 +13,7 @@ from relaygr.behaviours import Prefix, RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
 from services.ranker.digest import PrefixHasher
+from services.ranker.fetch import Peer, PeerFetch
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.model import RankingModel
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
@@ -26,7 +27,7 @@ _WORK = {
     Source.RELOAD: Work.RELOAD,
     Source.EXTEND: Work.EXTEND,
     Source.PREFILL: Work.PREFILL,
-}
+}  # a fetch is no compute job: it lands as one of these when it falls back
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,18 +56,28 @@ class RankResult:
     relayed: bool = False
 
 
+@dataclass(slots=True)
+class _Fallback:
+    """How a peer fetch's key is computed if the fetch fails: a Rank that joins the fetch lifts
+    it to rank priority, under the earliest deadline."""
+
+    priority: Priority
+    deadline: float | None
+
+
 @dataclass(eq=False, slots=True)
 class _Inflight:
-    job: Job
+    job: Job | None  # None while a peer fetch runs (nothing submitted to compute yet)
     task: asyncio.Task[PrefixKV]
     source: Source
-    computed_tokens: int  # prefix tokens this job computes (0 for a reload)
+    computed_tokens: int  # prefix tokens this job computes (0 for a reload or a fetch)
     relay: bool  # started by a PreInfer (its entry lands pinned for a relay window)
     # What the landed entry records as its origin: the requester, except that a Rank's reload
     # of a host copy keeps the copy's producer (the content is the same).
     origin: Origin | None = None
     # A Rank restarted this PreInfer's job as its own computation (it was predicted sooner).
     taken_over: bool = False
+    fallback: _Fallback | None = None  # a peer fetch's, while it runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +85,8 @@ class _Plan:
     """How to make a prefix device-resident: the job's steps and each step's predicted time."""
 
     source: Source
-    steps: Steps
-    computed_tokens: int  # prefix tokens it computes (0 for a reload)
+    steps: Steps | None  # None for a peer fetch: it runs on the event loop, not the worker
+    computed_tokens: int  # prefix tokens it computes (0 for a reload or a fetch)
     step_ms: tuple[float, ...]
 
 
@@ -92,6 +103,13 @@ class RankerEngine:
     full inference, computed as prefill + rank (the same work), which leaves the prefix cached
     for return visits. Waits, jobs and the origin of each cache go to the observer; what it does
     changes nothing.
+
+    With `peer_fetch` (None: never), a missing prefix that a peer may hold is fetched from it
+    when the transfer is predicted sooner than every local way (`plan.cheapest`). The fetch is
+    the key's one in-flight entry: requests for the key join it (a Rank waits, lifting the
+    fallback to rank priority), and when no peer delivers a checked entry in time, the same
+    entry goes on to compute the prefix exactly as it would have, so a fetch never fails a
+    request.
     """
 
     def __init__(
@@ -102,8 +120,10 @@ class RankerEngine:
         cost_model: CostModel,
         settings: EngineSettings,
         observer: EngineObserver | None = None,
+        peer_fetch: PeerFetch | None = None,
     ) -> None:
-        """`observer` None: nothing observed (a no-op observer)."""
+        """`observer` None: nothing observed (a no-op observer); `peer_fetch` None: a miss is
+        never fetched from a peer."""
         self.model = model
         self.store = store
         self.scheduler = scheduler
@@ -112,6 +132,7 @@ class RankerEngine:
         self._observer: EngineObserver = observer or NoopObserver()
         self._inflight: dict[CacheKey, _Inflight] = {}
         self.draining = False
+        self.peer_fetch = peer_fetch
 
     def inflight(self) -> int:
         """Prefix computations and reloads in flight."""
@@ -200,7 +221,17 @@ class RankerEngine:
         mine: _Inflight | None = None  # the computation of the prefix this Rank made
         if kv is None and key in self._inflight:
             inflight = self._inflight[key]
-            if self._take_over(key, inflight, request.prefix, deadline, own):
+            if inflight.job is None:  # a peer fetch: wait; its fallback runs at rank priority
+                self._lift_fetch(inflight, deadline)
+                outcome = CacheOutcome.WAITED_INFLIGHT
+                consumed = inflight.origin
+                relayed = inflight.relay
+                with (
+                    self._observer.waiting_inflight(),
+                    contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
+                ):
+                    kv = await asyncio.shield(inflight.task)
+            elif self._take_over(key, inflight, request.prefix, deadline, own):
                 mine = inflight
                 kv = await asyncio.shield(inflight.task)
             else:
@@ -220,7 +251,8 @@ class RankerEngine:
             outcome = RANK_OUTCOME[mine.source]
             computed += mine.computed_tokens
             relayed = False
-            consumed = mine.origin if mine.source is Source.RELOAD else None
+            # a reload's or a fetch's content was produced elsewhere: link to its producer
+            consumed = mine.origin if mine.source in (Source.RELOAD, Source.FETCH) else None
         scores = await self._run(
             "rank",
             Work.RANK,
@@ -242,6 +274,18 @@ class RankerEngine:
             request, outcome, computed, consumed if consumed != own else None
         )
         return RankResult(scores, outcome, computed, relayed)
+
+    # -- a peer's fetch ----------------------------------------------------------------------
+
+    def held_for_peer(self, key: CacheKey) -> tuple[PrefixKV, Origin | None] | None:
+        """The entry held under exactly `key` (HBM first, else its host copy) and its origin,
+        for a peer that missed it; None when neither tier holds it. A peek: the entry keeps its
+        place in the LRU order and its pin, and a host copy is not brought to the device."""
+        for tier in (Tier.HBM, Tier.DRAM):
+            entry = self.store.peek(key, tier)
+            if entry is not None:
+                return entry.kv, entry.origin
+        return None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -285,23 +329,54 @@ class RankerEngine:
         first-out and a started one resumes first, so chunks would only add calls).
         """
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
-        plan = self._plan(key, prefix, chunk)
-        source, computed = plan.source, plan.computed_tokens
-        if source is Source.RELOAD and pin_for is None:
+        peers = self._fetch_peers(key)
+        plan = self._plan(key, prefix, chunk, peers)
+        if plan.steps is None:  # a peer fetch
+            fallback = _Fallback(priority, deadline)
+            fetch = self._fetch_then_land(key, prefix, peers, pin_for, due)
+            return self._enter(key, None, fetch, plan, pin_for, origin, fallback)
+        if plan.source is Source.RELOAD and pin_for is None:
             origin = self._reload_origin(key, origin)
-        job = self.scheduler.submit(
-            f"{source}:{key.user_id}",
+        job = self._submit(key, plan, priority, deadline, due)
+        return self._enter(key, job, self._land(key, job, pin_for), plan, pin_for, origin)
+
+    def _submit(
+        self,
+        key: CacheKey,
+        plan: _Plan,
+        priority: Priority,
+        deadline: float | None,
+        due: float | None,
+    ) -> Job:
+        assert plan.steps is not None
+        return self.scheduler.submit(
+            f"{plan.source}:{key.user_id}",
             plan.steps,
             priority,
             deadline,
             due=due,
             step_ms=plan.step_ms,
         )
-        # _land first runs on the loop's next turn, when the entry below is in the table.
-        task = asyncio.get_running_loop().create_task(self._land(key, job, pin_for))
+
+    def _enter(
+        self,
+        key: CacheKey,
+        job: Job | None,
+        landing: Coroutine[Any, Any, PrefixKV],
+        plan: _Plan,
+        pin_for: float | None,
+        origin: Origin | None,
+        fallback: _Fallback | None = None,
+    ) -> _Inflight:
+        """Run `landing` as the key's one in-flight entry."""
+        # `landing` first runs on the loop's next turn, when the entry below is in the table.
+        task = asyncio.get_running_loop().create_task(landing)
         # Its waiters may all be gone (deadline, disconnect): the outcome is then nobody's.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        inflight = _Inflight(job, task, source, computed, pin_for is not None, origin)
+        inflight = _Inflight(
+            job, task, plan.source, plan.computed_tokens, pin_for is not None, origin
+        )
+        inflight.fallback = fallback
         self._inflight[key] = inflight
         return inflight
 
@@ -323,9 +398,10 @@ class RankerEngine:
         for.
         """
         job = inflight.job
-        if job.priority is not Priority.BACKGROUND:
+        if job is None or job.priority is not Priority.BACKGROUND:
             return False
         plan = self._plan(key, prefix, None)
+        assert plan.steps is not None  # no peers given: never a fetch
         if not sooner(sum(plan.step_ms), job.remaining_ms) or not self.scheduler.restart(
             job, plan.steps, plan.step_ms, deadline
         ):
@@ -342,6 +418,87 @@ class RankerEngine:
         held = self._entry_origin(key, Tier.DRAM)
         return held if held is not None else origin
 
+    # -- peer fetch ------------------------------------------------------------------------
+
+    def _fetch_peers(self, key: CacheKey) -> list[Peer]:
+        """The peers to fetch `key` from: none without peer fetch, or when a host copy of it is
+        here (reloading it is this ranker's own business)."""
+        if self.peer_fetch is None or self.store.peek(key, Tier.DRAM) is not None:
+            return []
+        return self.peer_fetch.peers(key)
+
+    def _lift_fetch(self, inflight: _Inflight, deadline: float | None) -> None:
+        """A Rank joined a running fetch: should it fail, compute at rank priority, by the
+        earliest deadline of those waiting."""
+        fallback = inflight.fallback
+        if fallback is None:
+            return
+        fallback.priority = Priority.RANK
+        if deadline is not None:
+            fallback.deadline = (
+                deadline if fallback.deadline is None else min(fallback.deadline, deadline)
+            )
+
+    async def _fetch_then_land(
+        self,
+        key: CacheKey,
+        prefix: Prefix,
+        peers: list[Peer],
+        pin_for: float | None,
+        due: float | None,
+    ) -> PrefixKV:
+        """The in-flight entry of a fetch: land the fetched prefix; or, when no peer delivers
+        it, compute it as `_start` would have without peers (the same entry goes on)."""
+        inflight = self._inflight[key]
+        assert self.peer_fetch is not None and inflight.fallback is not None
+        landing = False
+        try:
+            fetched, attempts = await self.peer_fetch.fetch(
+                key,
+                peers,
+                self._expected_bytes(prefix.num_tokens),
+                len(prefix.user_features),
+                lambda: self._remaining_s(inflight),
+            )
+            producer = None
+            for attempt in attempts:
+                producer = self._observer.remote_origin(attempt.origin_traceparent)
+                self._observer.fetched(
+                    attempt.peer.instance_id, attempt.result, attempt.nbytes,
+                    attempt.seconds, attempt.start_ns, producer,
+                )  # fmt: skip
+            if fetched is not None:
+                if pin_for is None and producer is not None:
+                    inflight.origin = producer  # a Rank's: the content is its producer's
+                kv = fetched.kv
+                # may not fit; the waiters still use it
+                self.store.put_device(key, kv, pin_for=pin_for, origin=inflight.origin)
+                return kv
+            fallback, inflight.fallback = inflight.fallback, None
+            chunk = (
+                self.settings.prefill_chunk_tokens
+                if fallback.priority is Priority.BACKGROUND
+                else None
+            )
+            plan = self._plan(key, prefix, chunk)
+            if plan.source is Source.RELOAD and pin_for is None:
+                inflight.origin = self._reload_origin(key, inflight.origin)
+            job = self._submit(key, plan, fallback.priority, fallback.deadline, due)
+            inflight.job, inflight.source = job, plan.source
+            inflight.computed_tokens = plan.computed_tokens
+            landing = True
+            return await self._land(key, job, pin_for)
+        finally:
+            if not landing:
+                del self._inflight[key]
+
+    def _remaining_s(self, inflight: _Inflight) -> float | None:
+        """Time left before the deadline a fetch's fallback must meet (None: none)."""
+        deadline = None if inflight.fallback is None else inflight.fallback.deadline
+        return None if deadline is None else deadline - self.scheduler.clock()
+
+    # -- landing ---------------------------------------------------------------------------
+
     async def _land(self, key: CacheKey, job: Job, pin_for: float | None) -> PrefixKV:
         inflight = self._inflight[key]  # its source may change while queued (a Rank's take-over)
         try:
@@ -356,12 +513,18 @@ class RankerEngine:
         finally:
             del self._inflight[key]
 
-    def _plan(self, key: CacheKey, prefix: Prefix, chunk: int | None) -> _Plan:
+    def _plan(
+        self, key: CacheKey, prefix: Prefix, chunk: int | None, peers: list[Peer] | None = None
+    ) -> _Plan:
         """The cheapest way to make `key` device-resident (`plan.cheapest`) and its steps:
-        computing in `chunk`-token steps (None: one call)."""
+        computing in `chunk`-token steps (None: one call). With `peers` (that may hold it),
+        fetching from them is a candidate, at the transfer cost in use."""
         device = self.model.device
         held = self.store.peek(key, Tier.DRAM)
         base = self._extendable(key, prefix)
+        fetch_ms = None
+        if peers and self.peer_fetch is not None:
+            fetch_ms = self.peer_fetch.transfer.ms(self._expected_bytes(prefix.num_tokens))
         costed = cheapest(
             self.cost_model,
             len(prefix.user_features),
@@ -369,7 +532,10 @@ class RankerEngine:
             None if held is None else _held(held.kv, device),
             None if base is None else _held(base, device),
             chunk,
+            fetch_ms,
         )
+        if costed.source is Source.FETCH:
+            return _Plan(costed.source, None, 0, costed.step_ms)
         size = chunk if chunk is not None else max(prefix.num_tokens, 1)
         steps: Generator[None, None, Any]
         if costed.source is Source.RELOAD:

@@ -3,18 +3,23 @@ read from the engine's own stats and state when scraped."""
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
 from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
 from services.ranker.kv_store import Drop, Tier
+from services.ranker.outcomes import FetchResult
 from services.ranker.scheduler import Priority
 
 # Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+)  # fmt: skip
+# One peer fetch: a NOT_FOUND round trip (sub-millisecond) up to a timed-out transfer.
+FETCH_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
 # Which cache outcomes count as a hit in which tier, for the hit ratio.
 HIT_TIERS = {
@@ -50,7 +55,42 @@ class RankerMetrics:
         )
         self._rank = {o: self.rank_latency.labels(o.value) for o in CacheOutcome}
         self._pre_infer = {o: self.pre_infer_latency.labels(o.value) for o in PreInferOutcome}
+        self._init_fetch_metrics(registry)
         registry.register(LiveCollector(self._collect))
+
+    # -- peer fetch ------------------------------------------------------------------------
+
+    def _init_fetch_metrics(self, registry: CollectorRegistry) -> None:
+        self.fetch_latency = Histogram(
+            "relaygr_ranker_fetch_seconds",
+            "Time of one peer fetch this ranker made, by result (hit: a checked entry landed;"
+            " not_found, timeout, refused, error: the prefix was then computed); the Ranks and"
+            " PreInfers served from fetched prefixes are the peer_fetched outcome of their"
+            " latency histograms",
+            ["result"],
+            registry=registry,
+            buckets=FETCH_BUCKETS_S,
+        )
+        self._fetch = {r: self.fetch_latency.labels(r.value) for r in FetchResult}
+        self.fetches_served = Counter(
+            "relaygr_ranker_fetches_served",
+            "Prefixes this ranker sent to peers that fetched them",
+            registry=registry,
+        )
+        self.fetch_served_bytes = Counter(
+            "relaygr_ranker_fetch_served_bytes",
+            "Payload bytes of the prefixes this ranker sent to peers that fetched them",
+            registry=registry,
+        )
+
+    def observe_fetch(self, result: FetchResult, seconds: float) -> None:
+        """One peer fetch this ranker made (the engine's `PeerFetch` timings sink)."""
+        self._fetch[result].observe(seconds)
+
+    def observe_fetch_served(self, nbytes: int) -> None:
+        """One prefix sent to a peer that fetched it."""
+        self.fetches_served.inc()
+        self.fetch_served_bytes.inc(nbytes)
 
     def observe_rank(self, outcome: CacheOutcome, seconds: float) -> None:
         self._rank[outcome].observe(seconds)
@@ -176,6 +216,21 @@ class RankerMetrics:
             [],
             {(): engine.scheduler.queued_background_ms() / 1e3},
         )
+        if engine.peer_fetch is not None:
+            yield counter(
+                "relaygr_ranker_fetched_bytes",
+                "Payload bytes of the prefixes fetched from peers that landed here",
+                [],
+                {(): engine.peer_fetch.stats.bytes_fetched},
+            )
+            transfer = engine.peer_fetch.transfer
+            yield gauge(
+                "relaygr_ranker_transfer_cost_ms",
+                "The peer-transfer cost model in use: fixed ms and ms per MiB (the configured "
+                "prior, refitted from the fetches made)",
+                ["term"],
+                {("fixed",): transfer.fixed_ms, ("per_mb",): transfer.ms_per_mb},
+            )
         yield gauge(
             "relaygr_ranker_inflight_prefixes",
             "Prefix computations and reloads in flight",

@@ -6,7 +6,7 @@ from enum import StrEnum
 from typing import NewType, Protocol
 
 from relaygr.behaviours import Prefix, RankInput
-from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.outcomes import CacheOutcome, FetchResult, PreInferOutcome
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import Job
 
@@ -21,6 +21,7 @@ class Operation(StrEnum):
 
     PRE_INFER = "pre_infer"
     RANK = "rank"
+    PEER = "peer"  # a request on a peer ranker, the prefix fetched from it (which one: unknown)
 
 
 class Work(StrEnum):
@@ -79,6 +80,24 @@ class EngineObserver(Protocol):
         another request produced it."""
         ...
 
+    def remote_origin(self, traceparent: str) -> Origin | None:
+        """The origin a peer sent with a fetched prefix (its producer's W3C traceparent; empty:
+        not known), as this observer links to it; None: nothing to link to."""
+        ...
+
+    def fetched(
+        self,
+        peer: str,
+        result: FetchResult,
+        nbytes: int,
+        seconds: float,
+        start_ns: int,
+        producer: Origin | None,
+    ) -> None:
+        """One fetch of a prefix from `peer` ended with `result` after `seconds` (from
+        `start_ns`, wall clock); a hit brought `nbytes` produced by `producer`."""
+        ...
+
     def demoting(self, kv: PrefixKV) -> AbstractContextManager[object]:
         """Held while an evicted device prefix is copied to host memory."""
         ...
@@ -132,6 +151,20 @@ class NoopObserver:
         outcome: CacheOutcome,
         computed_tokens: int,
         consumed: Origin | None,
+    ) -> None:
+        pass
+
+    def remote_origin(self, traceparent: str) -> Origin | None:
+        return None
+
+    def fetched(
+        self,
+        peer: str,
+        result: FetchResult,
+        nbytes: int,
+        seconds: float,
+        start_ns: int,
+        producer: Origin | None,
     ) -> None:
         pass
 

@@ -20,6 +20,7 @@ class Source(StrEnum):
     RELOAD = "reload"
     EXTEND = "extend"
     PREFILL = "prefill"
+    FETCH = "fetch"  # from a peer ranker that holds it (after a placement move)
 
 
 # What a PreInfer and a Rank report when their prefix was made from each source.
@@ -27,11 +28,13 @@ PRE_INFER_OUTCOME = {
     Source.RELOAD: PreInferOutcome.RELOADED,
     Source.EXTEND: PreInferOutcome.EXTENDED,
     Source.PREFILL: PreInferOutcome.COMPUTED,
+    Source.FETCH: PreInferOutcome.PEER_FETCHED,
 }
 RANK_OUTCOME = {
     Source.RELOAD: CacheOutcome.DRAM_HIT,
     Source.EXTEND: CacheOutcome.EXTENDED,
     Source.PREFILL: CacheOutcome.MISS,
+    Source.FETCH: CacheOutcome.PEER_FETCHED,
 }
 
 
@@ -47,8 +50,8 @@ class Held:
 
 @dataclass(frozen=True, slots=True)
 class Costed:
-    """The chosen source, the prefix tokens it computes (0 for a reload) and each step's
-    predicted milliseconds, in order."""
+    """The chosen source, the prefix tokens it computes (0 for a reload or a fetch) and each
+    step's predicted milliseconds, in order."""
 
     source: Source
     computed_tokens: int
@@ -62,11 +65,28 @@ def cheapest(
     host_copy: Held | None,
     base: Held | None,
     chunk: int | None,
+    fetch_ms: float | None = None,
 ) -> Costed:
     """Reload `host_copy` (the prefix itself, in host memory) when that is cheaper than
     recomputing; else extend `base` (the user's newest cached strict prefix of it); else
     prefill. Computing runs in `chunk`-token steps (None: one call); extending a base that is
-    not on the device first brings it over (one step)."""
+    not on the device first brings it over (one step). `fetch_ms`: the predicted time to fetch
+    the prefix from a peer that may hold it (None: no peer to ask); the fetch is chosen only
+    when it is predicted sooner than every local way, which is kept otherwise."""
+    local = _local(cost, user_features, behaviours, host_copy, base, chunk)
+    if fetch_ms is not None and fetch_ms < sum(local.step_ms):
+        return Costed(Source.FETCH, 0, (fetch_ms,))
+    return local
+
+
+def _local(
+    cost: CostModel,
+    user_features: int,
+    behaviours: int,
+    host_copy: Held | None,
+    base: Held | None,
+    chunk: int | None,
+) -> Costed:
     tokens = user_features + behaviours
     if host_copy is not None and cost.reload_is_cheaper(host_copy.nbytes, tokens):
         return Costed(Source.RELOAD, 0, (cost.reload_ms(host_copy.nbytes),))

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from relaygr.cluster import RankerRecord
-from relaygr.cost import CostModel
+from relaygr.cost import CostModel, TransferCost
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
+from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
 from relaygr.v1 import ranker_pb2_grpc
@@ -29,6 +30,8 @@ from services.ranker.cost_fit import Sample, fit_cost_model
 from services.ranker.cost_learner import CostLearner, Republisher
 from services.ranker.cost_model import measure, reload_ms_per_mb
 from services.ranker.engine import EngineSettings, RankerEngine
+from services.ranker.fetch import FetchSettings, PeerFetch
+from services.ranker.fetch_client import GrpcPeerSource
 from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.metrics import RankerMetrics
@@ -179,6 +182,33 @@ async def keep_learning(
                 await ranker.mesh.cluster.register(record(model), cfg.lease_ttl_s)
 
 
+def peer_fetch(
+    cfg: RankerConfig,
+    mesh: MeshLink,
+    pool: RankerPool,
+    instance_id: str,
+    model: RankingModel,
+    learn: bool,
+    metrics: RankerMetrics,
+) -> PeerFetch:
+    """Fetching missed prefixes from the mesh's peers through `pool`, at the configured transfer
+    cost, refitted from the fetches made when `learn` (the compute cost is calibrated here)."""
+    cluster = mesh.cluster
+    source = GrpcPeerSource(
+        pool,
+        cluster.view,
+        cluster,
+        instance_id,
+        model.cfg,
+        model.device,
+        changed_at=lambda: cluster.members_changed_at,
+        window_s=cfg.peer_fetch_window_s,
+    )
+    prior = TransferCost(cfg.transfer_fixed_ms, cfg.transfer_ms_per_mb)
+    settings = FetchSettings(cap_s=cfg.fetch_timeout_ms / 1e3)
+    return PeerFetch(source, settings, prior, learn=learn, timings=metrics.observe_fetch)
+
+
 @dataclass(slots=True)
 class RankerServer:
     """A running ranker (a `RunningService`): its gRPC server, (once warm) its engine, and
@@ -191,6 +221,7 @@ class RankerServer:
     mesh: MeshLink | None = None
     metrics_server: MetricsServer | None = None
     learning: "asyncio.Task[None] | None" = None  # refits the cost model from served work
+    peer_pool: RankerPool | None = None  # channels to the peers this ranker fetches from
 
     @property
     def port(self) -> int:
@@ -225,6 +256,9 @@ class RankerServer:
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
+        if self.peer_pool is not None:
+            await self.peer_pool.close()
+            self.peer_pool = None
 
     async def stop(self, grace: float = 5.0) -> None:
         await stop_service(self, grace)
@@ -282,6 +316,13 @@ async def start_ranker(
         )
         # The peers' view: where a draining ranker hands its prefixes, whom a miss fetches from.
         await mesh.cluster.start()
+        if cfg.peer_fetch and cfg.relay_enabled:
+            pool = ranker.peer_pool = RankerPool(
+                cfg.server_options().channel_args()[:2], cfg, telemetry.client_interceptors()
+            )
+            ranker.engine.peer_fetch = peer_fetch(
+                cfg, mesh, pool, instance_id, loaded, learner is not None, metrics
+            )
     if learner is not None:
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         ranker.learning = asyncio.create_task(

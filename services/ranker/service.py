@@ -1,18 +1,26 @@
 """RankerService over gRPC: translates relaygr.v1 messages to the engine's domain and back."""
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import torch
 
+from relaygr.behaviours import UserId
 from relaygr.errors import FailedPrecondition, Unavailable
 from relaygr.grpc_server import absolute_deadline
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import InputLimits, prefix_from_proto, rank_input_from_proto
+from services.ranker.digest import PrefixDigest
 from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
-from services.ranker.kv_store import Tier
+from services.ranker.fetch_client import header_to_proto
+from services.ranker.kv_store import CacheKey, Tier
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model_config import TIMESTAMP_BYTES
+from services.ranker.prefix_kv import ModelVersion
+from services.ranker.tracing_observer import origin_traceparent
+from services.ranker.transfer import chunks, encode
 
 SERVICE_NAME = "relaygr.v1.RankerService"
 
@@ -117,6 +125,44 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             relayed=result.relayed,
         )
 
+    async def Fetch(
+        self, request: ranker_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ranker_pb2.PrefixChunk]:
+        """One entry held under exactly the key asked for, as a header and its payload.
+
+        A streaming handler: the error interceptor passes it by, so it sets its own status.
+        """
+        if not (request.user_id and request.model_version and request.prefix_digest):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Fetch needs user_id, model_version and prefix_digest",
+            )
+        if self._engine is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "ranker is loading its model and calibrating"
+            )
+        assert self._engine is not None
+        key = CacheKey(
+            UserId(request.user_id),
+            ModelVersion(request.model_version),
+            PrefixDigest(request.prefix_digest),
+        )
+        held = self._engine.held_for_peer(key)
+        if held is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no prefix of user {request.user_id!r} under that version and digest here",
+            )
+        assert held is not None
+        kv, origin = held
+        # Copying off the device and the content digest: off the event loop.
+        header, payload = await asyncio.to_thread(encode, key, kv, origin_traceparent(origin))
+        if self._metrics is not None:
+            self._metrics.observe_fetch_served(header.nbytes)
+        yield ranker_pb2.PrefixChunk(header=header_to_proto(header))
+        for piece in chunks(payload):
+            yield ranker_pb2.PrefixChunk(data=bytes(piece))
+
     async def Describe(
         self, request: ranker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> ranker_pb2.RankerInfo:
@@ -165,8 +211,17 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 reload_ms_per_mb=cost.reload_ms_per_mb,
                 median_abs_rel_error=cost.median_abs_rel_error,
                 samples=cost.samples,
+                **self._transfer_cost(engine),
             ),
             relay_enabled=engine.settings.relay_enabled,
             intra_op_threads=torch.get_num_threads(),
             queued_prefill_ms=engine.scheduler.queued_background_ms(),
         )
+
+    @staticmethod
+    def _transfer_cost(engine: RankerEngine) -> dict[str, float]:
+        """CostModel.transfer_* of the peer fetches in use (none: peer fetch is off)."""
+        if engine.peer_fetch is None:
+            return {}
+        transfer = engine.peer_fetch.transfer
+        return {"transfer_fixed_ms": transfer.fixed_ms, "transfer_ms_per_mb": transfer.ms_per_mb}

@@ -12,9 +12,12 @@ from relaygr.tracing import (
     annotate,
     child_span,
     link_current,
+    record_linked_span,
     record_span,
     recording,
     sampled_span_context,
+    span_context_of,
+    traceparent,
 )
 from services.ranker.observer import (
     ComputeSink,
@@ -25,7 +28,7 @@ from services.ranker.observer import (
     TimingObserver,
     Work,
 )
-from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.outcomes import CacheOutcome, FetchResult, PreInferOutcome
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import Job
 
@@ -44,6 +47,12 @@ def engine_observer(tracer: Tracer | None, timings: ComputeSink | None = None) -
     if tracer is not None:
         return TracingObserver(tracer, timings)
     return NoopObserver() if timings is None else TimingObserver(timings)
+
+
+def origin_traceparent(origin: Origin | None) -> str:
+    """The W3C traceparent of the request an entry's origin names, for a peer fetching it
+    ("" when it names none this observer made)."""
+    return traceparent(origin.span_context) if isinstance(origin, SpanOrigin) else ""
 
 
 class TracingObserver:
@@ -127,6 +136,40 @@ class TracingObserver:
                 consumed.span_context,
                 {"relaygr.link": "relay", "relaygr.relay.producer": consumed.operation.value},
             )
+
+    def remote_origin(self, traceparent: str) -> Origin | None:
+        span_context = span_context_of(traceparent)
+        return None if span_context is None else Origin(SpanOrigin(span_context, Operation.PEER))
+
+    def fetched(
+        self,
+        peer: str,
+        result: FetchResult,
+        nbytes: int,
+        seconds: float,
+        start_ns: int,
+        producer: Origin | None,
+    ) -> None:
+        # One span per peer asked, linked to the request that produced what it brought.
+        attributes: Attributes = {
+            "relaygr.fetch.peer": peer,
+            "relaygr.fetch.result": result.value,
+            "relaygr.kv.bytes": nbytes,
+            "relaygr.kv.from": "peer",
+            "relaygr.kv.to": "hbm",
+        }
+        if result not in (FetchResult.HIT, FetchResult.NOT_FOUND):  # not found: expected
+            attributes = {**attributes, "error": True}
+        link = producer.span_context if isinstance(producer, SpanOrigin) else None
+        record_linked_span(
+            self._tracer,
+            "ranker.fetch",
+            start_ns,
+            start_ns + int(seconds * 1e9),
+            attributes,
+            link,
+            {"relaygr.link": "fetched_from"},
+        )
 
     def demoting(self, kv: PrefixKV) -> AbstractContextManager[object]:
         # A tier move (HBM eviction keeping a host copy), traced under the request causing it.

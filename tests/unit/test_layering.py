@@ -30,6 +30,8 @@ CORES = (
     "services.ranker.plan",
     "services.ranker.cost_fit",
     "services.ranker.cost_learner",
+    "services.ranker.fetch",
+    "services.ranker.transfer_cost",
     "services.ranker.host_lock",
     "services.trigger.policy",
     "services.router.forward",

@@ -1,0 +1,149 @@
+"""Peer fetch over gRPC: whom a miss asks (its directory entry, its previous owner) and the
+Fetch call, each entry checked on receipt by `transfer.Receiver`. The `PeerSource` of `fetch`."""
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Mapping
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from relaygr.cluster import Directory, RankerRecord
+from relaygr.pool import RankerPool
+from relaygr.v1 import ranker_pb2
+from services.ranker.fetch import Fetched, Peer
+from services.ranker.kv_store import CacheKey
+from services.ranker.model_config import ModelConfig
+from services.ranker.outcomes import FetchResult
+from services.ranker.peers import successor
+from services.ranker.transfer import EntryHeader, Receiver, Refusal
+
+_BY_CODE = {
+    grpc.StatusCode.NOT_FOUND: FetchResult.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED: FetchResult.TIMEOUT,
+}
+
+
+def header_to_proto(header: EntryHeader) -> ranker_pb2.PrefixHeader:
+    return ranker_pb2.PrefixHeader(
+        user_id=header.user_id,
+        model_version=header.model_version,
+        prefix_digest=header.prefix_digest,
+        num_user_tokens=header.num_user_tokens,
+        num_tokens=header.num_tokens,
+        kv_dtype=header.kv_dtype,
+        nbytes=header.nbytes,
+        content_digest=header.content_digest,
+        origin_traceparent=header.origin_traceparent,
+    )
+
+
+def header_from_proto(header: ranker_pb2.PrefixHeader) -> EntryHeader:
+    return EntryHeader(
+        user_id=header.user_id,
+        model_version=header.model_version,
+        prefix_digest=header.prefix_digest,
+        num_user_tokens=header.num_user_tokens,
+        num_tokens=header.num_tokens,
+        kv_dtype=header.kv_dtype,
+        nbytes=header.nbytes,
+        content_digest=header.content_digest,
+        origin_traceparent=header.origin_traceparent,
+    )
+
+
+class GrpcPeerSource:
+    """Fetches from peer rankers through `pool` (the mesh's TLS settings and tracing).
+
+    Peers, most likely first: the instance the directory records for the user, then the user's
+    previous owner in its rendezvous order (`peers.successor`); each a live member serving the
+    key's model version, never this ranker. The previous owner is asked only within `window_s`
+    of the last ranker joining or leaving (`changed_at()`, this ranker's own start included):
+    only then can a user's owner have moved, and a cold miss in a settled fleet pays no round
+    trip. A stream must carry exactly one entry, the one asked for; anything else is refused.
+    """
+
+    def __init__(
+        self,
+        pool: RankerPool,
+        view: Callable[[], Mapping[str, RankerRecord]],
+        directory: Directory | None,
+        self_id: str,
+        cfg: ModelConfig,
+        device: torch.device,
+        changed_at: Callable[[], float] = lambda: math.inf,
+        window_s: float = math.inf,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`changed_at` and `clock`: wall-clock seconds (by default the owner may always have
+        moved)."""
+        self._changed_at = changed_at
+        self._window_s = window_s
+        self._clock = clock
+        self._pool = pool
+        self._view = view
+        self._directory = directory
+        self._self_id = self_id
+        self._cfg = cfg
+        self._device = device
+
+    def peers(self, key: CacheKey) -> list[Peer]:
+        view = self._view()
+        ids: list[str] = []
+        holder = None
+        if self._directory is not None:
+            holder = self._directory.lookup(key.user_id, key.model_version)
+        record = None if holder is None else view.get(holder)
+        if (
+            holder is not None
+            and holder != self._self_id
+            and record is not None
+            and record.model_version == key.model_version
+        ):
+            ids.append(holder)
+        moved = self._clock() - self._changed_at() < self._window_s
+        previous = successor(key.user_id, view, self._self_id, key.model_version) if moved else None
+        if previous is not None and previous not in ids:
+            ids.append(previous)
+        return [Peer(i, view[i].address) for i in ids]
+
+    async def fetch(self, key: CacheKey, peer: Peer, timeout_s: float) -> Fetched | FetchResult:
+        request = ranker_pb2.FetchRequest(
+            user_id=key.user_id, model_version=key.model_version, prefix_digest=key.digest
+        )
+        receiver = Receiver(self._cfg, key.model_version, self._device)
+        header: EntryHeader | None = None
+        call = self._pool.stream(peer.address, "Fetch")(
+            request.SerializeToString(), timeout=timeout_s
+        )
+        try:
+            async for raw in call:
+                chunk = ranker_pb2.PrefixChunk.FromString(raw)
+                if chunk.HasField("header"):
+                    if header is not None:  # one entry per fetch
+                        return _refuse(call)
+                    header = header_from_proto(chunk.header)
+                    if header.key != key or receiver.start(header) is not None:
+                        return _refuse(call)
+                elif receiver.add(chunk.data) is not None:
+                    return _refuse(call)
+        except grpc.aio.AioRpcError as err:
+            return _BY_CODE.get(err.code(), FetchResult.ERROR)
+        except DecodeError:
+            return _refuse(call)
+        if header is None:
+            return FetchResult.REFUSED
+        # The content digest and the copy to the device: off the event loop.
+        received = await asyncio.to_thread(receiver.finish)
+        if isinstance(received, Refusal):
+            return FetchResult.REFUSED
+        return Fetched(received, header.origin_traceparent)
+
+
+def _refuse(call: object) -> FetchResult:
+    cancel = getattr(call, "cancel", None)
+    if cancel is not None:
+        cancel()
+    return FetchResult.REFUSED
