@@ -51,6 +51,7 @@ async def test_the_previous_owner_is_asked_only_within_the_window_after_a_change
     assert [p.instance_id for p in source.peers(key)] == [holder]
     now[0] = 100.0
     assert [p.instance_id for p in source.peers(key)] == [holder, previous]
-    # Never a ranker of another version, never itself.
+    # Only rankers of the key's version, never itself.
     other = CacheKey(UserId(user), ModelVersion("v2"), PrefixDigest("d"))
-    assert source.peers(other) == []
+    assert [p.instance_id for p in source.peers(other)] == ["r3"]
+    assert me not in [p.instance_id for p in source.peers(key)]
