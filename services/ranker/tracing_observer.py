@@ -4,7 +4,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from opentelemetry.trace import SpanContext, Tracer
+from opentelemetry.trace import SpanContext, TraceFlags, Tracer
 
 from relaygr.behaviours import Prefix, RankInput
 from relaygr.tracing import (
@@ -36,6 +36,31 @@ class SpanOrigin:
 
     span_context: SpanContext
     operation: Operation
+
+
+def traceparent(origin: Origin | None) -> str:
+    """The W3C traceparent of a prefix's producing PreInfer (empty: none known, or produced by
+    another kind of request), carried with the prefix when it is handed to a peer."""
+    if not isinstance(origin, SpanOrigin) or origin.operation is not Operation.PRE_INFER:
+        return ""
+    sc = origin.span_context
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+def origin_from_traceparent(text: str) -> Origin | None:
+    """The origin a received prefix keeps (a later Rank links to its producing PreInfer);
+    None for an empty or malformed traceparent."""
+    parts = text.split("-")
+    if len(parts) != 4 or parts[0] != "00" or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return None
+    context = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+    if not context.is_valid:
+        return None
+    return Origin(SpanOrigin(context, Operation.PRE_INFER))
 
 
 def engine_observer(tracer: Tracer | None, timings: ComputeSink | None = None) -> EngineObserver:
