@@ -146,7 +146,7 @@ class RankerConfig(ServiceOptions):
     )
     handoff_bandwidth_mb_s: float = field(
         default=256.0,
-        metadata=helped("bytes per second a hand-off may send, all peers together, MiB", POSITIVE),
+        metadata=helped("MiB per second a hand-off may send, all peers together", POSITIVE),
     )
     handoff_max_entries: int = field(
         default=100_000,
