@@ -309,6 +309,11 @@ class LocalMesh:
         process.kill()
         process.wait(timeout=_STOP_TIMEOUT_S)
 
+    def drain(self, name: str) -> None:
+        """SIGTERM `name` and wait for it to exit: a graceful stop (a ranker hands its prefixes
+        to their next owners, then deregisters). `restart` brings it back."""
+        terminate(self.service(name).process, _STOP_TIMEOUT_S)
+
     def restart(self, name: str) -> Service:
         """Stop `name` if it still runs (SIGTERM: drain), start it again with the same flags on
         the same port (its clients keep their address), and return once it answers SERVING."""

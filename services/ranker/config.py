@@ -165,6 +165,38 @@ class RankerConfig(ServiceOptions):
             POSITIVE,
         ),
     )
+    # Hand-off on drain (docs/reliability.md): a draining ranker sends its prefixes onward.
+    handoff: bool = field(
+        default=True,
+        metadata=helped(
+            "on drain (SIGTERM, scale-down, rolling restart), stream the most valuable held"
+            " prefixes to the rankers that own their users next"
+        ),
+    )
+    handoff_budget_s: float = field(
+        default=5.0,
+        metadata=helped(
+            "time the drain's hand-off may take, seconds, at most drain_grace_s (it runs inside"
+            " the drain, before the server's stop); what does not fit is not sent",
+            POSITIVE,
+        ),
+    )
+    handoff_bandwidth_mb_s: float = field(
+        default=256.0,
+        metadata=helped("MiB per second a hand-off may send, all peers together", POSITIVE),
+    )
+    handoff_max_entries: int = field(
+        default=100_000,
+        metadata=helped("most prefixes one hand-off sends (the most valuable first)", POSITIVE),
+    )
+    handoff_max_streams: int = field(
+        default=4,
+        metadata=helped(
+            "hand-off streams received at once; more get RESOURCE_EXHAUSTED (each buffers at"
+            " most one prefix)",
+            POSITIVE,
+        ),
+    )
 
     def __post_init__(self) -> None:
         parse_device_kind(self.device)
@@ -193,3 +225,12 @@ class RankerConfig(ServiceOptions):
     @property
     def dram_budget_bytes(self) -> int:
         return int(self.dram_budget_mb * MIB)
+
+    @property
+    def handoff_bytes_per_s(self) -> float:
+        return self.handoff_bandwidth_mb_s * MIB
+
+    @property
+    def handoff_seconds(self) -> float:
+        """The hand-off's time budget: `handoff_budget_s`, within `drain_grace_s`."""
+        return min(self.handoff_budget_s, self.drain_grace_s)

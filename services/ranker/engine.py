@@ -138,6 +138,12 @@ class RankerEngine:
         """Prefix computations and reloads in flight."""
         return len(self._inflight)
 
+    # -- hand-off hook (services/ranker/handoff_intake.py) ---------------------------------
+
+    def computing(self, key: CacheKey) -> bool:
+        """Whether the prefix `key` is being computed or reloaded here now."""
+        return key in self._inflight
+
     # -- PreInfer --------------------------------------------------------------------------
 
     async def pre_infer(

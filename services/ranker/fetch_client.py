@@ -19,39 +19,12 @@ from services.ranker.model_config import ModelConfig
 from services.ranker.outcomes import FetchResult
 from services.ranker.peers import successor
 from services.ranker.transfer import EntryHeader, Receiver, Refusal
+from services.ranker.transfer_wire import header_from_proto
 
 _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: FetchResult.NOT_FOUND,
     grpc.StatusCode.DEADLINE_EXCEEDED: FetchResult.TIMEOUT,
 }
-
-
-def header_to_proto(header: EntryHeader) -> ranker_pb2.PrefixHeader:
-    return ranker_pb2.PrefixHeader(
-        user_id=header.user_id,
-        model_version=header.model_version,
-        prefix_digest=header.prefix_digest,
-        num_user_tokens=header.num_user_tokens,
-        num_tokens=header.num_tokens,
-        kv_dtype=header.kv_dtype,
-        nbytes=header.nbytes,
-        content_digest=header.content_digest,
-        origin_traceparent=header.origin_traceparent,
-    )
-
-
-def header_from_proto(header: ranker_pb2.PrefixHeader) -> EntryHeader:
-    return EntryHeader(
-        user_id=header.user_id,
-        model_version=header.model_version,
-        prefix_digest=header.prefix_digest,
-        num_user_tokens=header.num_user_tokens,
-        num_tokens=header.num_tokens,
-        kv_dtype=header.kv_dtype,
-        nbytes=header.nbytes,
-        content_digest=header.content_digest,
-        origin_traceparent=header.origin_traceparent,
-    )
 
 
 class GrpcPeerSource:

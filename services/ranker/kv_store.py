@@ -245,6 +245,15 @@ class KVStore(Generic[KV]):
         t = self._tiers[tier]
         return TierUsage(t.budget, t.used, t.pinned_bytes, len(t.entries))
 
+    def entries(self, tier: Tier) -> list[Entry[KV]]:
+        """The tier's entries, in no particular order (a snapshot: O(n), for a drain's plan)."""
+        return list(self._tiers[tier].entries.values())
+
+    def use_mark(self) -> int:
+        """A use number below every later store's and `get`'s: entries used from now on have
+        `last_use` >= it (`put_received` spares them)."""
+        return next(self._uses)
+
     def fits_device(self, nbytes: int) -> bool:
         """Whether `nbytes` more could be pinned on the device, evicting every unpinned entry."""
         self.expire()
@@ -317,6 +326,41 @@ class KVStore(Generic[KV]):
         self.stats.stored[Tier.DRAM] += 1
         return True
 
+    def put_received(
+        self, key: CacheKey, kv: KV, origin: Origin | None, idle_before: int
+    ) -> Tier | None:
+        """Store a prefix a peer handed over, unpinned; the tier it went to, or None (no room).
+
+        Into HBM when it fits there by demoting only unpinned entries last used before use
+        number `idle_before` (a `use_mark` taken when the hand-off began), else into DRAM (a
+        host copy) evicting only such entries; what was used since (this ranker's own traffic,
+        or entries received earlier in the hand-off, which came first because they were worth
+        more) is never displaced. A key already held is left as it is (its tier is returned).
+        Supersedes nothing: the caller decides about the user's other prefixes.
+        """
+        self.expire()
+        held = self.tier_of(key)
+        if held is not None:
+            return held
+        nbytes = kv.nbytes
+        hbm, dram = self._tiers[Tier.HBM], self._tiers[Tier.DRAM]
+        if hbm.used + nbytes - hbm.budget <= _idle_bytes(hbm, idle_before):
+            while hbm.used + nbytes > hbm.budget:
+                self._demote(hbm.least_recent())
+            hbm.add(Entry(key, kv, nbytes, self._clock(), None, origin), next(self._uses))
+            self._index(key)
+            self.stats.stored[Tier.HBM] += 1
+            return Tier.HBM
+        if dram.used + nbytes - dram.budget <= _idle_bytes(dram, idle_before):
+            while dram.used + nbytes > dram.budget:
+                self._drop(Tier.DRAM, dram.least_recent().key, Drop.EVICTED)
+            host = self._to_host(kv)
+            dram.add(Entry(key, host, nbytes, self._clock(), origin=origin), next(self._uses))
+            self._index(key)
+            self.stats.stored[Tier.DRAM] += 1
+            return Tier.DRAM
+        return None
+
     def expire(self) -> None:
         """Release pins whose relay window ended; drop DRAM entries past their time to live."""
         now = self._clock()
@@ -368,3 +412,10 @@ class KVStore(Generic[KV]):
             keys.remove(key)
             if not keys:
                 del self._by_user[user]
+
+
+def _idle_bytes(tier: _Tier[KV], idle_before: int) -> int:
+    """Bytes of the tier's unpinned entries last used before use number `idle_before`: what a
+    received prefix may displace (LRU order is last-use order, so eviction reaches these
+    first). O(n): a hand-off is rare, not the serving path."""
+    return sum(e.nbytes for e in tier.entries.values() if not e.pinned and e.last_use < idle_before)

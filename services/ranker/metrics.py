@@ -8,9 +8,11 @@ from prometheus_client.metrics_core import Metric
 
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
 from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
+from services.ranker.handoff import HandoffStats
 from services.ranker.kv_store import Drop, Tier
 from services.ranker.outcomes import FetchResult
 from services.ranker.scheduler import Priority
+from services.ranker.transfer import Refusal
 
 # Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
 LATENCY_BUCKETS_S = (
@@ -38,6 +40,7 @@ class RankerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.engine: RankerEngine | None = None
+        self.handoff: HandoffStats | None = None  # hand-offs sent and received, once warm
         self.etcd_connected: Callable[[], bool] | None = None
         self.rank_latency = Histogram(
             "relaygr_ranker_rank_latency_seconds",
@@ -110,6 +113,8 @@ class RankerMetrics:
     def _collect(self) -> Iterator[Metric]:
         connected = self.etcd_connected() if self.etcd_connected is not None else None
         yield from connectivity(connected, None)
+        if self.handoff is not None:
+            yield from _handoff_metrics(self.handoff)
         engine = self.engine
         if engine is None:
             return  # warming up: nothing to report beyond the (empty) histograms
@@ -237,3 +242,74 @@ class RankerMetrics:
             [],
             {(): engine.inflight()},
         )
+
+
+def _handoff_metrics(stats: HandoffStats) -> Iterator[Metric]:
+    yield counter(
+        "relaygr_ranker_handoff_sent_entries",
+        "Prefix caches this ranker handed to its successors while draining",
+        [],
+        {(): stats.sent_entries},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_sent_bytes",
+        "Payload bytes of the prefix caches handed off while draining",
+        [],
+        {(): stats.sent_bytes},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_unsent_entries",
+        "Prefix caches a drain planned to hand off but did not: past the time budget, no "
+        "successor, or their target's stream failed",
+        [],
+        {(): stats.unsent_entries},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_failed_streams",
+        "Hand-off streams to a successor that ended in an error",
+        [],
+        {(): stats.failed_streams},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_send_seconds",
+        "Wall time spent handing off prefix caches while draining",
+        [],
+        {(): stats.send_seconds},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_received_streams",
+        "Hand-off streams received from draining peers (refused: whole streams refused, this "
+        "ranker draining or receiving handoff_max_streams already)",
+        ["result"],
+        {("taken",): stats.received_streams, ("refused",): stats.refused_streams},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_admitted_entries",
+        "Handed-off prefix caches admitted, unpinned, by tier",
+        ["tier"],
+        {(t.value,): stats.admitted[t] for t in Tier},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_admitted_bytes",
+        "Bytes of handed-off prefix caches admitted, by tier",
+        ["tier"],
+        {(t.value,): stats.admitted_bytes[t] for t in Tier},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_refused_entries",
+        "Handed-off prefix caches refused, by reason (never served)",
+        ["reason"],
+        {(r.value,): stats.refused[r] for r in Refusal},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_refused_bytes",
+        "Bytes of handed-off prefix caches refused, by reason",
+        ["reason"],
+        {(r.value,): stats.refused_bytes[r] for r in Refusal},
+    )
+    yield counter(
+        "relaygr_ranker_handoff_receive_seconds",
+        "Wall time spent receiving hand-off streams, summed over streams",
+        [],
+        {(): stats.receive_seconds},
+    )

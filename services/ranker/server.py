@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from relaygr.cluster import RankerRecord
+from relaygr.behaviours import UserId
+from relaygr.cluster import PlacementRecord, RankerRecord
 from relaygr.cost import CostModel, TransferCost
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
@@ -20,6 +21,7 @@ from relaygr.errors import ConfigError, Unavailable
 from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
+from relaygr.placement import directory_write
 from relaygr.pool import RankerPool
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
@@ -32,16 +34,24 @@ from services.ranker.cost_model import measure, reload_ms_per_mb
 from services.ranker.engine import EngineSettings, RankerEngine
 from services.ranker.fetch import FetchSettings, PeerFetch
 from services.ranker.fetch_client import GrpcPeerSource
+from services.ranker.handoff import HandoffSender, HandoffSettings, HandoffStats
+from services.ranker.handoff_grpc import GrpcHandoffPort, HandoffReceiving
 from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelConfig
 from services.ranker.observer import ComputeSink, EngineObserver, NoopObserver, Work
+from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.scheduler import ComputeScheduler, Priority
 from services.ranker.service import SERVICE_NAME, RankerServicer
-from services.ranker.tracing_observer import engine_observer
+from services.ranker.tracing_observer import (
+    engine_observer,
+    origin_from_traceparent,
+    origin_traceparent,
+)
+from services.ranker.transfer import CHUNK_BYTES
 
 _log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
@@ -222,6 +232,7 @@ class RankerServer:
     metrics_server: MetricsServer | None = None
     learning: "asyncio.Task[None] | None" = None  # refits the cost model from served work
     peer_pool: RankerPool | None = None  # channels to the peers this ranker fetches from
+    handoff: HandoffSender | None = None  # None: a drain hands nothing off
 
     @property
     def port(self) -> int:
@@ -233,16 +244,23 @@ class RankerServer:
         return None if self.metrics_server is None else self.metrics_server.port
 
     async def drain(self, grace_s: float) -> None:
-        """Leave the mesh, stop taking pre-inference, land in-flight prefixes, finish compute.
+        """Stop taking pre-inference and land in-flight prefixes; hand the most valuable held
+        prefixes to their next owners (within the hand-off budget, at most `grace_s`) while
+        still registered, so Ranks keep hitting here until the receivers hold them; then leave
+        the mesh and finish compute.
 
-        Not bounded by `grace_s`: queued compute is finished, then the server's stop bounds
-        the RPCs still waiting on it.
+        Landing and the final compute are not bounded by `grace_s`: queued compute is
+        finished, then the server's stop bounds the RPCs still waiting on it.
         """
         if self.learning is not None:
             self.learning.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.learning
             self.learning = None
+        if self.engine is not None:
+            await self.engine.drain()  # no new PreInfer from here on; Ranks are still served
+            if self.handoff is not None and self.mesh is not None:
+                await self._hand_off(self.engine, self.mesh, grace_s)
         if self.mesh is not None:
             with contextlib.suppress(Unavailable):  # etcd down: the lease lapses by itself
                 await self.mesh.cluster.deregister(self.instance_id)
@@ -251,6 +269,24 @@ class RankerServer:
         if self.engine is not None:
             await self.engine.drain()
             await asyncio.to_thread(self.engine.scheduler.stop)
+
+    async def _hand_off(self, engine: RankerEngine, mesh: MeshLink, grace_s: float) -> None:
+        assert self.handoff is not None
+        view = mesh.cluster.view()
+        try:
+            outcomes = await self.handoff.hand_off(
+                view, self.instance_id, engine.model.model_version, grace_s
+            )
+        except Exception:  # never fail a drain over a hand-off: its users recompute
+            _log.exception("hand-off failed")
+            return
+        for o in outcomes:
+            _log.info(
+                "handed off to %s: %d entries, %d bytes sent; %s",
+                o.target.instance_id, o.entries, o.nbytes,
+                o.error or f"{o.receipt.admitted} admitted, {o.receipt.refused} refused"
+                if o.receipt else "",
+            )  # fmt: skip
 
     async def close(self) -> None:
         if self.metrics_server is not None:
@@ -262,6 +298,27 @@ class RankerServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         await stop_service(self, grace)
+
+
+async def publish_placements(
+    ranker: RankerServer, users: list[UserId], sender: str, ttl_s: float
+) -> None:
+    """Record in the directory where handed-off users' prefixes now live, for the users whose
+    owner once `sender` has left is not this ranker (`placement.directory_write`): usually
+    none, as the sender sends each user to that owner. etcd down: Unavailable, for the caller
+    to log; serving goes on."""
+    mesh, engine = ranker.mesh, ranker.engine
+    if mesh is None or engine is None:
+        return
+    view, version, me = mesh.cluster.view(), engine.model.model_version, ranker.instance_id
+    for user in users:
+        owner = successor(user, view, sender, version)
+        held = mesh.cluster.entry(user, version)
+        entry = None if held is None else (held.instance_id, held.expires_at)
+        now = time.time()
+        if owner is None or not directory_write(me, owner, entry, now, ttl_s):
+            continue
+        await mesh.cluster.record(PlacementRecord(user, me, now + ttl_s, version), me)
 
 
 async def start_ranker(
@@ -304,6 +361,28 @@ async def start_ranker(
         cfg, loaded, cost_model, observer=engine_observer(telemetry.tracer, timings)
     )
     metrics.engine = ranker.engine
+    handoff_stats = metrics.handoff = HandoffStats()
+    servicer.handoff = HandoffReceiving(
+        handoff_stats,
+        cfg.handoff_max_streams,
+        telemetry.tracer,
+        origin_from_traceparent,
+        lambda users, sender: publish_placements(ranker, users, sender, cfg.dram_ttl_s),
+    )
+    if cfg.handoff:
+        port = GrpcHandoffPort(
+            instance_id,
+            cfg,
+            cfg.server_options().channel_args()[:2],
+            telemetry.client_interceptors(),
+            telemetry.tracer,
+        )
+        settings = HandoffSettings(
+            cfg.handoff_seconds, cfg.handoff_bytes_per_s, cfg.handoff_max_entries, CHUNK_BYTES
+        )
+        ranker.handoff = HandoffSender(
+            ranker.engine.store, port, settings, handoff_stats, origin_traceparent
+        )
     servicer.configure(instance_id, str(loaded.device))
     servicer.attach(ranker.engine)
     await server.set_serving(True)

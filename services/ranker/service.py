@@ -10,17 +10,20 @@ import torch
 from relaygr.behaviours import UserId
 from relaygr.errors import FailedPrecondition, Unavailable
 from relaygr.grpc_server import absolute_deadline
+from relaygr.tracing import annotate, child_span, recording, root_span
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import InputLimits, prefix_from_proto, rank_input_from_proto
 from services.ranker.digest import PrefixDigest
 from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
-from services.ranker.fetch_client import header_to_proto
+from services.ranker.handoff_grpc import SENDER_KEY, HandoffReceiving
+from services.ranker.handoff_intake import HandoffIntake
 from services.ranker.kv_store import CacheKey, Tier
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model_config import TIMESTAMP_BYTES
 from services.ranker.prefix_kv import ModelVersion
 from services.ranker.tracing_observer import origin_traceparent
 from services.ranker.transfer import chunks, encode
+from services.ranker.transfer_wire import header_from_proto, header_to_proto
 
 SERVICE_NAME = "relaygr.v1.RankerService"
 
@@ -43,6 +46,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         self._limits: InputLimits | None = None
         self._instance_id = instance_id
         self._device = device
+        self.handoff: HandoffReceiving | None = None  # None: hand-offs refused (UNAVAILABLE)
 
     def configure(self, instance_id: str, device: str) -> None:
         self._instance_id, self._device = instance_id, device
@@ -162,6 +166,68 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         yield ranker_pb2.PrefixChunk(header=header_to_proto(header))
         for piece in chunks(payload):
             yield ranker_pb2.PrefixChunk(data=bytes(piece))
+
+    async def Handoff(
+        self,
+        request_iterator: AsyncIterator[ranker_pb2.PrefixChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> ranker_pb2.HandoffReply:
+        # A streaming handler: the error interceptor passes it through, so it aborts itself.
+        receiving, engine = self.handoff, self._engine
+        if receiving is None or engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "ranker takes no hand-offs now")
+        assert receiving is not None and engine is not None
+        if engine.draining:
+            receiving.stats.refused_streams += 1
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "ranker is draining: hand off elsewhere"
+            )
+        if receiving.streams >= receiving.max_streams:
+            receiving.stats.refused_streams += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{receiving.streams} hand-offs being received (handoff_max_streams)",
+            )
+        sender = dict(context.invocation_metadata() or ()).get(SENDER_KEY, "")
+        model = engine.model
+        intake = HandoffIntake(
+            engine.store, model.cfg, model.model_version, model.device, engine.computing,
+            receiving.stats, receiving.origin_of,
+        )  # fmt: skip
+        receiving.streams += 1
+        # Under the RPC's server span when the interceptor made one, else a trace of its own.
+        spanned = child_span if recording(receiving.tracer) else root_span
+        try:
+            with spanned(
+                receiving.tracer, "ranker.handoff.receive", {"relaygr.handoff.from": sender}
+            ):
+                try:
+                    async for chunk in request_iterator:
+                        part = chunk.WhichOneof("part")
+                        if part == "header":
+                            intake.header(header_from_proto(chunk.header))
+                        elif part == "data":
+                            intake.data(chunk.data)
+                except BaseException:
+                    intake.abandon()
+                    raise
+                report = intake.end()
+                annotate(
+                    {
+                        "relaygr.handoff.admitted": report.admitted,
+                        "relaygr.handoff.refused": report.refused,
+                        "relaygr.handoff.bytes": report.admitted_bytes,
+                    }
+                )
+        finally:
+            receiving.streams -= 1
+        receiving.publish_later(report.users, sender)
+        return ranker_pb2.HandoffReply(
+            admitted=report.admitted,
+            refused=report.refused,
+            admitted_bytes=report.admitted_bytes,
+            refusals=report.refusals,
+        )
 
     async def Describe(
         self, request: ranker_pb2.DescribeRequest, context: grpc.aio.ServicerContext

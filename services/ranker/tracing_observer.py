@@ -41,6 +41,13 @@ class SpanOrigin:
     operation: Operation
 
 
+def origin_from_traceparent(text: str) -> Origin | None:
+    """The origin a prefix received from a peer keeps, so that a later Rank still links to the
+    request that produced it; None for an empty or malformed traceparent."""
+    span_context = span_context_of(text)
+    return None if span_context is None else Origin(SpanOrigin(span_context, Operation.PEER))
+
+
 def engine_observer(tracer: Tracer | None, timings: ComputeSink | None = None) -> EngineObserver:
     """The observer for a service's tracer: spans with one, nothing at all without (None); and
     compute timings passed to `timings` either way (None: not kept)."""
@@ -138,8 +145,7 @@ class TracingObserver:
             )
 
     def remote_origin(self, traceparent: str) -> Origin | None:
-        span_context = span_context_of(traceparent)
-        return None if span_context is None else Origin(SpanOrigin(span_context, Operation.PEER))
+        return origin_from_traceparent(traceparent)
 
     def fetched(
         self,

@@ -38,6 +38,8 @@ class Refusal(StrEnum):
     CORRUPT = "corrupt"  # content digest mismatch: altered or truncated on the way
     NO_ROOM = "no_room"  # checks passed; no tier could hold it within its budget
     MALFORMED = "malformed"  # chunks out of order: data before a header, a header mid-entry
+    HELD = "held"  # the receiver holds another prefix of the user: its own is kept
+    COMPUTING = "computing"  # the receiver is computing that prefix itself: one computation wins
 
 
 @dataclass(frozen=True, slots=True)

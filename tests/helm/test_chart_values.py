@@ -113,6 +113,12 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         " config.drain_grace_s = 15",
     ),
     (
+        "ranker-grace-shorter-than-drain-and-hand-off",
+        {"ranker": {"terminationGracePeriodSeconds": 24}},
+        "ranker.terminationGracePeriodSeconds=24 must exceed preStopSleepSeconds +"
+        " config.drain_grace_s + min(config.handoff_budget_s, config.drain_grace_s) = 25",
+    ),
+    (
         "pdb-on-a-single-replica",
         {"router": {"replicas": 1}},
         "a PodDisruptionBudget with 1 replica(s) blocks every node drain",

@@ -18,12 +18,12 @@ from relaygr.placement import ranking
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from services.ranker.digest import PrefixHasher
-from services.ranker.fetch_client import header_to_proto
 from services.ranker.kv_store import CacheKey, Tier
 from services.ranker.model import RankingModel
 from services.ranker.outcomes import FetchResult
 from services.ranker.server import RankerServer, ranker_record
 from services.ranker.transfer import chunks, encode
+from services.ranker.transfer_wire import header_to_proto
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import BASE, COST, poll, reply_scores, tiny_model

@@ -102,8 +102,16 @@ router_address: "the router Service of this release"
 {{- end -}}
 {{- $drain := $svc.config.drain_grace_s | float64 -}}
 {{- $needed := addf $drain $svc.preStopSleepSeconds -}}
+{{- $terms := "preStopSleepSeconds + config.drain_grace_s" -}}
+{{- /* A draining ranker first hands its prefixes off, for min(handoff_budget_s, drain_grace_s)
+       (service default 5 s), then stops its server with drain_grace_s. */ -}}
+{{- if and (eq $component "ranker") (ne (toString (dig "handoff" true $svc.config)) "false") -}}
+{{- $handoff := minf (dig "handoff_budget_s" 5.0 $svc.config | float64) $drain -}}
+{{- $needed = addf $needed $handoff -}}
+{{- $terms = printf "%s + min(config.handoff_budget_s, config.drain_grace_s)" $terms -}}
+{{- end -}}
 {{- if le ($svc.terminationGracePeriodSeconds | float64) $needed -}}
-{{- fail (printf "%s: %s.terminationGracePeriodSeconds=%v must exceed preStopSleepSeconds + config.drain_grace_s = %v, or the drain is cut short" $component $component $svc.terminationGracePeriodSeconds $needed) -}}
+{{- fail (printf "%s: %s.terminationGracePeriodSeconds=%v must exceed %s = %v, or the drain is cut short" $component $component $svc.terminationGracePeriodSeconds $terms $needed) -}}
 {{- end -}}
 {{- with $svc.autoscaling -}}
 {{- if and .enabled (gt (int .minReplicas) (int .maxReplicas)) -}}
