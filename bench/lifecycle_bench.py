@@ -36,9 +36,12 @@ from report import add_render_arguments, publish, run_stamp
 
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
+from relaygr.cost import CostModel
 from relaygr.local.drive import OK, RequestRecord
 from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
+from relaygr.tls import open_blocking_channel
+from relaygr.v1 import ranker_pb2, ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint, save_checkpoint
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelPreset
@@ -75,23 +78,30 @@ class Window:
     misses: int
     fetched: int  # served from a prefix fetched from a peer
     recomputed_tokens: int  # prefix tokens the misses computed again
+    recomputed_ms: float  # their prefill, as the rankers' calibrated cost model prices it
     p50_ms: float
     p99_ms: float
     seconds: float
 
     @classmethod
     def of(
-        cls, records: Sequence[RequestRecord], arrivals: Sequence[Arrival], seconds: float
+        cls,
+        records: Sequence[RequestRecord],
+        arrivals: Sequence[Arrival],
+        seconds: float,
+        cost: CostModel,
     ) -> "Window":
         ok = [r for r in records if r.status == OK]
         misses = [r for r in ok if not r.hit]
         latencies = np.array([r.latency_s * 1e3 for r in ok]) if ok else np.zeros(1)
+        tokens = [arrivals[r.index].request.prefix.num_tokens for r in misses]
         return cls(
             sent=len(records),
             failed=len(records) - len(ok),
             misses=len(misses),
             fetched=sum(r.outcome == "peer_fetched" for r in ok),
-            recomputed_tokens=sum(arrivals[r.index].request.prefix.num_tokens for r in misses),
+            recomputed_tokens=sum(tokens),
+            recomputed_ms=sum(cost.prefill_ms(n) for n in tokens),
             p50_ms=float(np.percentile(latencies, 50)),
             p99_ms=float(np.percentile(latencies, 99)),
             seconds=seconds,
@@ -104,7 +114,8 @@ class ChangeRun:
     change: str
     seed: int
     steady: Window
-    during: Window
+    during: Window  # from the change's start to `after_s` past its end
+    after: Window  # the last part of `during`: the `after_s` past the change's end
     change_s: float  # how long the change itself took
     checked: int
     wrong_scores: int
@@ -168,19 +179,34 @@ def run_change(
         finally:
             traffic.stop_after((time.monotonic() - traffic.start) + settings.after_s)
             traffic.join()
+        cost = _cost_model(mesh)
     records = traffic.records
     steady = [r for r in records if steady_from <= r.at < started]
     during = [r for r in records if started <= r.at < ended + settings.after_s]
+    after = [r for r in during if r.at >= ended]
     checked, wrong = wrong_scores(records, arrivals, reference, model_version, chaos, rng)
     return ChangeRun(
         variant=variant,
         change=change,
         seed=seed,
-        steady=Window.of(steady, arrivals, started - steady_from),
-        during=Window.of(during, arrivals, ended + settings.after_s - started),
+        steady=Window.of(steady, arrivals, started - steady_from, cost),
+        during=Window.of(during, arrivals, ended + settings.after_s - started, cost),
+        after=Window.of(after, arrivals, settings.after_s, cost),
         change_s=ended - started,
         checked=checked,
         wrong_scores=wrong,
+    )
+
+
+def _cost_model(mesh: LocalMesh) -> CostModel:
+    """The calibrated cost model of the mesh's first ranker, as it publishes it."""
+    with open_blocking_channel(mesh.rankers[0].address, mesh.client_tls) as channel:
+        info = ranker_pb2_grpc.RankerServiceStub(channel).Describe(
+            ranker_pb2.DescribeRequest(), timeout=30
+        )
+    c = info.cost_model
+    return CostModel(
+        c.fixed_ms, c.per_token_ms, c.per_pair_ms, c.per_candidate_key_ms, c.reload_ms_per_mb
     )
 
 
@@ -222,19 +248,21 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _row(r: ChangeRun) -> str:
-    d, s = r.during, r.steady
+    d, s, a = r.during, r.steady, r.after
     return (
         f"| {r.change} | {r.variant} | {r.seed} | {d.sent} | {d.failed} | {d.misses} "
-        f"| {d.fetched} | {d.recomputed_tokens:,} | {s.p99_ms:.0f} | {d.p99_ms:.0f} "
-        f"| {d.p99_ms / s.p99_ms:.2f} | {r.change_s:.1f} | {r.wrong_scores} of {r.checked} |"
+        f"| {d.fetched} | {d.recomputed_tokens:,} ({d.recomputed_ms / 1e3:.1f} s) "
+        f"| {s.p99_ms:.0f} | {d.p99_ms:.0f} "
+        f"({d.p99_ms / s.p99_ms:.2f}x) | {a.p99_ms:.0f} ({a.p99_ms / s.p99_ms:.2f}x) "
+        f"| {r.change_s:.1f} | {r.wrong_scores} of {r.checked} |"
     )
 
 
 def _load(saved: dict) -> list[ChangeRun]:
     runs = []
     for raw in saved["runs"]:
-        steady, during = Window(**raw.pop("steady")), Window(**raw.pop("during"))
-        runs.append(ChangeRun(**raw, steady=steady, during=during))
+        windows = {name: Window(**raw.pop(name)) for name in ("steady", "during", "after")}
+        runs.append(ChangeRun(**raw, **windows))
     return runs
 
 
@@ -257,14 +285,14 @@ def render(saved: dict) -> str:
         "inference (relative error <= 1e-5).",
         "",
         "| change | variant | seed | Ranks during | failed | misses | peer-fetched "
-        "| recomputed prefix tokens | steady P99 ms | P99 during ms | ratio | change took s "
-        "| wrong scores |",
+        "| recomputed prefix tokens (prefill time) | steady P99 ms | P99 during ms | P99 after ms "
+        "| change took s | wrong scores |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         *(_row(r) for r in runs),
         "",
-        "| change | misses without (per seed) | misses with | fewer misses | P99 ratio with "
-        "(during / steady) |",
-        "|---|---|---|---:|---|",
+        "| change | misses without (per seed) | misses with | fewer misses | P99 during / "
+        "steady, without | with | P99 after / steady, with |",
+        "|---|---|---|---:|---|---|---|",
     ]
     for change in CHANGES:
         without = [r for r in runs if r.change == change and r.variant == "without"]
@@ -274,10 +302,15 @@ def render(saved: dict) -> str:
         w0 = sum(r.during.misses for r in without)
         w1 = sum(r.during.misses for r in with_)
         fewer = f"{1 - w1 / w0:.0%}" if w0 else "n/a"
-        ratios = ", ".join(f"{r.during.p99_ms / r.steady.p99_ms:.2f}" for r in with_)
+
+        def ratios(runs: list[ChangeRun], window: str) -> str:
+            return ", ".join(f"{getattr(r, window).p99_ms / r.steady.p99_ms:.2f}" for r in runs)
+
         lines.append(
             f"| {change} | {', '.join(str(r.during.misses) for r in without)} "
-            f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} | {ratios} |"
+            f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} "
+            f"| {ratios(without, 'during')} | {ratios(with_, 'during')} "
+            f"| {ratios(with_, 'after')} |"
         )
     return "\n".join(lines)
 
