@@ -227,21 +227,11 @@ class RankerEngine:
         mine: _Inflight | None = None  # the computation of the prefix this Rank made
         if kv is None and key in self._inflight:
             inflight = self._inflight[key]
-            if inflight.job is None:  # a peer fetch: wait; its fallback runs at rank priority
-                self._lift_fetch(inflight, deadline)
-                outcome = CacheOutcome.WAITED_INFLIGHT
-                consumed = inflight.origin
-                relayed = inflight.relay
-                with (
-                    self._observer.waiting_inflight(),
-                    contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
-                ):
-                    kv = await asyncio.shield(inflight.task)
-            elif self._take_over(key, inflight, request.prefix, deadline, own):
+            if self._take_over(key, inflight, request.prefix, deadline, own):
                 mine = inflight
                 kv = await asyncio.shield(inflight.task)
             else:
-                self.scheduler.promote(inflight.job, deadline)
+                self._hasten(inflight, deadline)
                 outcome = CacheOutcome.WAITED_INFLIGHT
                 consumed = inflight.origin
                 relayed = inflight.relay
@@ -433,9 +423,13 @@ class RankerEngine:
             return []
         return self.peer_fetch.peers(key)
 
-    def _lift_fetch(self, inflight: _Inflight, deadline: float | None) -> None:
-        """A Rank joined a running fetch: should it fail, compute at rank priority, by the
+    def _hasten(self, inflight: _Inflight, deadline: float | None) -> None:
+        """A Rank waits for `inflight`: its job runs next, at rank priority (`promote`); a
+        running peer fetch's fallback, should the fetch fail, computes at rank priority, by the
         earliest deadline of those waiting."""
+        if inflight.job is not None:
+            self.scheduler.promote(inflight.job, deadline)
+            return
         fallback = inflight.fallback
         if fallback is None:
             return
