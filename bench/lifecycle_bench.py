@@ -21,6 +21,7 @@ the change against the steady window before it, and the prefix tokens recomputed
 import argparse
 import dataclasses
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from relaygr.cli_help import HelpFormatter
 from relaygr.cost import CostModel
 from relaygr.local.drive import OK, RequestRecord
 from relaygr.local.mesh import LocalMesh, MeshSpec
+from relaygr.local.processes import dying_with_parent, terminate
 from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 from relaygr.tls import open_blocking_channel
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc
@@ -55,6 +57,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "with": (),
 }
 CHANGES = ("rolling restart", "scale-out 3 -> 4")
+# The control: the CPU of one ranker's start-up (torch, the model, calibration) on this machine,
+# with no traffic moved: a ranker process starts beside the mesh, without joining it, and stops.
+CONTROL = "control: a ranker starts beside the mesh"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,32 @@ def scale_out(mesh: LocalMesh) -> None:
     mesh.add_ranker()
 
 
+def ranker_start_alone(mesh: LocalMesh) -> None:
+    """Start a ranker with the mesh's ranker flags but no etcd (it joins nothing), wait until
+    it serves, stop it."""
+    args = list(mesh.rankers[0].args)
+    at = args.index("--etcd-endpoints")
+    del args[at : at + 2]
+    args[args.index("--listen") + 1] = "127.0.0.1:0"
+    args[args.index("--instance-id") + 1] = "bystander"
+    with tempfile.TemporaryDirectory(prefix="relaygr-bystander-") as tmp:
+        log = Path(tmp) / "ranker.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                dying_with_parent([sys.executable, "-m", "relaygr.cli", *args]),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + 300
+            while "listening on port" not in log.read_text(errors="replace"):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the bystander ranker did not start:\n{log.read_text()}")
+                time.sleep(0.05)  # poll interval under a deadline
+        finally:
+            terminate(process, 30.0)
+
+
 def run_change(
     change: str,
     variant: str,
@@ -160,7 +191,7 @@ def run_change(
     model_version: str,
 ) -> ChangeRun:
     """One fresh mesh: warm-up, the steady window, the change, `after_s` more; the books."""
-    act = rolling_restart if change == CHANGES[0] else scale_out
+    act = {CHANGES[0]: rolling_restart, CHANGES[1]: scale_out, CONTROL: ranker_start_alone}[change]
     rng = np.random.default_rng(seed)
     population = Population(workload(settings, seed), rng)
     horizon = settings.warm_s + settings.steady_s + 300.0 + settings.after_s
@@ -239,6 +270,11 @@ def run(args: argparse.Namespace) -> dict:
                     )  # fmt: skip
                     runs.append(result)
                     print(_row(result), flush=True)
+            control = run_change(
+                CONTROL, "with", seed, settings, checkpoint, reference, model.model_version
+            )
+            runs.append(control)
+            print(_row(control), flush=True)
     return save_results(
         NAME,
         args,
@@ -283,6 +319,11 @@ def render(saved: dict) -> str:
         f"warm-up, a {s.steady_s:g} s steady window, the change, then {s.after_s:g} s more, "
         "counted as during the change. Every successful Rank is checked against full "
         "inference (relative error <= 1e-5).",
+        f"- The control ({CONTROL}, once per seed): a ranker process with the same flags starts "
+        "beside the mesh without joining it, up to serving, and stops. It moves no traffic and "
+        "no cache: what its window's P99 shows is the CPU a ranker's start-up (torch, the "
+        "model, calibration) takes from the mesh on this 2-core machine, which a restart and a "
+        "scale-out pay too (on a cluster, a new ranker starts on its own node).",
         "",
         "| change | variant | seed | Ranks during | failed | misses | peer-fetched "
         "| recomputed prefix tokens (prefill time) | steady P99 ms | P99 during ms | P99 after ms "
@@ -294,6 +335,10 @@ def render(saved: dict) -> str:
         "steady, without | with | P99 after / steady, with |",
         "|---|---|---|---:|---|---|---|",
     ]
+
+    def ratios(runs: list[ChangeRun], window: str) -> str:
+        return ", ".join(f"{getattr(r, window).p99_ms / r.steady.p99_ms:.2f}" for r in runs)
+
     for change in CHANGES:
         without = [r for r in runs if r.change == change and r.variant == "without"]
         with_ = [r for r in runs if r.change == change and r.variant == "with"]
@@ -302,15 +347,16 @@ def render(saved: dict) -> str:
         w0 = sum(r.during.misses for r in without)
         w1 = sum(r.during.misses for r in with_)
         fewer = f"{1 - w1 / w0:.0%}" if w0 else "n/a"
-
-        def ratios(runs: list[ChangeRun], window: str) -> str:
-            return ", ".join(f"{getattr(r, window).p99_ms / r.steady.p99_ms:.2f}" for r in runs)
-
         lines.append(
             f"| {change} | {', '.join(str(r.during.misses) for r in without)} "
             f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} "
             f"| {ratios(without, 'during')} | {ratios(with_, 'during')} "
             f"| {ratios(with_, 'after')} |"
+        )
+    controls = [r for r in runs if r.change == CONTROL]
+    if controls:
+        lines.append(
+            f"| {CONTROL} | | | | | {ratios(controls, 'during')} | {ratios(controls, 'after')} |"
         )
     return "\n".join(lines)
 
