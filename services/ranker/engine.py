@@ -277,11 +277,8 @@ class RankerEngine:
         """The entry held under exactly `key` (HBM first, else its host copy) and its origin,
         for a peer that missed it; None when neither tier holds it. A peek: the entry keeps its
         place in the LRU order and its pin, and a host copy is not brought to the device."""
-        for tier in (Tier.HBM, Tier.DRAM):
-            entry = self.store.peek(key, tier)
-            if entry is not None:
-                return entry.kv, entry.origin
-        return None
+        entry = self.store.peek_any(key)
+        return None if entry is None else (entry.kv, entry.origin)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -260,11 +260,8 @@ class HandoffSender:
         return TargetOutcome(target, sent[0], sent[1], receipt)
 
     def _read(self, c: Candidate) -> tuple[CacheKey, PrefixKV, Origin | None] | None:
-        for tier in (Tier.HBM, Tier.DRAM):
-            entry = self._store.peek(c.key, tier)
-            if entry is not None:
-                return entry.key, entry.kv, entry.origin
-        return None
+        entry = self._store.peek_any(c.key)
+        return None if entry is None else (entry.key, entry.kv, entry.origin)
 
     async def _encode(
         self, key: CacheKey, kv: PrefixKV, traceparent: str

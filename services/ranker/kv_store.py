@@ -232,6 +232,12 @@ class KVStore(Generic[KV]):
     def peek(self, key: CacheKey, tier: Tier) -> Entry[KV] | None:
         return self._tiers[tier].entries.get(key)
 
+    def peek_any(self, key: CacheKey) -> Entry[KV] | None:
+        """The entry held under exactly `key`, the device tier's first, else its host copy;
+        a peek: nothing moves in either tier's order, no pin changes."""
+        entry = self.peek(key, Tier.HBM)
+        return entry if entry is not None else self.peek(key, Tier.DRAM)
+
     def get(self, key: CacheKey, tier: Tier) -> KV | None:
         """The cached prefix, marking it most recently used in that tier."""
         t = self._tiers[tier]
