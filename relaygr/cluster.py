@@ -12,6 +12,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 from relaygr.cost import CostModel
 from relaygr.errors import InvalidInput
+from relaygr.json_object import json_object
 
 _MAX_PORT = 65535
 _COSTS = (
@@ -239,12 +240,7 @@ def _to_json(value: Any) -> bytes:
 
 def _from_json(cls: type[T], data: bytes) -> T:
     kind = cls.__name__
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidInput(f"{kind}: not valid JSON: {err}") from err
-    if not isinstance(raw, dict):
-        raise InvalidInput(f"{kind}: expected a JSON object, got {type(raw).__name__}")
+    raw = json_object(data, kind, InvalidInput)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     required = [f.name for f in fields if f.default is dataclasses.MISSING]
     missing = [n for n in required if n not in raw]

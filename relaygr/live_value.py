@@ -7,6 +7,7 @@ from typing import Any, Generic, TypeVar
 
 from relaygr.errors import ConfigError
 from relaygr.etcd.watch import EventKind, WatchEvent
+from relaygr.json_object import json_object
 from relaygr.versions import VersionPolicy, versions_key
 
 T = TypeVar("T")
@@ -48,11 +49,9 @@ class LiveValue(Generic[T]):
             return
         source = f"live config {self.key}"
         try:
-            data = json.loads(event.value)
-            if not isinstance(data, dict):
-                raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+            data = json_object(event.value, source, ConfigError)
             value = self._parse(data, source)
-        except (ConfigError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        except ConfigError as err:
             self.rejected += 1
             self._log.warning("rejected %s (keeping the value in force): %s", source, err)
             return

@@ -16,6 +16,7 @@ from typing import Any, Self
 
 from relaygr.cluster import RankerRecord
 from relaygr.errors import ConfigError
+from relaygr.json_object import json_object
 
 _FIELDS = ("current", "canary", "canary_fraction")
 
@@ -62,13 +63,7 @@ class VersionPolicy:
     @classmethod
     def from_json(cls, raw: bytes, source: str = "versions") -> Self:
         """Parse `raw` (a JSON object); ConfigError says what is wrong."""
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ConfigError(f"{source}: not valid JSON: {err}") from err
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        return cls.from_mapping(data, source)
+        return cls.from_mapping(json_object(raw, source, ConfigError), source)
 
     def to_json(self) -> bytes:
         return json.dumps({name: getattr(self, name) for name in _FIELDS}, sort_keys=True).encode()
