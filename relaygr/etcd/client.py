@@ -81,7 +81,8 @@ class EtcdClient:
     def _describe(self) -> str:
         return ", ".join(f"{host}:{port}" for host, port in self._endpoints)
 
-    def _current(self) -> Any:
+    def current(self) -> Any:
+        """The aetcd client for the current endpoint, created on first use."""
         if self._client is None:
             host, port = self._endpoints[self._index]
             kwargs = {
@@ -96,7 +97,7 @@ class EtcdClient:
                 self._client = TlsAetcdClient(host, port, self._credentials, **kwargs)
         return self._client
 
-    async def _drop(self, client: Any) -> None:
+    async def drop(self, client: Any) -> None:
         """Close `client` after it failed; if still current, move on to the next endpoint."""
         if self._client is client:
             self._client = None
@@ -109,13 +110,13 @@ class EtcdClient:
         # (gRPC's own reconnect backoff on the old one can lag the restart by seconds).
         last: BaseException | None = None
         for _ in range(len(self._endpoints) + 1):
-            client = self._current()
+            client = self.current()
             try:
                 return await op(client)
             except aetcd.InvalidArgumentError as err:
                 if any(refusal in str(err) for refusal in _AUTH_REFUSALS):
                     endpoint = self.endpoint
-                    await self._drop(client)
+                    await self.drop(client)
                     raise EtcdAuthFailed(
                         f"etcd at {endpoint} refused this client ({what}): {err}; check"
                         f" etcd_user and etcd_password ({self._security.describe()})"
@@ -125,7 +126,7 @@ class EtcdClient:
                 if not unreachable(err):
                     raise EtcdRejected(f"etcd {what}: {err}") from err
                 last = err
-                await self._drop(client)
+                await self.drop(client)
         raise Unavailable(f"etcd unreachable at {self._describe()}: {what}: {last}") from last
 
     async def connect(self) -> str:
@@ -163,7 +164,7 @@ class EtcdClient:
         """Revoke `lease`, deleting its keys now."""
         await self._call(f"revoke lease {lease.id}", lambda c: c.revoke_lease(lease.id))
 
-    async def _refresh_lease(self, lease: Lease) -> bool:
+    async def refresh_lease(self, lease: Lease) -> bool:
         """Send one keepalive; False when etcd no longer knows the lease (it expired)."""
         reply = await self._call(f"refresh lease {lease.id}", lambda c: c.refresh_lease(lease.id))
         if reply is None:  # the keepalive stream closed without answering
@@ -211,5 +212,7 @@ class EtcdClient:
         none): what the services' `relaygr_etcd_connected` metric reports."""
         return all(child.connected for child in self._children)
 
-    def _forget(self, child: Watch | KeptLease) -> None:
-        self._children.discard(child)
+    def forget(self, child: object) -> None:
+        """`child` (a watch or kept lease started here) has stopped: nothing to close for it."""
+        if isinstance(child, Watch | KeptLease):
+            self._children.discard(child)

@@ -7,15 +7,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import RelayGRError, Unavailable
 from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.retry import Backoff
-
-if TYPE_CHECKING:
-    from relaygr.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +23,19 @@ class Lease:
 
     id: int
     ttl_s: int
+
+
+class LeaseOwner(Protocol):
+    """What a kept lease needs of the client that keeps it (`EtcdClient`); a port, so that this
+    module never imports the client that imports it."""
+
+    async def grant_lease(self, ttl_s: int) -> Lease: ...
+
+    async def refresh_lease(self, lease: Lease) -> bool: ...
+
+    async def revoke_lease(self, lease: Lease) -> None: ...
+
+    def forget(self, child: object) -> None: ...
 
 
 class KeptLease:
@@ -41,7 +51,7 @@ class KeptLease:
     """
 
     def __init__(
-        self, etcd: EtcdClient, ttl_s: int, on_new_lease: Callable[[Lease], Awaitable[object]]
+        self, etcd: LeaseOwner, ttl_s: int, on_new_lease: Callable[[Lease], Awaitable[object]]
     ) -> None:
         self._etcd = etcd
         self._ttl_s = ttl_s
@@ -77,7 +87,7 @@ class KeptLease:
                     self._lease = None
                 if self._lease is None:
                     await self._replace()
-                elif not await self._etcd._refresh_lease(self._lease):
+                elif not await self._etcd.refresh_lease(self._lease):
                     log.warning("etcd lease %d expired: replacing it", self._lease.id)
                     self._lease, delay = None, 0.0
                     continue
@@ -115,7 +125,7 @@ class KeptLease:
         """Stop keeping the lease and revoke it, deleting its keys now (best effort if etcd is down:
         then they expire after the TTL)."""
         await self._stop()
-        self._etcd._forget(self)
+        self._etcd.forget(self)
         lease, self._lease = self._lease, None
         if lease is None:
             return

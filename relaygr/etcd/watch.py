@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aetcd
 import aetcd.rpc
@@ -16,9 +16,6 @@ import aetcd.rpc
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import RelayGRError
 from relaygr.etcd.retry import Backoff, unreachable
-
-if TYPE_CHECKING:
-    from relaygr.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +35,23 @@ class WatchEvent:
     revision: int
 
 
+class WatchOwner(Protocol):
+    """What a watch needs of the client that started it (`EtcdClient`); a port, so that this
+    module never imports the client that imports it."""
+
+    async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]: ...
+
+    def current(self) -> Any:
+        """The connected aetcd client (connecting, or failing over, first)."""
+        ...
+
+    async def drop(self, client: Any) -> None:
+        """Give up `client` as unreachable (the next `current` fails over)."""
+        ...
+
+    def forget(self, child: object) -> None: ...
+
+
 class Watch:
     """A watch on a key prefix that survives etcd restarts, failovers and compaction.
 
@@ -51,7 +65,7 @@ class Watch:
 
     def __init__(
         self,
-        etcd: EtcdClient,
+        etcd: WatchOwner,
         prefix: str,
         on_event: Callable[[WatchEvent], None],
         start_revision: int | None,
@@ -99,7 +113,7 @@ class Watch:
             try:
                 if self._resync_needed:
                     await self._resync()
-                client = self._etcd._current()
+                client = self._etcd.current()
                 self._stream = await client.watch_prefix(
                     self.prefix.encode(), start_revision=self.last_revision + 1
                 )
@@ -123,7 +137,7 @@ class Watch:
                 log.debug("etcd watch %r resync failed: %s", self.prefix, err)
             except (aetcd.ClientError, aetcd.rpc.BaseError, TimeoutError) as err:
                 if client is not None and unreachable(err):
-                    await self._etcd._drop(client)
+                    await self._etcd.drop(client)
                 else:
                     log.warning("etcd watch %r failed, re-creating: %s", self.prefix, err)
             if self.connected:
@@ -148,4 +162,4 @@ class Watch:
     async def cancel(self) -> None:
         """Stop delivering events."""
         await self._stop()
-        self._etcd._forget(self)
+        self._etcd.forget(self)

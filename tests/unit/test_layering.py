@@ -167,3 +167,55 @@ def test_configs_reach_no_transport_or_tracing(options: str) -> None:
     assert options in MODULES, f"{options} moved: update OPTIONS"
     forbidden = [t for t in reach(options) if any(within(t, lib) for lib in FORBIDDEN_IN_CORES)]
     assert sorted(forbidden) == [], f"{options} reaches {sorted(forbidden)}"
+
+
+def cycles() -> list[list[str]]:
+    """Every group of project modules that import each other in a circle (Tarjan's strongly
+    connected components over the import graph, imports under TYPE_CHECKING included)."""
+    edges = {name: sorted(t for t in IMPORTS[name] if t in MODULES) for name in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for name in sorted(MODULES):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    assert cycles() == []
+
+
+def test_an_import_cycle_is_caught() -> None:
+    IMPORTS["relaygr.__probe_a__"] = {"relaygr.__probe_b__"}
+    IMPORTS["relaygr.__probe_b__"] = {"relaygr.__probe_a__"}
+    MODULES["relaygr.__probe_a__"] = MODULES["relaygr.__probe_b__"] = ROOT
+    try:
+        assert ["relaygr.__probe_a__", "relaygr.__probe_b__"] in cycles()
+    finally:
+        for probe in ("relaygr.__probe_a__", "relaygr.__probe_b__"):
+            del IMPORTS[probe], MODULES[probe]
