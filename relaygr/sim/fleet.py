@@ -12,7 +12,7 @@ fixed per-request overhead (the profile's `request_overhead_ms`, half each way).
 import random
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
@@ -34,11 +34,13 @@ from relaygr.versions import choose_version, live_versions
 from services.ranker.config import RankerConfig
 from services.ranker.engine import EngineSettings
 from services.ranker.scheduler import Priority
+from services.router.attempts import Next
 from services.router.config import RouterConfig
-from services.router.forward import CallFailed, Forwarder, Method, RelayHint, Route, Served
-from services.router.forward import Status as CallStatus
-from services.trigger.config import Mode, TriggerConfig
-from services.trigger.policy import AdmissionPolicy, Decision, Event, fallback_order
+from services.router.forward import Forwarder, RelayHint
+from services.router.routes import CallFailed, Method, Refused, Route, Served
+from services.router.routes import Status as CallStatus
+from services.trigger.config import TriggerConfig
+from services.trigger.policy import AdmissionPolicy, Decision, Event, Settled, fallback_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +288,10 @@ class Fleet:
         cfg = self.settings.trigger
         if len(self._waiting) >= cfg.dispatch_queue * self.settings.triggers:
             self.stats.dispatch_dropped += 1
-            self.policy.failed(visit.user, decision.digest, decision.model_version)
+            dropped = self.policy.dropped(decision, visit.user)
+            self.records[index] = replace(
+                self.records[index], decision=dropped.reason.value, admitted=False
+            )
             return
         self._waiting.append(_Relay(index, visit, decision, now + cfg.expected_gap_ms / 1e3))
         self._dispatch()
@@ -302,8 +307,7 @@ class Fleet:
 
     def _route_pre_infer(self, relay: _Relay) -> None:
         cfg = self.settings.trigger
-        preferred = relay.decision.target if cfg.mode is Mode.SEQUENCE_AWARE else ""
-        hint = RelayHint(preferred, relay.visit.prefix_tokens)
+        hint = RelayHint(self.policy.preferred(relay.decision), relay.visit.prefix_tokens)
         route = self.forwarder.route(
             Method.PRE_INFER, relay.visit.user, hint, relay.decision.model_version
         )
@@ -311,44 +315,68 @@ class Fleet:
         if not isinstance(route, Route):
             self._relay_done(relay, None, False)
             return
-        self._try_pre_infer(relay, route, 0, [], deadline)
+        self._try_pre_infer(relay, route, deadline)
 
-    def _try_pre_infer(
-        self,
-        relay: _Relay,
-        route: Route,
-        attempt: int,
-        failures: list[tuple[str, CallFailed]],
-        deadline: float,
-    ) -> None:
-        if attempt >= len(route.order):
-            refused = bool(failures) and all(
-                f.status is CallStatus.RESOURCE_EXHAUSTED for _, f in failures
-            )
-            self._relay_done(relay, None, refused)
-            return
-        instance = route.order[attempt]
+    def _try_pre_infer(self, relay: _Relay, route: Route, deadline: float) -> None:
         due_in = max(relay.due_at - self.loop.now, 1e-3)
         window_s = self.settings.trigger.relay_window_ms / 1e3
+        served: dict[str, PreInferReply] = {}
 
-        def answered(reply: PreInferReply) -> None:
-            if reply.status is Status.OK:
-                assert reply.outcome is not None
-                self.relays_served[relay.index] = (instance, reply.outcome.value)
-                served = self.forwarder.answered(route, b"", instance, attempt + 1, failures)
-                self._book(route, served)
-                self.loop.after(
-                    self._hop_s, self._relay_done, relay, (instance, reply.nbytes), False
-                )
-                return
-            failed = CallFailed(CallStatus(reply.status.value), None)
-            if self.forwarder.failed(route, instance, failed) is not None:
-                self.loop.after(self._hop_s, self._relay_done, relay, None, False)
-                return
-            failures.append((instance, failed))
-            self._try_pre_infer(relay, route, attempt + 1, failures, deadline)
+        def call(instance: str, answered: Callable[[bytes | CallFailed], None]) -> None:
+            def reply(answer: PreInferReply) -> None:
+                if answer.status is Status.OK:
+                    served[instance] = answer
+                    answered(b"")
+                else:
+                    answered(CallFailed(CallStatus(answer.status.value), None))
 
-        self.rankers[instance].pre_infer(relay.visit, window_s, due_in, deadline, answered)
+            ranker = self.rankers[instance]
+            ranker.pre_infer(relay.visit, window_s, due_in, deadline, reply)
+
+        def ended(outcome: Served | Refused) -> None:
+            if isinstance(outcome, Refused):
+                refused = outcome.status is CallStatus.RESOURCE_EXHAUSTED
+                self.loop.after(self._hop_s, self._relay_done, relay, None, refused)
+                return
+            answer = served[outcome.instance]
+            assert answer.outcome is not None
+            self.relays_served[relay.index] = (outcome.instance, answer.outcome.value)
+            self._book(route, outcome)
+            landed = (outcome.instance, answer.nbytes)
+            self.loop.after(self._hop_s, self._relay_done, relay, landed, False)
+
+        self._forward(route, call, ended)
+
+    def _forward(
+        self,
+        route: Route,
+        call: Callable[[str, Callable[[bytes | CallFailed], None]], None],
+        ended: Callable[[Served | Refused], None],
+    ) -> None:
+        """Drive the router's own `Attempts` for `route` on the virtual clock: `call(instance,
+        answered)` sends one call, `ended` gets the request's end. A hedge's timer is re-armed
+        after every event while the attempts say so; a losing call's answer is ignored."""
+        attempts = self.forwarder.attempts(route)
+        timer = [0]  # the live hedge timer's generation
+
+        def step(next_: Next) -> None:
+            if not isinstance(next_, list):
+                ended(next_)
+                return
+            for c in next_:
+                call(c.instance, answered_by(c.instance))
+            if attempts.hedge_armed and attempts.hedge_s is not None:
+                timer[0] += 1
+                self.loop.after(attempts.hedge_s, fire, timer[0])
+
+        def answered_by(instance: str) -> Callable[[bytes | CallFailed], None]:
+            return lambda answer: step(attempts.answered(instance, answer))
+
+        def fire(generation: int) -> None:
+            if generation == timer[0]:
+                step(attempts.hedge())
+
+        step(attempts.start())
 
     def _book(self, route: Route, served: Served) -> None:
         if self.forwarder.book(route, served):
@@ -357,17 +385,12 @@ class Fleet:
     def _relay_done(self, relay: _Relay, landed: tuple[str, int] | None, refused: bool) -> None:
         """The trigger hears how its PreInfer ended (the dispatcher's `on_outcome`)."""
         self._sending -= 1
-        now, user, decision = self.loop.now, relay.visit.user, relay.decision
-        if landed is not None:
-            instance, nbytes = landed
-            preferred = decision.target if self.settings.trigger.mode is Mode.SEQUENCE_AWARE else ""
-            self.policy.landed(decision, user, instance, nbytes, preferred, now)
-        elif refused:
-            self.stats.relays_refused += 1
-            self.policy.refused(decision, user, now)
-        else:
-            self.stats.relays_failed += 1
-            self.policy.failed(user, decision.digest, decision.model_version)
+        decision = relay.decision
+        preferred = self.policy.preferred(decision)
+        user, now = relay.visit.user, self.loop.now
+        settled = self.policy.settle(decision, user, preferred, landed, refused, now)
+        self.stats.relays_refused += settled is Settled.REFUSED
+        self.stats.relays_failed += settled is Settled.FAILED
         self._dispatch()
 
     # -- the router's Rank ------------------------------------------------------------------
@@ -379,26 +402,31 @@ class Fleet:
         if not isinstance(route, Route) or not route.order:
             self._ranked(index, sent, RankReply(Status.UNAVAILABLE), "")
             return
-        self.loop.after(self._hop_s, self._try_rank, index, visit, route, 0, sent, deadline)
+        self.loop.after(self._hop_s, self._try_rank, index, visit, route, sent, deadline)
 
     def _try_rank(
-        self, index: int, visit: Visit, route: Route, attempt: int, sent: float, deadline: float
+        self, index: int, visit: Visit, route: Route, sent: float, deadline: float
     ) -> None:
-        instance = route.order[attempt]
+        replies: dict[str, RankReply] = {}
 
-        def answered(reply: RankReply) -> None:
-            if reply.status is Status.OK:
-                self.forwarder.answered(route, b"", instance, attempt + 1, [])
-                self.loop.after(self._hop_s, self._ranked, index, sent, reply, instance)
-                return
-            failed = CallFailed(CallStatus(reply.status.value), None)
-            last = attempt + 1 >= len(route.order)
-            if self.forwarder.failed(route, instance, failed) is not None or last:
-                self.loop.after(self._hop_s, self._ranked, index, sent, reply, instance)
-                return
-            self._try_rank(index, visit, route, attempt + 1, sent, deadline)
+        def call(instance: str, answered: Callable[[bytes | CallFailed], None]) -> None:
+            def reply(answer: RankReply) -> None:
+                replies[instance] = answer
+                if answer.status is Status.OK:
+                    answered(b"")
+                else:
+                    answered(CallFailed(CallStatus(answer.status.value), None))
 
-        self.rankers[instance].rank(visit, deadline, answered)
+            self.rankers[instance].rank(visit, deadline, reply)
+
+        def ended(outcome: Served | Refused) -> None:
+            if isinstance(outcome, Served):
+                reply, instance = replies[outcome.instance], outcome.instance
+            else:
+                reply, instance = RankReply(Status(outcome.status.value)), ""
+            self.loop.after(self._hop_s, self._ranked, index, sent, reply, instance)
+
+        self._forward(route, call, ended)
 
     def _ranked(self, index: int, sent: float, reply: RankReply, instance: str) -> None:
         decided = self.records.get(index)

@@ -6,18 +6,16 @@ servicer turns into the gRPC answer.
 """
 
 import asyncio
-import enum
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from relaygr.cluster import Directory, Membership, PlacementRecord, RankerRecord
+from relaygr.cluster import Directory, Membership, PlacementRecord
 from relaygr.errors import Unavailable
 from relaygr.placement import (
-    Placement,
     Reason,
     directory_write,
     place,
@@ -33,69 +31,25 @@ from relaygr.versions import (
     serving,
     unavailable_message,
 )
+from services.router.attempts import Attempts, Call
 from services.router.load import WindowedLoad
+from services.router.routes import (
+    NO_RANKER,
+    TRY_NEXT,
+    CallFailed,
+    Connect,
+    Method,
+    RankRoute,
+    Refused,
+    Route,
+    Served,
+    Status,
+)
 
 _log = logging.getLogger("services.router")
 
-NO_RANKER = "no live ranker: none is registered in the membership view"
-
-
-class Method(enum.StrEnum):
-    """The RouterService methods, each forwarded to the RankerService method of the same name."""
-
-    PRE_INFER = "PreInfer"
-    RANK = "Rank"
-
-
-class RankRoute(enum.StrEnum):
-    """Where a Rank's order came from: the directory's entry for the user, or the plain hash."""
-
-    DIRECTORY = "directory"
-    HASH = "hash"
-
-
-class Status(enum.StrEnum):
-    """A call's status, by gRPC status code name (this module stays free of grpc)."""
-
-    OK = "OK"
-    CANCELLED = "CANCELLED"
-    UNKNOWN = "UNKNOWN"
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    NOT_FOUND = "NOT_FOUND"
-    ALREADY_EXISTS = "ALREADY_EXISTS"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    ABORTED = "ABORTED"
-    OUT_OF_RANGE = "OUT_OF_RANGE"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
-    INTERNAL = "INTERNAL"
-    UNAVAILABLE = "UNAVAILABLE"
-    DATA_LOSS = "DATA_LOSS"
-    UNAUTHENTICATED = "UNAUTHENTICATED"
-
-
 # How many rankers with relay room a PreInfer's route looks for down its order (see `route`).
 ROOM_SCAN = 2
-# A ranker answering these cannot serve this request now; another one can (by full inference
-# at worst). Every other status is the caller's answer and passes through unchanged.
-TRY_NEXT = frozenset({Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
-
-
-@dataclass(frozen=True, slots=True)
-class CallFailed:
-    """A ranker's error answer to one call."""
-
-    status: Status
-    details: str | None
-
-
-# One call to a ranker: (serialized request, timeout in seconds or None) -> the serialized reply,
-# or the ranker's error. Any other exception is a bug or a shutdown and propagates.
-RankerCall = Callable[[bytes, float | None], Awaitable[bytes | CallFailed]]
-# The call of `method` on the ranker at an address.
-Connect = Callable[[str, Method], RankerCall]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,47 +79,6 @@ class RelayHint:
 
     preferred: str = ""
     tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """The rankers a request tries, in `order`, and why the first was chosen.
-
-    `model_version` is the version chosen for the request and `view` that version's rankers
-    only: every ranker of `order` serves it. `reason` is None under random placement. A
-    PreInfer placed by affinity also carries its `placement` (the owner among it) and `known`,
-    the user's directory entry when it was routed as (instance, expires_at), which decide
-    whether the directory must be written once served.
-    """
-
-    method: Method
-    user: str
-    order: tuple[str, ...]
-    view: Mapping[str, RankerRecord]
-    reason: Reason | RankRoute | None
-    placement: Placement | None = None
-    known: tuple[str, float] | None = None
-    tokens: int = 0  # a PreInfer's prefix tokens
-    model_version: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Served:
-    """A ranker's reply: from `instance` after `attempts` calls; `fallback` when it is not the
-    first ranker of the route (the prefix cache, if any, was elsewhere)."""
-
-    reply: bytes
-    instance: str
-    attempts: int
-    fallback: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """No ranker served the request: the caller's answer is `status` with `message`."""
-
-    status: Status
-    message: str
 
 
 @dataclass(slots=True)
@@ -327,42 +240,75 @@ class Forwarder:
             version,
         )  # fmt: skip
 
+    def attempts(self, route: Route) -> Attempts:
+        """The calls of one request down `route` (`Attempts`), counted and learnt from here.
+
+        An affinity-routed Rank unanswered for `rank_hedge_s` is also sent to the next ranker
+        (once); the first reply wins, so a frozen ranker costs a miss rather than the caller's
+        deadline. A ranker's status outside `TRY_NEXT` is the answer at once. When none can
+        serve: RESOURCE_EXHAUSTED if every ranker refused for want of room (the request is too
+        large or too heavy for all of them), else UNAVAILABLE; the message lists each ranker's
+        answer. An empty route is UNAVAILABLE.
+        """
+        hedge_s = self.settings.rank_hedge_s
+        if route.method is not Method.RANK or route.reason is None:
+            hedge_s = None
+        return Attempts(route, hedge_s, self.answered, self.failed, self._hedged)
+
     async def forward(
         self,
         route: Route,
         request: bytes,
         time_remaining: Callable[[], float | None] = lambda: None,
     ) -> Served | Refused:
-        """Call the first ranker of `route` that can serve `request`; each call's timeout is
-        `time_remaining()` (None: none) when it starts.
-
-        An affinity-routed Rank unanswered for `rank_hedge_s` is also sent to the next ranker
-        (once); the first reply wins and the other call is cancelled, so a frozen ranker costs
-        a miss rather than the caller's deadline. A ranker's status outside `TRY_NEXT` is the
-        answer at once. When none can serve: RESOURCE_EXHAUSTED if every ranker refused for
-        want of room (the request is too large or too heavy for all of them), else
-        UNAVAILABLE; the message lists each ranker's answer. An empty route is UNAVAILABLE.
-        """
-        if not route.order:
-            return Refused(Status.UNAVAILABLE, NO_RANKER)
-        hedge_s = self.settings.rank_hedge_s
-        if hedge_s is None or route.method is not Method.RANK or route.reason is None:
+        """Call the rankers of `route` as its `attempts` direct, each call's timeout
+        `time_remaining()` (None: none) when it starts; calls still running at the end are
+        cancelled."""
+        attempts = self.attempts(route)
+        step = attempts.start()
+        if attempts.hedge_s is None:
             # One call at a time: no task or timer on the common path.
-            failures: list[tuple[str, CallFailed]] = []
-            for attempt, instance in enumerate(route.order, 1):
-                call = self._connect(route.view[instance].address, route.method)
-                answer = await call(request, time_remaining())
-                if not isinstance(answer, CallFailed):
-                    return self.answered(route, answer, instance, attempt, failures)
-                if (refused := self.failed(route, instance, answer)) is not None:
-                    return refused
-                failures.append((instance, answer))
-        else:
-            hedged = await self._hedged(route, request, time_remaining, hedge_s)
-            if not isinstance(hedged, list):
-                return hedged
-            failures = hedged
-        return _refusal(route.method, failures)
+            while isinstance(step, list):
+                (call,) = step
+                answer = await self._call(route, call, request, time_remaining)
+                step = attempts.answered(call.instance, answer)
+            return step
+        calls: dict[asyncio.Future[bytes | CallFailed], str] = {}
+        try:
+            while isinstance(step, list):
+                for call in step:
+                    running = self._call(route, call, request, time_remaining)
+                    calls[asyncio.ensure_future(running)] = call.instance
+                timeout = attempts.hedge_s if attempts.hedge_armed else None
+                done, _ = await asyncio.wait(
+                    calls, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:  # the call outlived the hedge delay
+                    step = attempts.hedge()
+                    continue
+                step = []
+                for finished in done:
+                    outcome = attempts.answered(calls.pop(finished), finished.result())
+                    if not isinstance(outcome, list):
+                        return outcome
+                    step += outcome
+        finally:
+            for running in calls:
+                running.cancel()
+        return step
+
+    def _call(
+        self,
+        route: Route,
+        call: Call,
+        request: bytes,
+        time_remaining: Callable[[], float | None],
+    ) -> Awaitable[bytes | CallFailed]:
+        ranker = self._connect(route.view[call.instance].address, route.method)
+        return ranker(request, time_remaining())
+
+    def _hedged(self, method: Method) -> None:
+        self.stats.hedged[method] += 1
 
     async def settle(self, route: Route, served: Served) -> None:
         """Book a served request (`book`) and write the directory when it must be told."""
@@ -387,55 +333,6 @@ class Forwarder:
             self.room.landed(key, served.instance, nbytes, now)
         window_s = self.settings.relay_window_s
         return directory_write(served.instance, route.placement.owner, route.known, now, window_s)
-
-    async def _hedged(
-        self,
-        route: Route,
-        request: bytes,
-        time_remaining: Callable[[], float | None],
-        hedge_s: float,
-    ) -> Served | Refused | list[tuple[str, CallFailed]]:
-        """`forward` with one hedge: the first reply or passed-through refusal, else the
-        failures of every ranker tried. Calls still running when it returns are cancelled."""
-        waiting = list(route.order)
-        calls: dict[asyncio.Future[bytes | CallFailed], str] = {}
-
-        def launch() -> None:
-            instance = waiting.pop(0)
-            call = self._connect(route.view[instance].address, route.method)
-            calls[asyncio.ensure_future(call(request, time_remaining()))] = instance
-
-        failures: list[tuple[str, CallFailed]] = []
-        hedged = False
-        launch()
-        try:
-            while calls:
-                hedge_now = not hedged and bool(waiting)
-                done, _ = await asyncio.wait(
-                    calls,
-                    timeout=hedge_s if hedge_now else None,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if not done:  # the call outlived the hedge delay: ask the next ranker too
-                    hedged = True
-                    self.stats.hedged[route.method] += 1
-                    launch()
-                    continue
-                for finished in done:
-                    instance = calls.pop(finished)
-                    answer = finished.result()
-                    if not isinstance(answer, CallFailed):
-                        attempts = len(route.order) - len(waiting)
-                        return self.answered(route, answer, instance, attempts, failures)
-                    if (refused := self.failed(route, instance, answer)) is not None:
-                        return refused
-                    failures.append((instance, answer))
-                if not calls and waiting:
-                    launch()
-        finally:
-            for call in calls:
-                call.cancel()
-        return failures
 
     def failed(self, route: Route, instance: str, failed: CallFailed) -> Refused | None:
         """Count a ranker's error, and learn from a refusal for room; the caller's answer
@@ -477,13 +374,3 @@ class Forwarder:
         except Unavailable as err:  # the store is down: affinity may degrade, serving goes on
             self.stats.directory_write_failures += 1
             _log.warning("placement of %s on %s not recorded: %s", user, instance, err)
-
-
-def _refusal(method: Method, failures: Sequence[tuple[str, CallFailed]]) -> Refused:
-    """The answer when every ranker tried failed with a status in `TRY_NEXT`."""
-    message = f"no ranker could serve {method}: " + "; ".join(
-        f"{instance}: {failed.status} {failed.details}" for instance, failed in failures
-    )
-    if {failed.status for _, failed in failures} == {Status.RESOURCE_EXHAUSTED}:
-        return Refused(Status.RESOURCE_EXHAUSTED, message)
-    return Refused(Status.UNAVAILABLE, message)

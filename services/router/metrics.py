@@ -8,7 +8,7 @@ from prometheus_client.metrics_core import Metric
 from relaygr.cluster import RankerRecord
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
 from relaygr.placement import Reason
-from services.router.forward import Method, RankRoute
+from services.router.routes import Method, RankRoute
 from services.router.service import RouterServicer
 
 

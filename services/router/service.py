@@ -21,21 +21,10 @@ from relaygr.pool import RankerPool
 from relaygr.room import RelayRoom
 from relaygr.tracing import Attributes, annotate, child_span
 from relaygr.v1 import router_pb2
-from services.router.forward import (
-    CallFailed,
-    Connect,
-    Forwarder,
-    ForwardSettings,
-    Method,
-    RankerCall,
-    Refused,
-    RelayHint,
-    Route,
-    RouterStats,
-    Status,
-)
+from services.router.forward import Forwarder, ForwardSettings, RelayHint, RouterStats
 from services.router.limits import RequestLimits, check_limits, packed_count
 from services.router.load import WindowedLoad
+from services.router.routes import CallFailed, Connect, Method, RankerCall, Refused, Route, Status
 
 SERVICE_NAME = "relaygr.v1.RouterService"
 _KIND = {Method.PRE_INFER: "PreInferRequest", Method.RANK: "RankRequest"}

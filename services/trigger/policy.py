@@ -31,6 +31,15 @@ class Reason(enum.StrEnum):
     NO_ROOM = "no_room"  # no ranker in the fallback order has room now
 
 
+class Settled(enum.StrEnum):
+    """How a dispatched relay ended, as `AdmissionPolicy.settle` booked it."""
+
+    RELAYED = "relayed"  # resident where the trigger asked (or wherever the router chose)
+    RELAYED_ELSEWHERE = "relayed_elsewhere"  # resident, but not on the ranker asked for
+    REFUSED = "refused"  # no ranker had room for it
+    FAILED = "failed"  # lost for another reason (down, deadline, dropped)
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """A retrieval event as the policy sees it. `digest` returns the prefix's identity (the
@@ -189,6 +198,42 @@ class AdmissionPolicy:
             self.room.refuse(preferred, now)
             return True
         return False
+
+    def preferred(self, decision: Decision) -> str:
+        """The ranker an admitted relay asks the router for: sequence-aware, the one it found
+        room on; otherwise none ("": the router's own order)."""
+        return decision.target if self.cfg.mode is Mode.SEQUENCE_AWARE else ""
+
+    def dropped(self, decision: Decision, user_id: str) -> Decision:
+        """An admitted relay the dispatcher could not queue: its booking is freed, and the
+        caller is told LOAD_LIMIT instead."""
+        self.failed(user_id, decision.digest, decision.model_version)
+        return Decision(
+            Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target,
+            model_version=decision.model_version,
+        )  # fmt: skip
+
+    def settle(
+        self,
+        decision: Decision,
+        user_id: str,
+        preferred: str,
+        landed: tuple[str, int] | None,
+        refused_for_room: bool,
+        now: float,
+    ) -> Settled:
+        """Book how a dispatched relay (sent asking for `preferred`) ended: `landed` on
+        (instance, bytes pinned), else refused by every ranker for want of room, else failed.
+        The one place the service's dispatcher and the simulator settle a relay."""
+        if landed is not None:
+            instance, nbytes = landed
+            elsewhere = self.landed(decision, user_id, instance, nbytes, preferred, now)
+            return Settled.RELAYED_ELSEWHERE if elsewhere else Settled.RELAYED
+        if refused_for_room:
+            self.refused(decision, user_id, now)
+            return Settled.REFUSED
+        self.failed(user_id, decision.digest, decision.model_version)
+        return Settled.FAILED
 
     def failed(self, user_id: str, digest: str, model_version: str = "") -> None:
         """The relay was not sent, or failed for a reason other than room."""

@@ -16,9 +16,15 @@ from relaygr.tracing import child_span, current_context
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
 from relaygr.versions import VersionPolicy, choose_version, live_versions
 from relaygr.wire import InputLimits, prefix_from_proto
-from services.trigger.config import Mode
 from services.trigger.dispatch import Dispatcher, Failure, Job
-from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason, fallback_order
+from services.trigger.policy import (
+    AdmissionPolicy,
+    Decision,
+    Event,
+    Reason,
+    Settled,
+    fallback_order,
+)
 
 SERVICE_NAME = "relaygr.v1.TriggerService"
 
@@ -99,12 +105,8 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
             order = [] if version is None else fallback_order(user, version, view, self._directory)
             decision = self.policy.decide(event, order, now)
             if decision.admitted and not self._dispatch(request, decision, now):
-                self.policy.failed(user, decision.digest, decision.model_version)
                 self.stats.dispatch_dropped += 1
-                decision = Decision(
-                    Reason.LOAD_LIMIT, decision.predicted_full_ms, decision.target,
-                    model_version=decision.model_version,
-                )  # fmt: skip
+                decision = self.policy.dropped(decision, user)
             if span is not None:
                 span.set_attributes(
                     {
@@ -161,7 +163,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
     ) -> bool:
         """Queue the relay; sequence-aware, it asks the router for the ranker with room."""
         cfg = self.policy.cfg
-        preferred = decision.target if cfg.mode is Mode.SEQUENCE_AWARE else ""
+        preferred = self.policy.preferred(decision)
         due_at = now + cfg.expected_gap_ms / 1e3
         context = current_context(self._tracer)
         job = Job(decision, request, cfg.relay_window_ms, context, preferred, due_at)
@@ -175,19 +177,16 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         A relay that landed elsewhere than the ranker the trigger found room on was refused
         there (or that ranker was down): it is full until observed otherwise.
         """
-        now = self._clock()
-        policy = self.policy
-        if reply is not None:
+        landed = None if reply is None else (reply.instance_id, reply.kv_bytes)
+        refused = failure is not None and _refused_for_room(failure)
+        settled = self.policy.settle(
+            job.decision, job.user_id, job.preferred_instance, landed, refused, self._clock()
+        )
+        if settled in (Settled.RELAYED, Settled.RELAYED_ELSEWHERE):
             self.stats.relayed += 1
-            instance, preferred = reply.instance_id, job.preferred_instance
-            if policy.landed(job.decision, job.user_id, instance, reply.kv_bytes, preferred, now):
-                self.stats.landed_elsewhere += 1
-        elif failure is not None and _refused_for_room(failure):
-            self.stats.refused += 1
-            policy.refused(job.decision, job.user_id, now)
-        else:
-            self.stats.dispatch_failed += 1
-            policy.failed(job.user_id, job.decision.digest, job.decision.model_version)
+        self.stats.landed_elsewhere += settled is Settled.RELAYED_ELSEWHERE
+        self.stats.refused += settled is Settled.REFUSED
+        self.stats.dispatch_failed += settled is Settled.FAILED
 
 
 def fingerprint(prefix: Prefix, tail: int = 64) -> str:

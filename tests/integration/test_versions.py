@@ -15,7 +15,7 @@ from relaygr.v1 import common_pb2, ranker_pb2_grpc, trigger_pb2
 from relaygr.versions import VersionPolicy, canary_point, versions_key
 from relaygr.wire import behaviours_to_proto, pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.model import RankingModel
-from services.router.forward import Method
+from services.router.routes import Method
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import reply_scores, tiny_model

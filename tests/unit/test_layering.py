@@ -40,6 +40,8 @@ CORES = (
     "services.ranker.host_lock",
     "services.trigger.policy",
     "services.router.forward",
+    "services.router.attempts",
+    "services.router.routes",
     "relaygr.placement",
     "relaygr.room",
 )

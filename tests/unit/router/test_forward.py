@@ -10,17 +10,15 @@ from typing import Any
 from relaygr.cluster import MemoryCluster, PlacementRecord, RankerRecord
 from relaygr.errors import Unavailable
 from relaygr.placement import Reason, ranking
-from services.router.forward import (
+from services.router.forward import Forwarder, ForwardSettings, RouterStats
+from services.router.routes import (
     NO_RANKER,
     CallFailed,
-    Forwarder,
-    ForwardSettings,
     Method,
     RankerCall,
     RankRoute,
     Refused,
     Route,
-    RouterStats,
     Served,
     Status,
 )

@@ -6,7 +6,8 @@ from collections import Counter
 from relaygr.cluster import PlacementRecord
 from relaygr.placement import Reason
 from relaygr.room import RelayRoom, RoomReport
-from services.router.forward import CallFailed, Forwarder, RelayHint, Route, RouterStats, Served
+from services.router.forward import Forwarder, RelayHint, RouterStats
+from services.router.routes import CallFailed, Route, Served
 from tests.unit.router.test_forward import (
     EXHAUSTED,
     MV,

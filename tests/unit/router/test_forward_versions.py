@@ -8,7 +8,8 @@ from collections import Counter
 from relaygr.cluster import MemoryCluster, PlacementRecord
 from relaygr.placement import ranking
 from relaygr.versions import VersionPolicy, canary_point
-from services.router.forward import CallFailed, Forwarder, Refused, Route, Served
+from services.router.forward import Forwarder
+from services.router.routes import CallFailed, Refused, Route, Served
 from tests.unit.router.test_forward import (
     FROZEN as FROZEN_CALL,
 )
