@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md §10, read from the source (AST, no imports executed).
+"""The import rules of docs/architecture.md §10, read from the source (AST, no imports executed).
 
 - the base (`relaygr`, minus the tooling in `relaygr.local` and `relaygr.sim` and the `relaygr`
   command line) never imports a service or the tooling;

@@ -1,4 +1,4 @@
-"""Oracle tests: every cached path equals full inference (DESIGN.md §2 exactness invariant)."""
+"""Oracle tests: every cached path equals full inference (docs/architecture.md §2: exactness)."""
 
 import itertools
 
