@@ -23,8 +23,8 @@ from .dense_reference import DenseReference, ReferenceOutput
 from .factories import prefix, rank_input, rel_err, tiny_config
 
 # docs/architecture.md §2: fp32 relative error <= 1e-5. rel_err is max|a - b| / max|b| over all
-# tasks and candidates, so with sigmoid scores (max near 1) this is about 1e-5 absolute per score. The
-# model computes in float32 and the reference in float64; the gap measured is ~1e-7 to 1e-6.
+# tasks and candidates, so with sigmoid scores (max near 1) this is about 1e-5 absolute per score.
+# The model computes in float32 and the reference in float64; the gap measured is ~1e-7 to 1e-6.
 FP32_TOLERANCE = 1e-5
 # A mutation counts as caught only when the oracle's error is far above the tolerance.
 CAUGHT = 100 * FP32_TOLERANCE
