@@ -15,9 +15,13 @@ import pytest
 from relaygr.behaviours import RankInput
 from relaygr.lifecycle import connect_mesh
 from relaygr.placement import ranking
+from relaygr.pool import RankerPool
+from relaygr.tls_settings import PLAINTEXT
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from services.ranker.digest import PrefixHasher
+from services.ranker.fetch import Fetched, Peer
+from services.ranker.fetch_client import GrpcPeerSource
 from services.ranker.kv_store import CacheKey, Tier
 from services.ranker.model import RankingModel
 from services.ranker.outcomes import FetchResult
@@ -126,7 +130,8 @@ async def test_moved_users_are_recomputed_when_fetching_is_dearer(
 
 class FaultyPeer(ranker_pb2_grpc.RankerServiceServicer):
     """Answers Fetch as `mode` says: stall (never), not_found, corrupt (one payload byte
-    flipped), die (the header, then waits to be killed)."""
+    flipped), die (the header, then waits to be killed), other_key (a well-formed entry, but
+    of another prefix it holds, under that prefix's own key)."""
 
     def __init__(self, model: RankingModel, mode: str) -> None:
         self.model = model
@@ -149,6 +154,8 @@ class FaultyPeer(ranker_pb2_grpc.RankerServiceServicer):
         key = CacheKey(request.user_id, request.model_version, request.prefix_digest)  # type: ignore[arg-type]
         if self.mode == "stall":
             await asyncio.Event().wait()
+        if self.mode == "other_key":
+            key = next(held for held in self.entries if held != key)
         if self.mode == "not_found" or key not in self.entries:
             await context.abort(grpc.StatusCode.NOT_FOUND, "not here")
         yield ranker_pb2.PrefixChunk(header=self.headers[key])
@@ -212,6 +219,39 @@ async def test_a_failed_fetch_is_recomputed_exactly(
             assert usage.used_bytes <= usage.budget_bytes and ranker.engine.inflight() == 0
     finally:
         await link.close()
+        await server.stop(0)
+
+
+async def test_the_fetch_client_refuses_an_entry_of_another_prefix(
+    rng: np.random.Generator,
+) -> None:
+    """The gRPC PeerSource on its own (before the engine's own check): a peer that streams a
+    complete, uncorrupted entry of the asked-for size but under another prefix's key is
+    refused; the same peer asked for what it sends is believed."""
+    model = tiny_model()
+    asked, sent = (rank_input(rng, prefix(rng, 100, user_id=u)) for u in ("moved", "other"))
+    peer = FaultyPeer(model, "other_key")
+    peer.hold(sent)
+    server = grpc.aio.server()
+    ranker_pb2_grpc.add_RankerServiceServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    pool = RankerPool([], PLAINTEXT)
+    try:
+        source = GrpcPeerSource(pool, dict, None, "me", model.cfg, model.device)
+        fake = Peer("fake", f"127.0.0.1:{port}")
+        (sent_key,) = peer.entries
+        p = asked.prefix
+        digest = PrefixHasher.start(p.user_features).absorb(p.long_term).digest()
+        asked_key = CacheKey(p.user_id, model.model_version, digest)  # type: ignore[arg-type]
+        assert peer.headers[sent_key].nbytes == 104 * model.cfg.cache_bytes_per_token
+        assert await source.fetch(asked_key, fake, 5.0) == FetchResult.REFUSED
+        # The same stream, asked for under its own key, passes every check.
+        peer.mode = "serve"
+        got = await source.fetch(sent_key, fake, 5.0)
+        assert isinstance(got, Fetched) and got.kv.digest == sent_key.digest
+    finally:
+        await pool.close()
         await server.stop(0)
 
 

@@ -242,6 +242,50 @@ async def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(
         assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
 
 
+async def test_each_limit_admits_exactly_its_value_and_refuses_one_more(
+    rng: np.random.Generator,
+) -> None:
+    """Inclusive limits end to end (the wire's length checks, then the engine's), at values
+    other than the defaults: exactly at a limit is served exactly, one more is
+    INVALID_ARGUMENT naming the limit."""
+    cap, tokens, features = 12, 300, 6
+    model = tiny_model(max_candidates=cap, max_history_tokens=tokens, max_user_features=features)
+
+    def request(n_user: int, n_long: int, n_short: int, candidates: int) -> RankInput:
+        return rank_input(rng, prefix(rng, n_long, n_user=n_user), n_short, candidates)
+
+    async with running_ranker(model) as r:
+        at = [
+            request(4, 50, 4, cap),
+            request(features, 40, 4, 3),
+            request(4, tokens - 4, 0, 3),  # the prefix alone at the limit
+            request(4, tokens - 4 - 20, 20, 3),  # prefix and short-term at the limit
+        ]
+        for good in at:
+            reply = await r.stub.Rank(rank_request_to_proto(good))
+            assert rel_err(r.scores(reply), _expected(model, good)) <= 1e-5
+        full = prefix(rng, tokens - features, n_user=features)
+        reply = await r.stub.PreInfer(pre_infer_request_to_proto(full))
+        assert reply.prefix_tokens == tokens
+        over = {
+            f"{cap + 1} candidates exceed the limit of {cap}": request(4, 50, 4, cap + 1),
+            f"{features + 1} user features exceed the limit of {features}": request(
+                features + 1, 40, 4, 3
+            ),
+            f"prefix has {tokens + 1} tokens": request(4, tokens - 3, 0, 3),
+            f"request has {tokens + 1} history tokens": request(4, tokens - 4 - 19, 20, 3),
+        }
+        for message, bad in over.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.stub.Rank(rank_request_to_proto(bad))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+            assert message in (err.value.details() or ""), err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.stub.PreInfer(pre_infer_request_to_proto(prefix(rng, tokens - 3, n_user=4)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"prefix has {tokens + 1} tokens" in (err.value.details() or "")
+
+
 async def test_reversed_timestamps_are_refused_before_any_cache_is_made(
     rng: np.random.Generator,
 ) -> None:

@@ -11,18 +11,29 @@ import numpy as np
 import pytest
 
 from relaygr.cost import CostModel
+from services.ranker.config import RankerConfig
 from services.ranker.cost_fit import Sample, fit_cost_model, relative_errors
 from services.ranker.cost_learner import CostLearner, Republisher, changed_materially
 from services.ranker.cost_model import calibrate
-from services.ranker.engine import EngineSettings, RankerEngine
+from services.ranker.engine import CacheOutcome, EngineSettings, RankerEngine
 from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.model import RankingModel
 from services.ranker.observer import NoopObserver, Work
 from services.ranker.scheduler import ComputeScheduler, Priority
+from services.ranker.server import RankerServer, keep_learning
+from tests.polling import eventually
 
 from .factories import longer, prefix, rank_input, tiny_config
-from .test_engine import CANDIDATES, MODEL, TOKENS, Clock
+from .test_engine import (
+    CANDIDATES,
+    KV_BYTES,
+    MODEL,
+    TOKENS,
+    USER_FEATURES,
+    Clock,
+    running_engine,
+)
 
 # Shaped like the default model on one CPU core (see docs/benchmarks.md "Cost model").
 TRUTH = CostModel(8.0, 0.16, 3.6e-5, 2.5e-4, reload_ms_per_mb=0.3)
@@ -204,3 +215,51 @@ def test_engine_reports_the_compute_of_each_job(rng: np.random.Generator) -> Non
         (Work.RANK, again.history_tokens, p2, CANDIDATES),
     ]
     assert all(s[4] > 0 for s in observer.seen)
+
+
+class CountingLearner(CostLearner):
+    """A learner that counts its refits: once a second has begun, the first one's model has
+    been handed on (`keep_learning` hands each refit on before it waits for the next)."""
+
+    refits = 0
+
+    def refit(self) -> CostModel | None:
+        self.refits += 1
+        return super().refit()
+
+
+def test_the_engine_plans_with_each_refitted_cost_model(rng: np.random.Generator) -> None:
+    """The ranker's refit loop (`server.keep_learning`) hands each refit to the engine: a host
+    copy that the calibrated model reloads (calibrated while the core was shared, compute
+    looked dear) is recomputed once served timings show compute is cheap."""
+    # A host copy reloads in 11.5 ms; a prefill of it takes 105 ms calibrated, 2 ms served.
+    calibrated = CostModel(1.0, 1.0, 1e-6, 1e-5, reload_ms_per_mb=100.0)
+    served = CostModel(1.0, 0.01, 1e-6, 1e-5, reload_ms_per_mb=100.0)
+    calibration = timed_runs(calibrated, rng, noise=0.02, outliers=0.0, repeats=1)
+    learner = CountingLearner(calibration, calibrated, refit_after=8)
+    for sample in timed_runs(served, rng, noise=0.02, outliers=0.0, repeats=4):
+        learner.observe(sample)  # what the engine's compute timings feed it (`timing_sink`)
+    cfg = RankerConfig(plaintext=True, cost_refit_interval_s=0.001)
+    a, b = (rank_input(rng, prefix(rng, TOKENS, user_id=u)) for u in ("a", "b"))
+    with running_engine(hbm_prefixes=1.5, cost=calibrated) as (engine, _):
+        ranker = RankerServer(None, None, "r", engine=engine)  # type: ignore[arg-type]
+
+        async def scenario() -> list[CacheOutcome]:
+            outcomes = []
+            for request in (a, b, a):  # each Rank pushes the other user's prefix to the host
+                outcomes.append((await engine.rank(request, None)).outcome)
+            learning = asyncio.create_task(keep_learning(ranker, learner, cfg, lambda _: None))
+            try:
+                await eventually(lambda: learner.refits >= 2, "the first refit handed on")
+            finally:
+                learning.cancel()
+            outcomes.append((await engine.rank(b, None)).outcome)
+            return outcomes
+
+        outcomes = asyncio.run(scenario())
+    refitted = learner.model
+    # The premise: the calibrated model reloads a host copy, the refitted one recomputes it.
+    assert calibrated.reload_ms(KV_BYTES) < calibrated.prefill_ms(TOKENS + USER_FEATURES)
+    assert refitted.reload_ms(KV_BYTES) > refitted.prefill_ms(TOKENS + USER_FEATURES)
+    # a's third Rank reloaded its host copy (calibrated); b's, after the refit, recomputes it.
+    assert outcomes == [CacheOutcome.MISS] * 2 + [CacheOutcome.DRAM_HIT, CacheOutcome.MISS]

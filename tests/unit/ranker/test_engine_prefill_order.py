@@ -239,3 +239,41 @@ def test_every_request_for_a_queued_prefix_gets_exact_scores(rng: np.random.Gene
     assert outcomes == [CacheOutcome.MISS] + [CacheOutcome.WAITED_INFLIGHT] * 3
     for ranked in ranks:
         assert_full_inference(ranked, request)
+
+
+def test_a_hit_is_scored_before_the_remaining_chunks_of_a_background_prefill(
+    rng: np.random.Generator,
+) -> None:
+    """A Rank's scoring step runs at rank priority: a hit that arrives while another user's
+    prefill is part computed is scored before that prefill's remaining chunks run."""
+    hit = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
+    background = prefix(rng, LONG, user_id="b")
+    holder: dict[str, Gate] = {}
+    engines: list[RankerEngine] = []
+    executor = pausing(holder, lambda: engines[0], "prefill:b", after=2)
+    with running_engine(hbm_prefixes=12, cost=COST, executor=executor) as (engine, _):
+        engines.append(engine)
+
+        async def scenario() -> tuple[RankResult, PreInferOutcome]:
+            await engine.pre_infer(hit.prefix, None, None)  # a's prefix is resident
+            pre = asyncio.create_task(engine.pre_infer(background, None, None))
+            await eventually(lambda: "gate" in holder, "two of b's five chunks ran")
+            await holder["gate"].wait_entered()
+            ranked = asyncio.create_task(engine.rank(hit, None))
+            await eventually(
+                lambda: any(e.job == "rank" for e in engine.scheduler.events),
+                "the hit's scoring step is queued",
+            )
+            holder["gate"].open()
+            return await ranked, (await pre).outcome
+
+        ranked, pre = asyncio.run(scenario())
+        events = engine.scheduler.events
+    assert (ranked.outcome, pre) == (CacheOutcome.HBM_HIT, PreInferOutcome.COMPUTED)
+    scored = next(e.seq for e in events if e.job == "rank" and e.kind == "done")
+    chunks = [e.seq for e in events if e.job == "prefill:b" and e.kind == "step"]
+    # Two steps ran before the hit arrived; every remaining one (the last ends the job) after.
+    assert [seq < scored for seq in chunks] == [True] * 2 + [False] * (len(chunks) - 2)
+    assert len(chunks) > 2
+    assert {e.priority for e in events if e.job == "rank"} == {Priority.RANK}
+    assert_full_inference(ranked, hit)

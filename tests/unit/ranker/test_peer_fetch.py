@@ -43,6 +43,7 @@ from tests.unit.ranker.test_engine import (
     Gate,
     assert_full_inference,
 )
+from tests.unit.ranker.test_engine_extension import assert_dense_exact
 
 CHEAP_TRANSFER = TransferCost(fixed_ms=0.1, ms_per_mb=0.0)  # far below a prefill's ~2 ms
 DEAR_TRANSFER = TransferCost(fixed_ms=1e3, ms_per_mb=0.0)
@@ -281,6 +282,28 @@ def test_a_failed_fetch_computes_the_prefix_exactly(
         usage = engine.store.usage(Tier.HBM)
         assert usage.used_bytes <= usage.budget_bytes
     assert_full_inference(ranked, request)
+
+
+@pytest.mark.parametrize("whose", ["another-user", "same-user-another-history"])
+def test_an_entry_of_another_prefix_of_the_same_size_is_refused(
+    rng: np.random.Generator, whose: str
+) -> None:
+    """A peer answers with a well-formed entry of the very size and layout asked for, but of
+    another prefix digest: only the digest tells it apart. The fetch is refused and the Rank
+    computes its own prefix, scored as the dense reference scores it."""
+    request = rank_input(rng, prefix(rng, TOKENS, user_id="moved"))
+    other = prefix(rng, TOKENS, user_id="other" if whose == "another-user" else "moved")
+    other_key, other_entry = produced(other)
+    assert other_entry.kv.nbytes == KV_BYTES
+    assert other_entry.kv.num_user_tokens == USER_FEATURES
+    peers = FakePeers({other_key: other_entry}, mode="corrupt", peers_of=[PEER, Peer("p2", "x:2")])
+    with fetching_engine(peers) as (engine, observer):
+        ranked = asyncio.run(engine.rank(request, None))
+        assert_dense_exact(ranked, request)
+        assert ranked.outcome is CacheOutcome.MISS
+        assert observer.landed == [(Work.PREFILL, TOKENS + USER_FEATURES)]
+        assert [f[1] for f in observer.fetches] == [FetchResult.REFUSED] * 2
+        assert engine.store.tier_of(other_key) is None  # never landed under any key
 
 
 def test_concurrent_ranks_share_one_fetch(rng: np.random.Generator) -> None:

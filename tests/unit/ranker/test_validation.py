@@ -148,3 +148,64 @@ def test_a_cache_from_another_model_is_refused(rng: np.random.Generator) -> None
         b.rank(kv, request.short_term, request.candidates, request.request_ts)
     with pytest.raises(InvalidInput, match="built by model"):
         b.extend(kv, behaviours(rng, 3))
+
+
+def _at_limits(rng: np.random.Generator, over: int) -> dict[str, tuple[RankInput, str]]:
+    """Requests exactly at each of CFG's limits (`over` 0), or `over` past it, and the message
+    naming the limit that one past it gets."""
+    limit = CFG.max_history_tokens
+    features = CFG.max_user_features
+    few = rank_input(rng, prefix(rng, 20, n_user=2), n_short=5, n_candidates=4)
+    p = few.prefix
+
+    def request(n_user: int, n_long: int, n_short: int, n_candidates: int) -> RankInput:
+        return rank_input(rng, prefix(rng, n_long, n_user=n_user), n_short, n_candidates)
+
+    return {
+        "candidates": (
+            RankInput(p, few.short_term, np.arange(CFG.max_candidates + over), few.request_ts),
+            f"{CFG.max_candidates + over} candidates exceed the limit of {CFG.max_candidates}",
+        ),
+        "user features": (
+            request(features + over, 10, 2, 3),
+            f"{features + over} user features exceed the limit of {features}",
+        ),
+        "prefix tokens": (
+            request(features, limit - features + over, 0, 3),
+            f"prefix has {limit + over} tokens .* limit of {limit}",
+        ),
+        "history tokens": (
+            request(features, 150, limit - features - 150 + over, 3),
+            f"request has {limit + over} history tokens .* limit of {limit}",
+        ),
+    }
+
+
+@pytest.mark.parametrize("what", ["candidates", "user features", "prefix tokens", "history tokens"])
+def test_each_limit_admits_exactly_its_value_and_refuses_one_more(
+    model: RankingModel, rng: np.random.Generator, what: str
+) -> None:
+    """Limits are inclusive (CFG's, not the default 64 candidates): at the limit every entry
+    point scores the request; one past it each refuses it naming the limit."""
+    request, _ = _at_limits(rng, 0)[what]
+    full = model.full_forward(request)
+    cached = model.rank(
+        model.prefill(request.prefix), request.short_term, request.candidates, request.request_ts
+    )
+    assert cached.shape == full.shape == (2, len(request.candidates))
+    over, message = _at_limits(rng, 1)[what]
+    with pytest.raises(InvalidInput, match=message):
+        model.full_forward(over)
+    with pytest.raises(InvalidInput, match=message):
+        kv = model.prefill(over.prefix)
+        model.rank(kv, over.short_term, over.candidates, over.request_ts)
+
+
+def test_extend_to_exactly_the_token_limit_is_accepted(
+    model: RankingModel, rng: np.random.Generator
+) -> None:
+    kv = model.prefill(prefix(rng, 150, n_user=2))
+    more = CFG.max_history_tokens - kv.num_tokens
+    assert model.extend(kv, behaviours(rng, more)).num_tokens == CFG.max_history_tokens
+    with pytest.raises(InvalidInput, match="extended prefix would have 201 tokens"):
+        model.extend(kv, behaviours(rng, more + 1))
