@@ -20,9 +20,10 @@ PASS_THROUGH = ("--ranker-arg", "--router-arg", "--trigger-arg")
 DESCRIPTION = f"""\
 Run etcd, N rankers, a router and a trigger on loopback until Ctrl-C or SIGTERM.
 
-Prints each process's address and pid, and lists them (name, role, address, pid, /metrics URL)
-in {PROCESSES_FILE} in the mesh's work directory (its path is printed), so that a script can
-stop or kill one of them. Every service, /metrics included, listens on 127.0.0.1 only.
+Prints each process's address and pid, and lists them (name, role, address, pid, /metrics URL,
+running or not and exit code) in {PROCESSES_FILE} in the mesh's work directory (its path is
+printed), so that a script can stop or kill one of them: one that exits is reaped, its exit
+printed, and the rest keep serving. Every service, /metrics included, listens on 127.0.0.1 only.
 """
 
 
@@ -95,16 +96,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls=args.tls,
         metrics_base_port=args.metrics_base_port,
     )
-    stop = _until_signal()
+    wait = _until_signal()
     with LocalMesh(spec) as mesh:
         print(f"relaygr mesh up:\n{mesh.describe()}\nCtrl-C stops it.", flush=True)
-        stop()
+        wait(lambda: _report_exits(mesh))
     print("relaygr mesh stopped", flush=True)
     return 0
 
 
-def _until_signal() -> Callable[[], None]:
-    """A function that blocks until SIGINT or SIGTERM (installed now, so none is missed)."""
+def _report_exits(mesh: LocalMesh) -> None:
+    """Reap the services that exited (a ranker stopped with `kill <pid>` drains and exits) and
+    say so; the rest keep serving."""
+    for gone in mesh.reap():
+        print(f"{gone.describe()}; the rest keep serving", flush=True)
+
+
+def _until_signal() -> Callable[[Callable[[], None]], None]:
+    """A function that blocks until SIGINT or SIGTERM (installed now, so none is missed),
+    calling its argument every tick meanwhile."""
     received: list[int] = []
 
     def on_signal(signum: int, _: object) -> None:
@@ -113,8 +122,9 @@ def _until_signal() -> Callable[[], None]:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
 
-    def wait() -> None:
+    def wait(tick: Callable[[], None]) -> None:
         while not received:
+            tick()
             time.sleep(0.2)
 
     return wait
