@@ -12,6 +12,7 @@ IMAGE ?= relaygr:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 .PHONY: setup proto test lint helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv demo clean
 
 setup: $(STAMP) $(PROTO_OUT) $(HELM)
+	@command -v promtool >/dev/null || echo "note: no promtool: the alert and Prometheus tests skip; as root: apt-get install -y --no-install-recommends prometheus"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv $(VENV) || { echo "python3 -m venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }

@@ -304,6 +304,8 @@ def values_schema() -> dict[str, Any]:
                 "enabled": _BOOL,
                 "port": _PORT,
                 "serviceMonitor": _obj({"enabled": _BOOL, "interval": _STR, "labels": _OBJ}),
+                "prometheusRule": _obj({"enabled": _BOOL, "labels": _OBJ}),
+                "grafanaDashboard": _obj({"enabled": _BOOL, "labels": _OBJ, "annotations": _OBJ}),
             },
             ["enabled", "port"],
         ),

@@ -3,7 +3,8 @@
 `relaygr up` (relaygr.local.up) runs it until Ctrl-C or SIGTERM; benchmarks, the demo and tests
 use `LocalMesh` directly. Every process it starts is stopped when it stops (and, on Linux, is also
 sent SIGTERM if this process dies), and its work directory is removed. While it runs, the work
-directory's `processes.json` lists every process: name, role, address, pid and /metrics URL.
+directory's `processes.json` lists every process: name, role, address, pid, /metrics URL and
+whether it is running (a child that exits is reaped and listed with its exit code by `reap`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,6 +103,24 @@ class ProcessEntry:
     address: str
     pid: int | None  # None: not running (etcd while `stop_etcd` holds it down)
     metrics: str | None  # its Prometheus /metrics URL; None: not served
+    running: bool = True  # False once it exited (and was reaped)
+    exit_code: int | None = None  # once it exited: its status; -N: killed by signal N
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """A child of the mesh that exited and was reaped."""
+
+    name: str
+    pid: int
+    code: int  # its exit status; -N: killed by signal N
+
+    def describe(self) -> str:
+        if self.code < 0:
+            how = f"killed by {signal.Signals(-self.code).name}"
+        else:
+            how = f"exited with code {self.code}"
+        return f"{self.name} (pid {self.pid}) {how}"
 
 
 @dataclass(slots=True)
@@ -120,7 +140,10 @@ class Service:
     @property
     def entry(self) -> ProcessEntry:
         metrics = f"http://{LOOPBACK}:{self.metrics_port}/metrics" if self.metrics_port else None
-        return ProcessEntry(self.name, self.args[0], self.address, self.process.pid, metrics)
+        code = self.process.returncode  # as last reaped: reading it reaps nothing
+        return ProcessEntry(
+            self.name, self.args[0], self.address, self.process.pid, metrics, code is None, code
+        )
 
     def tail(self, chars: int = 4000) -> str:
         try:
@@ -151,6 +174,7 @@ class LocalMesh:
     cpus: int = 0  # CPUs this process may use (`available_cpus`), set by `start`
     _tmp: Path | None = None
     _started: list[Service] = field(default_factory=list)
+    _reaped: set[int] = field(default_factory=set)  # pids whose exit `reap` reported
 
     def __enter__(self) -> LocalMesh:
         self.start()
@@ -240,9 +264,24 @@ class LocalMesh:
     def processes(self) -> list[ProcessEntry]:
         """etcd, then every service in start order."""
         assert self.etcd is not None, "mesh not started"
-        pid = self.etcd.pid if self.etcd.running else None
-        etcd = ProcessEntry("etcd", "etcd", self.etcd_endpoint, pid, self.etcd.metrics_url)
+        running = self.etcd.running
+        pid = self.etcd.pid if running else None
+        etcd = ProcessEntry("etcd", "etcd", self.etcd_endpoint, pid, self.etcd.metrics_url, running)
         return [etcd, *(service.entry for service in self._started)]
+
+    def reap(self) -> list[Exit]:
+        """Collect every service that exited since the last call (so none stays a zombie), and
+        list it as not running in `processes_file`; the exits, in start order."""
+        exits = []
+        for service in self._started:
+            process = service.process
+            code = process.poll()
+            if code is not None and process.pid not in self._reaped:
+                self._reaped.add(process.pid)
+                exits.append(Exit(service.name, process.pid, code))
+        if exits:
+            self._write_processes()
+        return exits
 
     def _write_processes(self) -> None:
         """Replace `processes_file` at once: a script polling it never reads half of one."""

@@ -65,6 +65,13 @@ def register_trigger_metrics(
             {(code.name,): n for code, n in dispatcher.stats.failed.items()},
         )
         yield gauge(
+            "relaygr_trigger_slo_seconds",
+            "The ranking latency SLO in force (slo_ms of the live config), which admission"
+            " judges risk against and the ranking P99 alert compares with",
+            [],
+            {(): servicer.policy.cfg.slo_ms / 1e3},
+        )
+        yield gauge(
             "relaygr_trigger_dispatch_queue_depth",
             "Admitted PreInfers waiting to be sent",
             [],

@@ -34,7 +34,7 @@ from tools.chart_schema import CONFIGS
 # The chart's kubeVersion floor, a mid version and the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ("1.27.0", "1.31.0", kubernetes_validate.latest_version())
 # Custom resources: no schema offline; their shape is asserted below instead.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 FILE_IDS = [f.stem for f in VALUES_FILES]
 CHART_NAME = f"{RELEASE}-relaygr"
 

@@ -1,7 +1,6 @@
 """A small `relaygr up` mesh for process-level tests: rankers serving the tiny test model."""
 
 import glob
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 
 from relaygr.local.mesh import MeshSpec
+from relaygr.local.ports import free_port_range as free_ports  # noqa: F401 (re-exported for the tests)
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelPreset
 
@@ -21,27 +21,6 @@ def tiny_mesh(**spec: Any) -> tuple[MeshSpec, RankingModel]:
     fields = {"rankers": 2, **spec}
     fields["ranker_args"] = (*ranker_args, *fields.get("ranker_args", ()))
     return MeshSpec(**fields), RankingModel(PRESETS[ModelPreset.TINY], seed=0)
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that are free now (a test-only race)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            base: int = first.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = [socket.socket() for _ in range(count)]
-        try:
-            for i, s in enumerate(sockets):
-                s.bind(("127.0.0.1", base + i))
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def mesh_workdirs() -> set[str]:

@@ -166,3 +166,44 @@ def test_relaygr_up_lists_its_pids_and_a_killed_ranker_leaves_the_rest_serving(
         assert not _alive(entry.pid)
     assert str(listed[0]) in output
     assert mesh_workdirs() == before
+
+
+def test_relaygr_up_reaps_a_ranker_stopped_by_sigterm_and_prints_its_exit(
+    private_tempdir: Path, tmp_path: Path
+) -> None:
+    printed = tmp_path / "up.out"
+    with printed.open("wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "relaygr.cli", "up", "--rankers", "2", "--model", "tiny",
+             "--ranker-arg", "--device=cpu", "--ranker-arg", "--calibration-lengths=32,64"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        listed: list[Path] = []
+
+        def written() -> bool:
+            assert up.poll() is None, f"relaygr up exited:\n{printed.read_text()}"
+            listed[:] = private_tempdir.glob(f"relaygr-mesh-*/{PROCESSES_FILE}")
+            return bool(listed)
+
+        asyncio.run(eventually(written, "relaygr up wrote its processes file", timeout_s=300))
+        entries = {e["name"]: ProcessEntry(**e) for e in json.loads(listed[0].read_text())}
+        assert all(e.running and e.exit_code is None for e in entries.values())
+        stopped = entries["ranker-0"]
+        assert stopped.pid is not None
+        os.kill(stopped.pid, signal.SIGTERM)  # drains, deregisters, exits 0
+
+        def reaped() -> bool:  # gone from /proc: neither running nor a zombie
+            return not Path(f"/proc/{stopped.pid}/status").exists()
+
+        asyncio.run(eventually(reaped, "the stopped ranker reaped", timeout_s=60))
+        line = f"ranker-0 (pid {stopped.pid}) exited with code 0"
+        asyncio.run(eventually(lambda: line in printed.read_text(), "its exit printed"))
+        after = {e["name"]: ProcessEntry(**e) for e in json.loads(listed[0].read_text())}
+        assert (after["ranker-0"].running, after["ranker-0"].exit_code) == (False, 0)
+        assert all(e.running for name, e in after.items() if name != "ranker-0")
+        assert _serving(entries["ranker-1"].address)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=120)
+    assert up.returncode == 0, printed.read_text()

@@ -251,6 +251,7 @@ async def test_metrics_move_with_a_known_sequence(
         assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="relayed") == 2
         assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="failed") == 0
         assert _value(trigger, "relaygr_trigger_dispatch_queue_depth") == 0
+        assert _value(trigger, "relaygr_trigger_slo_seconds") == SLO["slo_ms"] / 1e3
         assert _value(trigger, "relaygr_cluster_rankers") == 1
         assert _value(trigger, "relaygr_etcd_connected") == 1
 
