@@ -121,7 +121,9 @@ class Membership(Protocol):
         """Withdraw the instance; its directory entries go with it."""
 
     def view(self) -> Mapping[str, RankerRecord]:
-        """instance id -> record, as last seen; a snapshot that later changes do not alter."""
+        """instance id -> record, as last seen; a snapshot that later changes do not alter, and
+        the same object until the membership changes (so an index of it may be kept by
+        identity: `relaygr.versions.VersionIndexer`)."""
 
 
 class Directory(Protocol):
@@ -161,6 +163,7 @@ class MemoryCluster:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._rankers: dict[str, RankerRecord] = {}
+        self._view = types.MappingProxyType(self._rankers)
         # (model version, user id) -> (placement, holder instance id)
         self._placements: dict[tuple[str, str], tuple[PlacementRecord, str]] = {}
 
@@ -168,13 +171,15 @@ class MemoryCluster:
         if not ttl_s > 0:
             raise InvalidInput(f"lease ttl_s must be positive, got {ttl_s}")
         self._rankers = {**self._rankers, record.instance_id: record}
+        self._view = types.MappingProxyType(self._rankers)
 
     async def deregister(self, instance_id: str) -> None:
         self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
+        self._view = types.MappingProxyType(self._rankers)
         await self.forget_instance(instance_id)
 
     def view(self) -> Mapping[str, RankerRecord]:
-        return types.MappingProxyType(self._rankers)
+        return self._view
 
     async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
         if holder_instance_id not in self._rankers:

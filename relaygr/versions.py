@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Self
 
 from relaygr.cluster import RankerRecord
@@ -123,6 +124,48 @@ def choose_version(
 def serving(view: Mapping[str, RankerRecord], version: str) -> dict[str, RankerRecord]:
     """The rankers of `view` that serve `version`: the only ones its requests may go to."""
     return {i: r for i, r in view.items() if r.model_version == version}
+
+
+@dataclass(frozen=True, slots=True)
+class VersionIndex:
+    """A membership view split by model version: each version's live count and its rankers.
+
+    Built once per view: membership views are snapshots, replaced (never changed in place) when
+    a ranker joins or leaves, so the index of the last view serves every request until then.
+    """
+
+    view: Mapping[str, RankerRecord]
+    live: Mapping[str, int]  # `live_versions(view)`
+    rankers: Mapping[str, Mapping[str, RankerRecord]]  # version -> `serving(view, version)`
+
+    @classmethod
+    def of(cls, view: Mapping[str, RankerRecord]) -> "VersionIndex":
+        split: dict[str, dict[str, RankerRecord]] = {}
+        for instance, record in view.items():
+            split.setdefault(record.model_version, {})[instance] = record
+        rankers = {version: MappingProxyType(mine) for version, mine in split.items()}
+        live = Counter({version: len(mine) for version, mine in split.items()})
+        return cls(view, live, rankers)
+
+    def serving(self, version: str) -> Mapping[str, RankerRecord]:
+        """The rankers that serve `version` (none: empty)."""
+        return self.rankers.get(version, _NONE)
+
+
+_NONE: Mapping[str, RankerRecord] = MappingProxyType({})
+
+
+class VersionIndexer:
+    """The index of the last view asked about, rebuilt only when the view object changes."""
+
+    def __init__(self) -> None:
+        self._last: VersionIndex | None = None
+
+    def __call__(self, view: Mapping[str, RankerRecord]) -> VersionIndex:
+        last = self._last
+        if last is None or last.view is not view:
+            last = self._last = VersionIndex.of(view)
+        return last
 
 
 def unavailable_message(version: str, live: Mapping[str, int]) -> str:

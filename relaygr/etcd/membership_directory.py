@@ -72,6 +72,7 @@ class EtcdMembershipDirectory:
         self._rankers_prefix = f"{prefix.rstrip('/')}/rankers/"
         self._directory_prefix = f"{prefix.rstrip('/')}/directory/"
         self._rankers: dict[str, RankerRecord] = {}
+        self._view = types.MappingProxyType(self._rankers)
         self._leases: dict[str, int] = {}  # instance id -> lease id of its record, as last seen
         self._entries: dict[_Key, _Entry] = {}  # (model version, user id) -> entry
         self._recorded: set[_Key] = set()  # entries this process last wrote
@@ -84,6 +85,7 @@ class EtcdMembershipDirectory:
     async def start(self) -> None:
         """Load both views afresh and follow changes; raises `Unavailable` if etcd is down."""
         self._rankers, self._leases, self._entries = {}, {}, {}
+        self._view = types.MappingProxyType(self._rankers)
         # Rankers first, so the initial directory entries find their holders in the view.
         for prefix, on_event in (
             (self._rankers_prefix, self._on_ranker_event),
@@ -146,7 +148,7 @@ class EtcdMembershipDirectory:
         await kept.revoke()
 
     def view(self) -> Mapping[str, RankerRecord]:
-        return types.MappingProxyType(self._rankers)
+        return self._view
 
     # Directory
 
@@ -242,12 +244,14 @@ class EtcdMembershipDirectory:
         if instance_id not in self._rankers:
             self.members_changed_at = self._clock()
         self._rankers = {**self._rankers, instance_id: record}
+        self._view = types.MappingProxyType(self._rankers)
         self._leases[instance_id] = lease_id
 
     def _drop_ranker(self, instance_id: str) -> None:
         if instance_id not in self._rankers:
             return
         self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
+        self._view = types.MappingProxyType(self._rankers)
         self._leases.pop(instance_id, None)
         self.members_changed_at = self._clock()
         # etcd deletes the entries it holds with its lease; drop them (and those naming it) now.

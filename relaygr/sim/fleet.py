@@ -30,7 +30,7 @@ from relaygr.sim.ranker import (
     ranker_record,
 )
 from relaygr.sim.workload import Visit
-from relaygr.versions import choose_version, live_versions
+from relaygr.versions import VersionIndexer, choose_version
 from services.ranker.config import RankerConfig
 from services.ranker.engine import EngineSettings
 from services.ranker.scheduler import Priority
@@ -166,6 +166,7 @@ class Fleet:
         # PreInfers served: arrival index -> (ranker, PreInfer outcome)
         self.relays_served: dict[int, tuple[str, str]] = {}
         self.policy = AdmissionPolicy(settings.trigger)
+        self._index = VersionIndexer()
         router = settings.router
         forward = router.forward_settings()
         self.forwarder = Forwarder(
@@ -268,8 +269,10 @@ class Fleet:
         now = self.loop.now
         view = self.cluster.view()
         # One model version here: the trigger's choice, as the service makes it.
-        version = choose_version(visit.user, "", self.forwarder.versions, live_versions(view))
-        order = [] if version is None else fallback_order(visit.user, version, view, self.cluster)
+        split = self._index(view)
+        version = choose_version(visit.user, "", self.forwarder.versions, split.live)
+        mine = {} if version is None else split.serving(version)
+        order = [] if version is None else fallback_order(visit.user, version, mine, self.cluster)
         event = Event(
             visit.user,
             visit.prefix_tokens,

@@ -25,10 +25,9 @@ from relaygr.placement import (
 )
 from relaygr.room import RelayRoom
 from relaygr.versions import (
+    VersionIndexer,
     VersionPolicy,
     choose_version,
-    live_versions,
-    serving,
     unavailable_message,
 )
 from services.router.attempts import Attempts, Call
@@ -160,6 +159,7 @@ class Forwarder:
         self.load = WindowedLoad(settings.relay_window_s, clock)
         self.stats = RouterStats()
         self.versions = versions if versions is not None else VersionPolicy()
+        self._index = VersionIndexer()
 
     def use_versions(self, policy: VersionPolicy) -> None:
         """Route by `policy` from now on (live config)."""
@@ -190,8 +190,8 @@ class Forwarder:
         place it on is refused at once (an empty route is refused by `forward`), and so is a
         request for a `model_version` (empty: the policy's choice) no live ranker serves.
         `hint`: what a PreInfer says of where it should land."""
-        everyone = self._membership.view()
-        live = live_versions(everyone)
+        index = self._index(self._membership.view())
+        live = index.live
         version = choose_version(user, model_version, self.versions, live)
         if version is None:
             if not model_version:  # nobody is live: the plain no-ranker answer below
@@ -201,7 +201,7 @@ class Forwarder:
                 return Refused(Status.UNAVAILABLE, unavailable_message(model_version, live))
         else:
             self.stats.versions[method, version] += 1
-        view = serving(everyone, version)
+        view = index.serving(version)
         if self.settings.random_placement:
             drawn = tuple(shuffled(view, self._draw))
             return Route(method, user, drawn, view, None, model_version=version)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from relaygr.cluster import Directory, RankerRecord
 from relaygr.placement import route_rank
 from relaygr.room import Relay, RelayRoom
-from relaygr.versions import serving
 from services.trigger.config import Mode, TriggerConfig
 
 
@@ -251,12 +250,11 @@ class AdmissionPolicy:
 
 
 def fallback_order(
-    user_id: str, model_version: str, view: Mapping[str, RankerRecord], directory: Directory
+    user_id: str, model_version: str, mine: Mapping[str, RankerRecord], directory: Directory
 ) -> list[RankerRecord]:
-    """The rankers of `model_version` the router would try for the user's PreInfer, in its
-    order: the directory's live entry for the user under that version, then the user's
-    rendezvous order over that version's rankers."""
-    mine = serving(view, model_version)
+    """The rankers of `model_version` (`mine`: the rankers that serve it) the router would try
+    for the user's PreInfer, in its order: the directory's live entry for the user under that
+    version, then the user's rendezvous order over those rankers."""
     recorded = directory.lookup(user_id, model_version)
     placed = {} if recorded is None else {user_id: recorded}
     return [mine[i] for i in route_rank(user_id, mine, placed)]

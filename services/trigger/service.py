@@ -14,7 +14,7 @@ from relaygr.cluster import Directory, Membership
 from relaygr.errors import InvalidInput
 from relaygr.tracing import child_span, current_context
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
-from relaygr.versions import VersionPolicy, choose_version, live_versions
+from relaygr.versions import VersionIndexer, VersionPolicy, choose_version
 from relaygr.wire import InputLimits, prefix_from_proto
 from services.trigger.dispatch import Dispatcher, Failure, Job
 from services.trigger.policy import (
@@ -87,6 +87,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         self._clock = clock
         self.stats = TriggerStats()
         self.versions = VersionPolicy()
+        self._index = VersionIndexer()
 
     def use_versions(self, policy: VersionPolicy) -> None:
         """Choose versions by `policy` from now on (live config)."""
@@ -97,12 +98,14 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
     ) -> trigger_pb2.TriggerDecision:
         view = self._membership.view()
         user = request.user_id
-        version = choose_version(user, request.model_version, self.versions, live_versions(view))
+        index = self._index(view)
+        version = choose_version(user, request.model_version, self.versions, index.live)
         event = self._event(request, version or "")
         with child_span(self._tracer, "trigger.decide") as span:
             now = self._clock()
             # No live ranker of the version: an empty order (NO_RANKER).
-            order = [] if version is None else fallback_order(user, version, view, self._directory)
+            mine = {} if version is None else index.serving(version)
+            order = [] if version is None else fallback_order(user, version, mine, self._directory)
             decision = self.policy.decide(event, order, now)
             if decision.admitted and not self._dispatch(request, decision, now):
                 self.stats.dispatch_dropped += 1

@@ -12,6 +12,7 @@ from relaygr.errors import ConfigError
 from relaygr.etcd.watch import EventKind, WatchEvent
 from relaygr.live_value import live_policy
 from relaygr.versions import (
+    VersionIndexer,
     VersionPolicy,
     canary_point,
     choose_version,
@@ -158,3 +159,15 @@ def test_the_live_policy_applies_valid_values_keeps_the_last_on_bad_ones_and_res
     assert live.current == good
     live.on_event(WatchEvent(EventKind.DELETE, live.key, None, 2))
     assert live.current == VersionPolicy() and applied[-1] == VersionPolicy()
+
+
+def test_the_version_index_splits_a_view_and_is_kept_until_the_view_changes() -> None:
+    view = {"a": ranker("a", "v1"), "b": ranker("b", "v2"), "c": ranker("c", "v1")}
+    indexer = VersionIndexer()
+    index = indexer(view)
+    assert index.live == live_versions(view)
+    assert dict(index.serving("v1")) == serving(view, "v1") and dict(index.serving("v3")) == {}
+    assert indexer(view) is index  # the same view object: the same index
+    changed = {**view, "d": ranker("d", "v2")}  # membership changes by a new snapshot
+    assert indexer(changed) is not index
+    assert indexer(changed).live == {"v1": 2, "v2": 2}
