@@ -11,8 +11,9 @@ from typing import TypeVar
 
 import grpc
 
-from relaygr.cert_files import CertificateFiles, tls_paths
-from relaygr.tls import ChannelOption, open_channel
+from relaygr.cert_files import CertificateFiles, check_key_matches, tls_paths
+from relaygr.errors import ConfigError
+from relaygr.tls import ChannelOption, open_channel, read_pem
 from relaygr.tls_settings import TlsSettings
 
 _log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class ChannelRenewal:
         grace_s: float = RETIRE_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._settings = settings
         self._files = (
             None if settings.plaintext else CertificateFiles(tls_paths(settings), interval_s, clock)
         )
@@ -40,10 +42,24 @@ class ChannelRenewal:
             self._files.changed()  # what channels opened from now on read
         self._grace_s = grace_s
         self._retiring: set[asyncio.Task[None]] = set()
+        self.renewals = 0  # times the channels were replaced
 
     def due(self) -> bool:
-        """True once after the files change: open new channels now."""
-        return self._files is not None and self._files.changed()
+        """True once after the files change and hold a key that matches its certificate: open
+        new channels now. Files caught mid-update are looked at again on the next check."""
+        if self._files is None or not self._files.changed():
+            return False
+        try:
+            cert = read_pem(self._settings.tls_cert, "tls_cert")
+            key = read_pem(self._settings.tls_key, "tls_key")
+            if cert is not None and key is not None:
+                check_key_matches(cert, key)
+        except ConfigError as err:
+            _log.warning("renewed TLS files not taken yet (%s); keeping the open channels", err)
+            self._files.forget()
+            return False
+        self.renewals += 1
+        return True
 
     def retire(self, channels: Iterable[grpc.aio.Channel]) -> None:
         """Close `channels` in the background once their calls end (at most `grace_s`)."""

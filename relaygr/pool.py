@@ -64,6 +64,11 @@ class RankerPool:
             self._channels[address] = entry
         return entry
 
+    @property
+    def renewals(self) -> int:
+        """Times every channel was replaced after the TLS files changed."""
+        return self._renewal.renewals
+
     def addresses(self) -> set[str]:
         """The addresses a channel is open to."""
         return set(self._channels)

@@ -72,12 +72,19 @@ class Pki:
             self.directory / f"{role.value}-{instance}-key.pem",
         )
         if renew or not leaf.cert.exists():
-            ca = _Authority.load(self.ca_cert, self.ca_key)
-            uri = Identity(self.trust_domain, role, instance).uri
-            cert, key = ca.issue(f"relaygr-{role.value}", self.hosts, server=True, uris=(uri,))
-            # Key first: a reader that sees the new certificate finds its key already there.
-            _replace(leaf.key, _key_pem(key), private=True)
-            _replace(leaf.cert, cert.public_bytes(serialization.Encoding.PEM))
+            self.issue_into(leaf, role, instance)
+        return leaf
+
+    def issue_into(self, leaf: Leaf, role: Role, instance: str) -> Leaf:
+        """Sign a new key and certificate for `role`/`instance` with this CA into `leaf`'s
+        files (another CA's files too: a rotation to this CA), each replaced at once."""
+        ca = _Authority.load(self.ca_cert, self.ca_key)
+        uri = Identity(self.trust_domain, role, instance).uri
+        cert, key = ca.issue(f"relaygr-{role.value}", self.hosts, server=True, uris=(uri,))
+        # Key first: a reader that sees the new certificate finds its key already there (one
+        # that sees the new key with the old certificate finds them mismatched and waits).
+        _replace(leaf.key, _key_pem(key), private=True)
+        _replace(leaf.cert, cert.public_bytes(serialization.Encoding.PEM))
         return leaf
 
     def service_flags(self, role: Role, instance: str) -> tuple[str, ...]:
