@@ -310,8 +310,13 @@ def test_tls_secret_mounted_never_inlined(case: tuple[dict[str, Any], Rendered])
         volumes = {v["name"]: v for v in pod_spec(rendered.service_workload(component))["volumes"]}
         if values["tls"]["enabled"]:
             assert "--plaintext" not in args
-            assert volumes["tls"]["secret"]["secretName"] == values["tls"]["secretName"]
+            secret = values["tls"]["secrets"][component] or values["tls"]["secretName"]
+            assert volumes["tls"]["secret"]["secretName"] == secret
             assert flag_value(args, "--tls-ca") == "/etc/relaygr/tls/ca.crt"
+            authz = values["tls"]["authz"]
+            assert ("--authz" in args) == authz["enabled"] != ("--no-authz" in args)
+            assert flag_value(args, "--trust-domain") == authz["trustDomain"]
+            assert flag_value(args, "--authz-entry-callers") == ",".join(authz["entryCallers"])
         else:
             assert "--plaintext" in args and "tls" not in volumes
         external = values["etcd"]["external"]
@@ -357,17 +362,45 @@ def test_optional_objects_follow_values(case: tuple[dict[str, Any], Rendered]) -
             assert "metrics" in ports
 
 
-def test_network_policy_admits_only_router_and_trigger_to_rankers() -> None:
+# Every call the services make, (caller, callee) on the callee's gRPC port: the trigger's
+# PreInfer to the router; the router's and the trigger's PreInfer, Rank, Describe to rankers;
+# rankers' Handoff and Fetch to rankers. "clients" are callers outside the release.
+CALL_PATHS = {
+    ("clients", "router"), ("clients", "trigger"), ("trigger", "router"),
+    ("router", "ranker"), ("trigger", "ranker"), ("ranker", "ranker"),
+}  # fmt: skip
+CLIENTS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "recsys"}}}]
+
+
+def _grpc_callers(policy: dict[str, Any]) -> set[str]:
+    """Who the policy admits to the gRPC port: release components, or "clients" for the
+    configured client peers (and for a rule with no `from`: anyone)."""
+    (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc"]
+    if "from" not in rule:
+        return {"clients", *SERVICES}
+    callers = set()
+    for peer in rule["from"]:
+        if peer in CLIENTS:
+            callers.add("clients")
+            continue
+        labels = peer["podSelector"]["matchLabels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE, peer
+        assert labels["app.kubernetes.io/name"] == "relaygr", peer
+        callers.add(labels["app.kubernetes.io/component"])
+    return callers
+
+
+def test_network_policies_admit_every_call_path_and_no_other() -> None:
+    """With networkPolicy.clients set (tls.yaml), each service's gRPC port admits exactly the
+    callers the service graph has: rankers take rankers too (hand-off, peer fetch)."""
     rendered = render([f for f in VALUES_FILES if f.stem == "tls"])
-    (policy,) = [
-        m for m in rendered.of_kind("NetworkPolicy") if m["metadata"]["name"].endswith("-ranker")
-    ]
-    grpc_rule = policy["spec"]["ingress"][0]
-    callers = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in
-               grpc_rule["from"]}  # fmt: skip
-    assert callers == {"router", "trigger"}
-    for peer in grpc_rule["from"]:
-        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    admitted = set()
+    for component in SERVICES:
+        policy = rendered.one("NetworkPolicy", component)
+        selected = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        assert selected == component
+        admitted |= {(caller, component) for caller in _grpc_callers(policy)}
+    assert admitted == CALL_PATHS
 
 
 def test_model_config_mounted_as_json(case: tuple[dict[str, Any], Rendered]) -> None:

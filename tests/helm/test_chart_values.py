@@ -98,8 +98,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "tls-without-secret",
-        {"tls": {"enabled": True}},
-        "tls.enabled needs tls.secretName",
+        {"tls": {"enabled": True, "secrets": {"router": "r", "ranker": "k"}}},
+        "tls.enabled needs tls.secrets.trigger or tls.secretName",
     ),
     (
         "tls-with-pod-ip-advertise",
