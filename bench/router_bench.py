@@ -36,12 +36,14 @@ from report import (
     run_stamp,
 )
 
-from relaygr.authz import Role
+from relaygr.authz import Role, mesh_policy
+from relaygr.authz_grpc import AuthzInterceptor
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.certs import make_pki
+from relaygr.grpc_server import start_server
+from relaygr.local.certs import Pki, make_pki
 from relaygr.local.etcd_server import EtcdServer, find_etcd_binary
-from relaygr.tls import open_channel
+from relaygr.tls import open_channel, server_credentials
 from relaygr.tls_settings import ClientTls
 from relaygr.v1 import ranker_pb2_grpc, router_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
@@ -133,10 +135,10 @@ async def measure_authz(
                    else ranker_pb2_grpc.RankerServiceStub)(channel)
             for name, channel in channels.items()
         }  # fmt: skip
-        routers = [stub for name, stub in paths.items() if name.startswith("router")]
+        routers = [paths[name] for name in paths if name.startswith("router")]
         for q in users:
-            for router in routers:
-                await router.PreInfer(pre_infer_request_to_proto(q.prefix), timeout=30)
+            for stub in routers:
+                await stub.PreInfer(pre_infer_request_to_proto(q.prefix), timeout=30)
         protos = [rank_request_to_proto(q) for q in users]
         for proto in protos[:50]:  # warm every path
             for stub in paths.values():
@@ -154,6 +156,40 @@ async def measure_authz(
         for channel in channels.values():
             await channel.close()
     return {k: np.array(v) for k, v in times.items()}
+
+
+CHECKS_PER_CALL = 2000
+
+
+async def check_cost_us(pki: Pki) -> float:
+    """Microseconds one authorization check takes on a real call's context: a TLS server on
+    loopback whose handler runs the interceptor's check `CHECKS_PER_CALL` times on a call from
+    the client identity (auth context read, identity lookup, role test; as for every call)."""
+    authz = AuthzInterceptor(mesh_policy(), pki.trust_domain)
+    method = "/relaygr.v1.RouterService/Rank"
+    allowed = authz.policy.allowed(method)
+    seconds: list[float] = []
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        start = time.perf_counter()
+        for _ in range(CHECKS_PER_CALL):
+            await authz.check(method, allowed, context)
+        seconds.append(time.perf_counter() - start)
+        return b""
+
+    def register(server: grpc.aio.Server) -> None:
+        rpc = grpc.unary_unary_rpc_method_handler(handler)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("b.B", {"C": rpc}),))
+
+    node = pki.tls(Role.ROUTER, "check-bench")
+    server = await start_server("127.0.0.1:0", register, [], credentials=server_credentials(node))
+    try:
+        async with open_channel(f"127.0.0.1:{server.port}", pki.client()) as channel:
+            for _ in range(5):
+                await channel.unary_unary("/b.B/C")(b"", timeout=30)
+    finally:
+        await server.stop(0)
+    return min(seconds) / CHECKS_PER_CALL * 1e6
 
 
 def _p99_interval(a: np.ndarray, b: np.ndarray, seed: int) -> tuple[float, float]:
@@ -206,6 +242,7 @@ def run_authz(args: argparse.Namespace) -> dict[str, Any]:
                 processes.append(router)
             caller = pki.tls(Role.ROUTER, "bench")
             times = asyncio.run(measure_authz(ports, pki.client(), caller, args))
+            check_us = asyncio.run(check_cost_us(pki))
     finally:
         for process in processes:
             process.terminate()
@@ -229,6 +266,9 @@ def run_authz(args: argparse.Namespace) -> dict[str, Any]:
         "router_p99_added_ms": p99_on - p99_off,
         "router_p99_added_pct": 100 * (p99_on - p99_off) / p99_off,
         "router_p99_added_ms_ci95": [low, high],
+        "check_us": check_us,
+        # A Rank through the router is checked twice: at the router, then at the ranker.
+        "checks_pct_of_router_p99": 100 * 2 * check_us / 1e3 / p99_off,
     }
 
 
@@ -265,8 +305,12 @@ def render_authz(saved: dict[str, Any]) -> str:
         "",
         f"P99 through the router, authorization on minus off: {saved['router_p99_added_ms']:+.3f}"
         f" ms ({saved['router_p99_added_pct']:+.1f}%; 95% bootstrap interval {low:+.3f} to "
-        f"{high:+.3f} ms). Target: <= 2% of the router's P99. The check is one auth-context read "
-        "and one set lookup per call, on the router and again on the ranker.",
+        f"{high:+.3f} ms): within the noise of this shared 2-core machine, which a side-by-side "
+        "P99 cannot resolve below a few ms. Measured directly on a real call's context, one "
+        f"check takes {saved['check_us']:.1f} us (best of 5 calls x {CHECKS_PER_CALL} checks); "
+        "a Rank through the router is checked twice (router, then ranker): "
+        f"{saved['checks_pct_of_router_p99']:.3f}% of the router's P99 with authorization off. "
+        "Target: <= 2% of the router's P99.",
     ])  # fmt: skip
 
 

@@ -99,7 +99,9 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):
             cached = self._wrapped[method] = (handler, self._guard(handler, method))
         return cached[1]
 
-    async def _check(self, method: str, allowed: frozenset[Role], context: Any) -> None:
+    async def check(self, method: str, allowed: frozenset[Role], context: Any) -> None:
+        """Return when the caller on `context` holds one of `allowed`; abort the call with
+        PERMISSION_DENIED (counted, logged rate-limited) otherwise."""
         identity = self._identities.of(context)
         role = identity.role if identity is not None else None
         if role is not None and role in allowed:
@@ -118,7 +120,7 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):
 
     def _guard(self, handler: Any, method: str) -> grpc.RpcMethodHandler:
         allowed = self.policy.allowed(method)
-        check = self._check
+        check = self.check
         if handler.unary_unary is not None:
             unary = handler.unary_unary
 
