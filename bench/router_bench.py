@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 from report import (
     add_render_arguments,
+    load_result,
     machine_info,
     publish,
     reproduce_command,
@@ -426,6 +427,8 @@ def main() -> int:
     )
     add_render_arguments(parser)
     args = parser.parse_args()
+    if args.from_json is not None and "check_us" in load_result(args.from_json):
+        args.authz = True  # a saved --authz result renders as one
     if args.authz:
         publish(args, run_and_save_authz, render_authz, ROOT / "docs" / "benchmarks.md",
                 "router_bench_authz")  # fmt: skip
