@@ -186,3 +186,14 @@ def table_methods(policy: Policy) -> list[str]:
     """The methods named by `policy`, in a stable order (then the open services)."""
     named = sorted(set(policy.methods) | policy.open)
     return [*named, *(prefix + "*" for prefix in OPEN_SERVICES)]
+
+
+def authz_help(policy: Policy | None = None) -> str:
+    """The `--help` epilog of every service: who may call what under mutual TLS."""
+    policy = policy or mesh_policy()
+    return (
+        "Who may call what (mutual TLS with authz on; each caller's role is named by its\n"
+        "certificate, spiffe://<trust_domain>/relaygr/<role>/<instance>; the router's and\n"
+        "the trigger's methods take authz_entry_callers; docs/security.md):\n"
+        + render_table(policy, table_methods(policy))
+    )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from relaygr import cli
 from relaygr.authz import (
     MESH,
     AuthzStats,
@@ -128,6 +129,17 @@ def test_the_table_in_docs_is_the_table_in_code() -> None:
     block = re.search(r"<!-- authz-table -->\n```\n(.*?)```", docs, re.S)
     assert block is not None, "docs/security.md lacks the authz-table block"
     assert block.group(1).rstrip("\n") == table
+
+
+@pytest.mark.parametrize("service", ["ranker", "router", "trigger"])
+def test_every_service_prints_the_table_in_its_help(
+    service: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([service, "--help"])
+    out = capsys.readouterr().out
+    policy = mesh_policy()
+    assert render_table(policy, table_methods(policy)) in out
 
 
 def test_etcd_grants_let_rankers_and_routers_write_only_their_keys() -> None:
