@@ -259,7 +259,24 @@ _ETCD = _obj(
                     "items": {"type": "string", "pattern": r"^[^\s:/,]+:[0-9]+$"},
                     "description": "client endpoints as host:port (no scheme)",
                 },
-                "tls": _obj({"enabled": _BOOL, "secretName": _STR, "clientCertificate": _BOOL}),
+                "tls": _obj(
+                    {
+                        "enabled": _BOOL,
+                        "secretName": _STR,
+                        "clientCertificate": _BOOL,
+                        "serviceCertificates": _BOOL,
+                    }
+                ),
+                "roles": _obj(
+                    {
+                        "create": _BOOL,
+                        "rootPasswordSecret": _obj({"name": _STR, "key": {"type": "string"}}),
+                        "image": _obj(
+                            {"repository": _STR, "tag": _STR, "pullPolicy": _STR},
+                            ["repository", "tag"],
+                        ),
+                    }
+                ),
                 "auth": _obj(
                     {
                         "user": _STR,

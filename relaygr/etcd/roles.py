@@ -10,10 +10,13 @@ nothing else writes (live config is the operator's, as etcd's root).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 
 from relaygr.authz import Role
+
+PREFIX_PLACEHOLDER = "{prefix}/"  # the mesh prefix, in the chart's copy of the commands
 
 
 class Permission(StrEnum):
@@ -49,7 +52,7 @@ def etcd_user(role: Role) -> str:
 def etcdctl_commands(prefix: str) -> list[tuple[str, ...]]:
     """The `etcdctl` argument lists (run as root) that create each role's user and grants for
     the mesh under `prefix`; users have no password (certificate auth only)."""
-    base = prefix.rstrip("/") + "/"
+    base = prefix if prefix == PREFIX_PLACEHOLDER else prefix.rstrip("/") + "/"
     commands: list[tuple[str, ...]] = []
     for role, grants in ETCD_GRANTS.items():
         if not grants:
@@ -63,3 +66,15 @@ def etcdctl_commands(prefix: str) -> list[tuple[str, ...]]:
         commands.append(("user", "add", name, "--no-password"))
         commands.append(("user", "grant-role", name, name))
     return commands
+
+
+def chart_commands() -> str:
+    """`etcdctl_commands` as JSON with `{prefix}/` for the mesh prefix: the chart's setup Job
+    runs one etcdctl container per command (helm/relaygr/files/etcd-roles.json, written by
+    `python -m relaygr.etcd.roles`; etcd's images have no shell to run a script)."""
+    lines = ",\n".join(json.dumps(command) for command in etcdctl_commands(PREFIX_PLACEHOLDER))
+    return f"[\n{lines}\n]\n"
+
+
+if __name__ == "__main__":
+    print(chart_commands(), end="")

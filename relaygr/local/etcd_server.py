@@ -231,8 +231,8 @@ class EtcdServer:
         self._etcdctl("user", "grant-role", name, name, user=root)
 
     def grant_mesh_roles(self, prefix: str = "/relaygr") -> None:
-        """The users and roles of `relaygr.etcd.roles` (certificate auth: no passwords);
-        call after `enable_auth`."""
+        """The users and roles of `relaygr.etcd.roles` (certificate auth: no passwords), made
+        by the same etcdctl commands the chart's setup Job runs; call after `enable_auth`."""
         if self._root_password is None:
             raise RuntimeError("grant_mesh_roles needs enable_auth first")
         root = f"root:{self._root_password}"

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from google.protobuf import json_format
 
+from relaygr.etcd.roles import chart_commands, etcdctl_commands
 from relaygr.v1 import common_pb2
 from services.ranker.model_config import ModelConfig
 from tests.helm.chart import (
@@ -95,6 +96,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
             },
         }
     },
+    "external-etcd-roles": {
+        "tls": {"enabled": True, "secretName": "mesh-tls"},
+        "etcd": {
+            "bundled": {"enabled": False},
+            "external": {
+                "enabled": True,
+                "endpoints": ["etcd.infra:2379"],
+                "tls": {"enabled": True, "secretName": "etcd-root", "serviceCertificates": True},
+                "roles": {"create": True, "rootPasswordSecret": {"name": "etcd-root-pw"}},
+            },
+        },
+    },
     "external-etcd-ca-only": {
         "etcd": {
             "bundled": {"enabled": False},
@@ -117,9 +130,25 @@ def test_variants_pass_the_kubernetes_schema(variant: str, tmp_path: Path) -> No
     if variant == "pod-ip-and-checkpoint":
         assert flag_value(args, "--advertise-address") == "$(POD_IP):50061"
         assert flag_value(args, "--checkpoint") == "/var/lib/relaygr/checkpoint/v1"
+    if variant == "external-etcd-roles":
+        for component in SERVICES:
+            args = rendered.container(component)["args"]
+            assert flag_value(args, "--etcd-cert") == "/etc/relaygr/tls/tls.crt"
+            assert flag_value(args, "--etcd-key") == "/etc/relaygr/tls/tls.key"
+        (job,) = rendered.of_kind("Job")
+        spec = pod_spec(job)
+        run = [[c["command"][0], *c["args"]] for c in spec["initContainers"] + spec["containers"]]
+        assert run == [["etcdctl", *c] for c in etcdctl_commands("/relaygr")]
+        assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install"
     if variant == "external-etcd-ca-only":
         assert flag_value(args, "--etcd-ca") == "/etc/relaygr/etcd-tls/ca.crt"
         assert not flag_values(args, "--etcd-cert")
+
+
+def test_the_charts_etcd_commands_are_written_from_the_roles_table() -> None:
+    """files/etcd-roles.json is `python -m relaygr.etcd.roles`'s output (rerun it when the
+    table in relaygr/etcd/roles.py changes)."""
+    assert (CHART / "files" / "etcd-roles.json").read_text() == chart_commands()
 
 
 def test_kinds_rendered_by_default(default_render: Rendered) -> None:

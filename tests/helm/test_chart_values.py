@@ -102,6 +102,35 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "tls.enabled needs tls.secrets.trigger or tls.secretName",
     ),
     (
+        "etcd-roles-without-root-password",
+        {
+            "etcd": {
+                "bundled": {"enabled": False},
+                "external": {
+                    "enabled": True,
+                    "endpoints": ["e:2379"],
+                    "tls": {"enabled": True, "secretName": "e"},
+                    "roles": {"create": True},
+                },
+            }
+        },
+        "etcd.external.roles.create needs",
+    ),
+    (
+        "etcd-service-certificates-without-tls",
+        {
+            "etcd": {
+                "bundled": {"enabled": False},
+                "external": {
+                    "enabled": True,
+                    "endpoints": ["e:2379"],
+                    "tls": {"enabled": True, "secretName": "e", "serviceCertificates": True},
+                },
+            }
+        },
+        "etcd.external.tls.serviceCertificates needs",
+    ),
+    (
         "tls-with-pod-ip-advertise",
         {"tls": {"enabled": True, "secretName": "s"}, "ranker": {"advertise": "podIP"}},
         "ranker.advertise=podIP cannot be verified under TLS",

@@ -132,7 +132,10 @@ Input: dict root, component ("router", "trigger", "ranker").
 - {{ printf "--etcd-prefix=%s" $etcd.prefix | quote }}
 {{- if and $etcd.external.enabled $etcd.external.tls.enabled }}
 - {{ printf "--etcd-ca=%s/ca.crt" (include "relaygr.etcdTlsDir" .) | quote }}
-{{- if $etcd.external.tls.clientCertificate }}
+{{- if $etcd.external.tls.serviceCertificates }}
+- {{ printf "--etcd-cert=%s/tls.crt" (include "relaygr.tlsDir" .) | quote }}
+- {{ printf "--etcd-key=%s/tls.key" (include "relaygr.tlsDir" .) | quote }}
+{{- else if $etcd.external.tls.clientCertificate }}
 - {{ printf "--etcd-cert=%s/tls.crt" (include "relaygr.etcdTlsDir" .) | quote }}
 - {{ printf "--etcd-key=%s/tls.key" (include "relaygr.etcdTlsDir" .) | quote }}
 {{- end }}

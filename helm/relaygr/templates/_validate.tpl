@@ -92,6 +92,12 @@ router_address: "the router Service of this release"
 {{- fail "ranker: ranker.advertise=podIP cannot be verified under TLS (certificates name DNS names); use ranker.advertise=dns" -}}
 {{- end -}}
 
+{{- if and $etcd.external.tls.serviceCertificates (not (and $etcd.external.enabled $etcd.external.tls.enabled $v.tls.enabled)) -}}
+{{- fail "etcd: etcd.external.tls.serviceCertificates needs etcd.external.enabled, etcd.external.tls.enabled and tls.enabled (the services' own certificates)" -}}
+{{- end -}}
+{{- if and $etcd.external.roles.create (not (and $etcd.external.enabled $etcd.external.tls.enabled $etcd.external.roles.rootPasswordSecret.name)) -}}
+{{- fail "etcd: etcd.external.roles.create needs etcd.external.enabled, etcd.external.tls.enabled and etcd.external.roles.rootPasswordSecret.name (etcd's root password)" -}}
+{{- end -}}
 {{- if $v.tls.enabled -}}
 {{- range $component := list "router" "trigger" "ranker" -}}
 {{- if not (include "relaygr.tlsSecret" (dict "root" $ "component" $component)) -}}
