@@ -113,6 +113,11 @@ async def test_every_identity_against_every_method_on_real_servers(
                             key = (method, role.value if role is not None else "none")
                             expected_refusals[key] = expected_refusals.get(key, 0) + 1
         assert ("/relaygr.v1.RankerService/Fetch", "client") in expected_refusals
+        # The one hand-off taken (from the ranker identity, naming no sender in its metadata)
+        # is recorded as from the instance its certificate names.
+        receiving = ranker.servicer.handoff
+        assert receiving is not None
+        assert dict(receiving.stats.received_from) == {"ranker-x": 1}
         counted: dict[tuple[str, str], float] = {}
         for telemetry in mesh.telemetry:
             for metric in telemetry.registry.collect():

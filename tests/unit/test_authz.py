@@ -23,6 +23,8 @@ from relaygr.authz import (
 from relaygr.errors import ConfigError
 from relaygr.etcd.roles import ETCD_GRANTS, etcd_user, etcdctl_commands
 from relaygr.v1 import ranker_pb2, router_pb2, trigger_pb2
+from services.router.config import RouterConfig
+from services.trigger.config import TriggerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RANKER = "/relaygr.v1.RankerService/"
@@ -98,6 +100,14 @@ def test_roles_are_parsed_with_a_message_naming_the_valid_ones() -> None:
     assert parse_roles(["client", " trigger"], "x") == {Role.CLIENT, Role.TRIGGER}
     with pytest.raises(ConfigError, match="router authz_entry_callers: unknown role 'admin'"):
         parse_roles(["admin"], "router authz_entry_callers")
+
+
+def test_service_configs_refuse_unknown_entry_callers_and_a_client_ca_in_plaintext() -> None:
+    with pytest.raises(ConfigError, match="router authz_entry_callers: unknown role 'admin'"):
+        RouterConfig(plaintext=True, authz_entry_callers=("client", "admin"))
+    with pytest.raises(ConfigError, match="plaintext is set together with tls_client_ca"):
+        TriggerConfig(plaintext=True, tls_client_ca=Path("ca.pem"))
+    assert RouterConfig(plaintext=True).entry_callers() == {Role.CLIENT, Role.TRIGGER}
 
 
 def test_refusal_names_method_and_role_and_stats_count_by_both() -> None:
