@@ -171,6 +171,11 @@ class LocalMesh:
         """How a caller dials the mesh's services (a client certificate under TLS)."""
         return self.pki.client() if self.pki is not None else PLAINTEXT
 
+    def tls_as(self, role: Role, instance: str) -> ClientTls:
+        """How a tool that acts as a mesh component (a flood calling rankers directly, as a
+        router does) dials the services: that role's identity under TLS."""
+        return self.pki.tls(role, instance) if self.pki is not None else PLAINTEXT
+
     @property
     def etcd_security(self) -> EtcdSecurity:
         """How the operator reaches the mesh's etcd (as root once role-based access is on)."""
