@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from relaygr.authz import Role
 from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.local.mesh import ROUND_ROBIN, LocalMesh
 from relaygr.local.workload import T0
@@ -121,7 +122,9 @@ def memory_flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
 
 async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Generator) -> FloodReport:
     tls = mesh.client_tls
-    channels = {s.name: open_channel(s.address, tls) for s in mesh.rankers}
+    # Rankers are called directly, as a router calls them (under TLS: a router's identity).
+    as_router = mesh.tls_as(Role.ROUTER, "flood")
+    channels = {s.name: open_channel(s.address, as_router) for s in mesh.rankers}
     routers = open_channel(mesh.router_target, tls, ROUND_ROBIN)
     try:
         stubs = {name: ranker_pb2_grpc.RankerServiceStub(c) for name, c in channels.items()}

@@ -167,10 +167,13 @@ async def start_server(
     options: ServerOptions | None = None,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    authz: grpc.aio.ServerInterceptor | None = None,
 ) -> GrpcServer:
     """Start a server on `address` (e.g. "127.0.0.1:0") serving what `register` adds.
 
     `interceptors` run outside the error interceptor (tracing: the server span sees the status).
+    `authz` (`relaygr.authz_grpc.authorizer`: the one authorization check) runs inside them
+    and before the error interceptor, so a refused call is traced and its request never decoded.
 
     `service_names` are the full names (e.g. "relaygr.v1.RankerService") reported by health
     and by reflection (v1 and v1alpha). `credentials` None binds insecure; pass
@@ -178,7 +181,7 @@ async def start_server(
     """
     options = options or ServerOptions()
     server = grpc.aio.server(
-        interceptors=[*interceptors, ErrorInterceptor()],
+        interceptors=[*interceptors, *([authz] if authz is not None else []), ErrorInterceptor()],
         options=options.channel_args(),
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )

@@ -12,11 +12,12 @@ from typing import Protocol
 
 import grpc
 
+from relaygr.authz_grpc import authorizer, refusal_metrics
 from relaygr.errors import ConfigError
 from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
 from relaygr.grpc_server import GrpcServer, drain, install_drain_handlers, start_server
-from relaygr.metrics import MetricsServer, start_metrics_server
+from relaygr.metrics import LiveCollector, MetricsServer, start_metrics_server
 from relaygr.service_options import ServiceOptions
 from relaygr.telemetry import Telemetry
 from relaygr.tls import log_transport, server_credentials
@@ -85,6 +86,11 @@ async def start_service_servers(
     """The service's gRPC server on `cfg.listen` (health NOT_SERVING until the caller says) and
     its `/metrics` server where `telemetry` names one; neither is left running if one fails."""
     log_transport(cfg, service, log)
+    authz = authorizer(cfg)
+    if authz is not None:
+        log.info("%s authorizes each call by the caller's role (docs/security.md)", service)
+        stats = authz.stats
+        telemetry.registry.register(LiveCollector(lambda: refusal_metrics(stats)))
     server = await start_server(
         cfg.listen,
         register,
@@ -92,6 +98,7 @@ async def start_service_servers(
         cfg.server_options(),
         server_credentials(cfg),
         interceptors=telemetry.server_interceptors(),
+        authz=authz,
     )
     if telemetry.metrics_address is None:
         return server, None

@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
+from relaygr.channel_renewal import ChannelRenewal
 from relaygr.tls import ChannelOption, open_channel
 from relaygr.tls_settings import TlsSettings
 
@@ -22,7 +23,8 @@ class RankerPool:
 
     Calls carry serialized messages both ways: the router forwards a request's bytes and the
     reply's bytes without parsing them again. Invariant: `retain` closes the channels of
-    addresses no longer live, so a departed ranker's connection does not linger.
+    addresses no longer live, so a departed ranker's connection does not linger; when the TLS
+    files change, every channel is replaced on its next use and the old ones finish their calls.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class RankerPool:
         self._tls = tls
         self._interceptors = interceptors
         self._channels: dict[str, tuple[grpc.aio.Channel, dict[str, RawCall]]] = {}
+        self._renewal = ChannelRenewal(tls)
 
     def call(self, address: str, method: str) -> RawCall:
         """The raw callable of a RankerService `method` on the ranker at `address`."""
@@ -50,6 +53,9 @@ class RankerPool:
         return channel.unary_stream(_SERVICE + method)  # type: ignore[return-value]
 
     def _open(self, address: str) -> tuple[grpc.aio.Channel, dict[str, RawCall]]:
+        if self._renewal.due():
+            self._renewal.retire(channel for channel, _ in self._channels.values())
+            self._channels.clear()
         entry = self._channels.get(address)
         if entry is None:
             channel = open_channel(address, self._tls, self._options, self._interceptors)
@@ -57,6 +63,11 @@ class RankerPool:
             entry = (channel, calls)  # type: ignore[assignment]
             self._channels[address] = entry
         return entry
+
+    @property
+    def renewals(self) -> int:
+        """Times every channel was replaced after the TLS files changed."""
+        return self._renewal.renewals
 
     def addresses(self) -> set[str]:
         """The addresses a channel is open to."""
@@ -69,3 +80,4 @@ class RankerPool:
 
     async def close(self) -> None:
         await self.retain(set())
+        await self._renewal.close()

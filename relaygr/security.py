@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relaygr.authz import DEFAULT_ENTRY_CALLERS, DEFAULT_TRUST_DOMAIN, Role, parse_roles
 from relaygr.config import helped
 from relaygr.errors import ConfigError
 from relaygr.etcd.security import EtcdSecurity
@@ -39,6 +40,30 @@ class SecurityOptions:
         default=False,
         metadata=helped("serve and call gRPC unencrypted and unauthenticated (local demos only)"),
     )
+    tls_client_ca: Path | None = field(
+        default=None,
+        metadata=helped(
+            "PEM CA bundle that also verifies callers (e.g. the CA of clients outside the mesh);"
+            " the server trusts tls_ca and this"
+        ),
+    )
+    authz: bool = field(
+        default=True,
+        metadata=helped(
+            "with mutual TLS, allow each method only to the caller roles named in"
+            " docs/security.md (spiffe://<trust_domain>/relaygr/<role>/<instance> certificates)"
+        ),
+    )
+    trust_domain: str = field(
+        default=DEFAULT_TRUST_DOMAIN,
+        metadata=helped("SPIFFE trust domain of the callers' identities"),
+    )
+    authz_entry_callers: tuple[str, ...] = field(
+        default=tuple(sorted(DEFAULT_ENTRY_CALLERS)),
+        metadata=helped(
+            "roles that may call the router's PreInfer and Rank and the trigger's OnRetrieval"
+        ),
+    )
     etcd_ca: Path | None = field(
         default=None, metadata=helped("PEM CA that signed etcd's certificate (turns on TLS)")
     )
@@ -56,10 +81,17 @@ class SecurityOptions:
     def check_security(self, service: str) -> None:
         """Raise ConfigError naming `service` when the transport choice is missing or mixed."""
         check_tls(self, service)
+        self.entry_callers(service)
+        if self.plaintext and self.tls_client_ca is not None:
+            raise ConfigError(f"{service}: plaintext is set together with tls_client_ca")
         try:
             self.etcd_security()
         except ConfigError as err:
             raise ConfigError(f"{service}: {err}") from err
+
+    def entry_callers(self, service: str = "") -> frozenset[Role]:
+        """The roles of `authz_entry_callers` (ConfigError naming `service` for an unknown one)."""
+        return parse_roles(self.authz_entry_callers, f"{service} authz_entry_callers".strip())
 
     def etcd_security(self) -> EtcdSecurity:
         """How this service reaches etcd (ConfigError when the etcd_* fields are inconsistent)."""

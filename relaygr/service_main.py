@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
+from relaygr.authz import authz_help
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
 from relaygr.errors import ConfigError
@@ -37,7 +38,7 @@ def service_main(
 ) -> int:
     """Parse `config_cls` (a bad value exits 2 naming it), then run `serve(config)` to the end."""
     parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=HelpFormatter
+        prog=prog, description=description, formatter_class=HelpFormatter, epilog=authz_help()
     )
     add_config_arguments(parser, config_cls, env_prefix=env_prefix)
     args = parser.parse_args(argv)

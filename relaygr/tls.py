@@ -3,7 +3,9 @@
 A service either speaks TLS on its server and on every outgoing hop, or (only when `plaintext`
 is set) neither. With `tls_ca` set, the server requires a client certificate signed by that CA
 (mutual TLS) and outgoing hops verify servers against it; each hop presents `tls_cert` as its
-client certificate. Certificate files are read when a server starts or a channel opens.
+client certificate. A server re-reads its files when they change (each new connection gets the
+current ones: renewed certificates without a restart); a channel reads them when it opens, and
+`relaygr.cert_files` tells its owner when to open a new one.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from typing import Any
 
 import grpc
 
+from relaygr.cert_files import CertificateFiles, check_key_matches, tls_paths
 from relaygr.errors import ConfigError
 from relaygr.tls_settings import TlsSettings
+
+_log = logging.getLogger(__name__)
 
 ChannelOption = tuple[str, Any]
 
@@ -34,17 +39,47 @@ def read_pem(path: Path | None, what: str) -> bytes | None:
     return data
 
 
-def server_credentials(settings: TlsSettings) -> grpc.ServerCredentials | None:
-    """TLS credentials for a server (None: plaintext); mutual TLS when `tls_ca` is set."""
-    if settings.plaintext:
-        return None
+def _server_config(settings: TlsSettings) -> Any:
+    """The server's certificate configuration read from its files now (ConfigError if not)."""
     cert = read_pem(settings.tls_cert, "tls_cert")
     key = read_pem(settings.tls_key, "tls_key")
     if cert is None or key is None:
         raise ConfigError("a TLS server needs tls_cert and tls_key")
+    check_key_matches(cert, key)
     ca = read_pem(settings.tls_ca, "tls_ca")
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    client_ca = read_pem(getattr(settings, "tls_client_ca", None), "tls_client_ca")
+    roots = ca + b"\n" + client_ca if ca is not None and client_ca is not None else ca
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=roots)
+
+
+def server_credentials(settings: TlsSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server (None: plaintext); mutual TLS when `tls_ca` is set.
+
+    The files are watched: a new connection after they change is served with what they hold
+    then (a renewed certificate, a trust bundle without a revoked CA). A change that cannot be
+    read, or a key that does not match its certificate (files caught mid-update), keeps the
+    last good configuration and is retried on the next connection.
+    """
+    if settings.plaintext:
+        return None
+    files = CertificateFiles(tls_paths(settings))
+    initial = _server_config(settings)
+    files.changed()  # the fingerprint of what `initial` was read from
+
+    def fetch() -> Any:
+        if not files.changed():
+            return None
+        try:
+            config = _server_config(settings)
+        except ConfigError as err:
+            _log.warning("renewed TLS files not taken yet (%s); serving the previous ones", err)
+            files.forget()  # look again on the next connection
+            return None
+        _log.info("TLS files changed: new connections get the renewed certificates")
+        return config
+
+    return grpc.dynamic_ssl_server_credentials(
+        initial, fetch, require_client_authentication=settings.tls_ca is not None
     )
 
 

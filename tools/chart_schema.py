@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from relaygr.authz import Role
 from relaygr.cli_help import with_notes
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
@@ -37,6 +38,7 @@ MANAGED_COMMON = frozenset(
         "listen", "etcd_endpoints", "etcd_prefix", "etcd_ca", "etcd_cert", "etcd_key",
         "etcd_user", "etcd_password", "metrics_port", "log_level", "log_format",
         "tls_cert", "tls_key", "tls_ca", "tls_server_name", "plaintext",
+        "tls_client_ca", "authz", "trust_domain", "authz_entry_callers",
     }
 )  # fmt: skip
 MANAGED: dict[str, frozenset[str]] = {
@@ -257,7 +259,24 @@ _ETCD = _obj(
                     "items": {"type": "string", "pattern": r"^[^\s:/,]+:[0-9]+$"},
                     "description": "client endpoints as host:port (no scheme)",
                 },
-                "tls": _obj({"enabled": _BOOL, "secretName": _STR, "clientCertificate": _BOOL}),
+                "tls": _obj(
+                    {
+                        "enabled": _BOOL,
+                        "secretName": _STR,
+                        "clientCertificate": _BOOL,
+                        "serviceCertificates": _BOOL,
+                    }
+                ),
+                "roles": _obj(
+                    {
+                        "create": _BOOL,
+                        "rootPasswordSecret": _obj({"name": _STR, "key": {"type": "string"}}),
+                        "image": _obj(
+                            {"repository": _STR, "tag": _STR, "pullPolicy": _STR},
+                            ["repository", "tag"],
+                        ),
+                    }
+                ),
                 "auth": _obj(
                     {
                         "user": _STR,
@@ -330,7 +349,27 @@ def values_schema() -> dict[str, Any]:
                 "uiUrl": _STR,
             }
         ),
-        "tls": _obj({"enabled": _BOOL, "secretName": _STR}, ["enabled"]),
+        "tls": _obj(
+            {
+                "enabled": _BOOL,
+                "secretName": _STR,
+                "secrets": _obj({c: _STR for c in ("router", "trigger", "ranker")}),
+                "clientCaSecretName": _STR,
+                "authz": _obj(
+                    {
+                        "enabled": _BOOL,
+                        "trustDomain": {"type": "string", "pattern": "^[a-z0-9._-]+$"},
+                        "entryCallers": {
+                            "type": "array",
+                            "items": {"enum": [role.value for role in Role]},
+                            "uniqueItems": True,
+                        },
+                    },
+                    ["enabled", "trustDomain", "entryCallers"],
+                ),
+            },
+            ["enabled"],
+        ),
         "etcd": _ETCD,
         "networkPolicy": _obj({"enabled": _BOOL, "clients": _ARR, "metricsFrom": _ARR}),
         "router": _service("router", _STATELESS),

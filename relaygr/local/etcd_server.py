@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaygr.etcd.roles import etcdctl_commands
 from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.processes import dying_with_parent, terminate
 
@@ -209,6 +210,13 @@ class EtcdServer:
         self._etcdctl("auth", "enable")
         self._root_password = root_password
 
+    def operator_security(self) -> EtcdSecurity:
+        """What the operator (etcd's root once auth is on) needs: may write anything, e.g. live
+        config."""
+        if self._root_password is None:
+            return self.client_security()
+        return self.client_security("root", self._root_password)
+
     def add_user(self, name: str, password: str, prefix: str) -> None:
         """A user (and a role of the same name) that may read and write keys under `prefix`;
         call after `enable_auth`."""
@@ -221,6 +229,15 @@ class EtcdServer:
         )
         self._etcdctl("user", "add", name, "--interactive=false", stdin=f"{password}\n", user=root)
         self._etcdctl("user", "grant-role", name, name, user=root)
+
+    def grant_mesh_roles(self, prefix: str = "/relaygr") -> None:
+        """The users and roles of `relaygr.etcd.roles` (certificate auth: no passwords), made
+        by the same etcdctl commands the chart's setup Job runs; call after `enable_auth`."""
+        if self._root_password is None:
+            raise RuntimeError("grant_mesh_roles needs enable_auth first")
+        root = f"root:{self._root_password}"
+        for command in etcdctl_commands(prefix):
+            self._etcdctl(*command, user=root)
 
     def stop(self) -> None:
         """SIGTERM etcd, SIGKILL it if it has not exited within a deadline; keep the data dir."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from relaygr.authz import Role
 from relaygr.cpu_quota import available_cpus
 from relaygr.etcd.security import EtcdSecurity
 from relaygr.local.certs import Pki, make_pki
@@ -193,18 +195,24 @@ class LocalMesh:
         """How a caller dials the mesh's services (a client certificate under TLS)."""
         return self.pki.client() if self.pki is not None else PLAINTEXT
 
+    def tls_as(self, role: Role, instance: str) -> ClientTls:
+        """How a tool that acts as a mesh component (a flood calling rankers directly, as a
+        router does) dials the services: that role's identity under TLS."""
+        return self.pki.tls(role, instance) if self.pki is not None else PLAINTEXT
+
     @property
     def etcd_security(self) -> EtcdSecurity:
-        """How a caller reaches the mesh's etcd."""
+        """How the operator reaches the mesh's etcd (as root once role-based access is on)."""
         assert self.etcd is not None, "mesh not started"
-        return self.etcd.client_security()
+        return self.etcd.operator_security()
 
-    def _security_flags(self) -> tuple[str, ...]:
+    def _security_flags(self, role: Role, instance: str) -> tuple[str, ...]:
+        """Each process its own identity (certificate), etcd's user included."""
         if self.pki is None:
             return ("--plaintext",)
         # Services dial each other by IP (and the trigger a list of routers): name the host
         # their certificate is checked for rather than rely on each target's authority.
-        return (*self.pki.service_flags(), *self.pki.etcd_flags(), "--tls-server-name", "localhost")
+        return (*self.pki.service_flags(role, instance), "--tls-server-name", "localhost")
 
     @property
     def router(self) -> Service | None:
@@ -230,22 +238,34 @@ class LocalMesh:
                 etcd_tls = EtcdTls(self.pki.ca_cert, self.pki.node_cert, self.pki.node_key)
             self.etcd = EtcdServer(binary, die_with_parent=True, tls=etcd_tls)
             self.etcd.start()
-            endpoints = ("--etcd-endpoints", self.etcd.endpoint, *self._security_flags())
+            if self.pki is not None:
+                # Each role writes only its own keys (certificate common name = etcd user).
+                self.etcd.enable_auth(secrets.token_hex(16))
+                self.etcd.grant_mesh_roles()
+
+            def endpoints(role: Role, instance: str) -> tuple[str, ...]:
+                return (
+                    "--etcd-endpoints", self.etcd_endpoint,
+                    *self._security_flags(role, instance),
+                )  # fmt: skip
+
             self.cpus = available_cpus()
             ranker_args, self.ranker_threads = ranker_thread_share(
                 self.spec.ranker_args, self.spec.rankers, self.cpus
             )
             for i in range(self.spec.rankers):
                 name = f"ranker-{i}"
-                args = ["ranker", "--listen", f"{LOOPBACK}:0", "--instance-id", name, *endpoints]
+                args = ["ranker", "--listen", f"{LOOPBACK}:0", "--instance-id", name,
+                        *endpoints(Role.RANKER, name)]  # fmt: skip
                 self.rankers.append(self._spawn(name, [*args, *ranker_args]))
-            router_args = ["router", "--listen", f"{LOOPBACK}:0", *endpoints]
             for i in range(self.spec.routers):
                 name = f"router-{i}" if i else "router"
+                router_args = ["router", "--listen", f"{LOOPBACK}:0",
+                               *endpoints(Role.ROUTER, name)]  # fmt: skip
                 self.routers.append(self._spawn(name, [*router_args, *self.spec.router_args]))
             self.trigger = self._spawn(
                 "trigger",
-                ["trigger", "--listen", f"{LOOPBACK}:0", *endpoints,
+                ["trigger", "--listen", f"{LOOPBACK}:0", *endpoints(Role.TRIGGER, "trigger"),
                  "--router-address", self.router_target, *self.spec.trigger_args],
             )  # fmt: skip
             for service in self._started:

@@ -41,6 +41,8 @@ class HandoffStats:
     refused: Counter[Refusal] = field(default_factory=Counter)
     refused_bytes: Counter[Refusal] = field(default_factory=Counter)
     receive_seconds: float = 0.0  # summed over received streams
+    # streams taken, by sending ranker (its certificate's instance under mutual TLS)
+    received_from: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)

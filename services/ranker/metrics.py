@@ -284,6 +284,13 @@ def _handoff_metrics(stats: HandoffStats) -> Iterator[Metric]:
         {("taken",): stats.received_streams, ("refused",): stats.refused_streams},
     )
     yield counter(
+        "relaygr_ranker_handoff_received_from_streams",
+        "Hand-off streams taken, by the sending ranker (the instance its certificate names"
+        " under mutual TLS)",
+        ["sender"],
+        {(sender,): n for sender, n in stats.received_from.items()},
+    )
+    yield counter(
         "relaygr_ranker_handoff_admitted_entries",
         "Handed-off prefix caches admitted, unpinned, by tier",
         ["tier"],

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
+from relaygr.authz_grpc import peer_identity
 from relaygr.behaviours import UserId
 from relaygr.errors import FailedPrecondition, Unavailable
 from relaygr.grpc_server import absolute_deadline
@@ -188,7 +189,14 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{receiving.streams} hand-offs being received (handoff_max_streams)",
             )
-        sender = dict(context.invocation_metadata() or ()).get(SENDER_KEY, "")
+        # Under mutual TLS the sender is the ranker its certificate names (authorization let
+        # only rankers this far); the metadata the sender sets only names it in plaintext.
+        certified = peer_identity(context)
+        if certified is not None:
+            sender = certified.instance
+        else:
+            sender = dict(context.invocation_metadata() or ()).get(SENDER_KEY, "")
+        receiving.stats.received_from[sender] += 1
         model = engine.model
         intake = HandoffIntake(
             engine.store, model.cfg, model.model_version, model.device, engine.computing,
@@ -199,7 +207,12 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         spanned = child_span if recording(receiving.tracer) else root_span
         try:
             with spanned(
-                receiving.tracer, "ranker.handoff.receive", {"relaygr.handoff.from": sender}
+                receiving.tracer,
+                "ranker.handoff.receive",
+                {
+                    "relaygr.handoff.from": sender,
+                    "relaygr.handoff.from_certified": certified is not None,
+                },
             ):
                 try:
                     async for chunk in request_iterator:

@@ -6,9 +6,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from relaygr.aio import cancel_and_wait
+from relaygr.channel_renewal import RenewingChannel
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
 from relaygr.etcd.watch import Watch
 from relaygr.grpc_server import GrpcServer
@@ -19,7 +18,6 @@ from relaygr.pool import RankerPool
 from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
-from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.versions import VersionPolicy
 from services.trigger.config import ENV_PREFIX, TriggerConfig
@@ -43,7 +41,7 @@ class TriggerServer:
     live_config: LiveConfig
     mesh: MeshLink
     pool: RankerPool
-    router_channel: grpc.aio.Channel
+    router_channel: RenewingChannel
     tasks: list[asyncio.Task[None]]
     watch: Watch
     versions: LiveValue[VersionPolicy]  # the live version policy events are judged by
@@ -99,12 +97,14 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     cluster = mesh.cluster
     interceptors = telemetry.client_interceptors()
     pool = RankerPool(options.channel_args()[:2], cfg, interceptors)
-    router_channel = open_channel(cfg.router_address, cfg, options.channel_args()[:2], interceptors)
-    router = router_pb2_grpc.RouterServiceStub(router_channel)
+    router_channel = RenewingChannel(
+        cfg.router_address, cfg, options.channel_args()[:2], interceptors
+    )
 
     async def send(
         request: common_pb2.PreInferRequest, timeout_s: float
     ) -> common_pb2.PreInferReply:
+        router = router_channel.stub(router_pb2_grpc.RouterServiceStub)
         reply: common_pb2.PreInferReply = await router.PreInfer(request, timeout=timeout_s)
         return reply
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from google.protobuf import json_format
 
+from relaygr.etcd.roles import chart_commands, etcdctl_commands
 from relaygr.v1 import common_pb2
 from services.ranker.model_config import ModelConfig
 from tests.helm.chart import (
@@ -95,6 +96,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
             },
         }
     },
+    "external-etcd-roles": {
+        "tls": {"enabled": True, "secretName": "mesh-tls"},
+        "etcd": {
+            "bundled": {"enabled": False},
+            "external": {
+                "enabled": True,
+                "endpoints": ["etcd.infra:2379"],
+                "tls": {"enabled": True, "secretName": "etcd-root", "serviceCertificates": True},
+                "roles": {"create": True, "rootPasswordSecret": {"name": "etcd-root-pw"}},
+            },
+        },
+    },
     "external-etcd-ca-only": {
         "etcd": {
             "bundled": {"enabled": False},
@@ -117,9 +130,25 @@ def test_variants_pass_the_kubernetes_schema(variant: str, tmp_path: Path) -> No
     if variant == "pod-ip-and-checkpoint":
         assert flag_value(args, "--advertise-address") == "$(POD_IP):50061"
         assert flag_value(args, "--checkpoint") == "/var/lib/relaygr/checkpoint/v1"
+    if variant == "external-etcd-roles":
+        for component in SERVICES:
+            args = rendered.container(component)["args"]
+            assert flag_value(args, "--etcd-cert") == "/etc/relaygr/tls/tls.crt"
+            assert flag_value(args, "--etcd-key") == "/etc/relaygr/tls/tls.key"
+        (job,) = rendered.of_kind("Job")
+        spec = pod_spec(job)
+        run = [[c["command"][0], *c["args"]] for c in spec["initContainers"] + spec["containers"]]
+        assert run == [["etcdctl", *c] for c in etcdctl_commands("/relaygr")]
+        assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install"
     if variant == "external-etcd-ca-only":
         assert flag_value(args, "--etcd-ca") == "/etc/relaygr/etcd-tls/ca.crt"
         assert not flag_values(args, "--etcd-cert")
+
+
+def test_the_charts_etcd_commands_are_written_from_the_roles_table() -> None:
+    """files/etcd-roles.json is `python -m relaygr.etcd.roles`'s output (rerun it when the
+    table in relaygr/etcd/roles.py changes)."""
+    assert (CHART / "files" / "etcd-roles.json").read_text() == chart_commands()
 
 
 def test_kinds_rendered_by_default(default_render: Rendered) -> None:
@@ -310,8 +339,13 @@ def test_tls_secret_mounted_never_inlined(case: tuple[dict[str, Any], Rendered])
         volumes = {v["name"]: v for v in pod_spec(rendered.service_workload(component))["volumes"]}
         if values["tls"]["enabled"]:
             assert "--plaintext" not in args
-            assert volumes["tls"]["secret"]["secretName"] == values["tls"]["secretName"]
+            secret = values["tls"]["secrets"][component] or values["tls"]["secretName"]
+            assert volumes["tls"]["secret"]["secretName"] == secret
             assert flag_value(args, "--tls-ca") == "/etc/relaygr/tls/ca.crt"
+            authz = values["tls"]["authz"]
+            assert ("--authz" in args) == authz["enabled"] != ("--no-authz" in args)
+            assert flag_value(args, "--trust-domain") == authz["trustDomain"]
+            assert flag_value(args, "--authz-entry-callers") == ",".join(authz["entryCallers"])
         else:
             assert "--plaintext" in args and "tls" not in volumes
         external = values["etcd"]["external"]
@@ -357,17 +391,45 @@ def test_optional_objects_follow_values(case: tuple[dict[str, Any], Rendered]) -
             assert "metrics" in ports
 
 
-def test_network_policy_admits_only_router_and_trigger_to_rankers() -> None:
+# Every call the services make, (caller, callee) on the callee's gRPC port: the trigger's
+# PreInfer to the router; the router's and the trigger's PreInfer, Rank, Describe to rankers;
+# rankers' Handoff and Fetch to rankers. "clients" are callers outside the release.
+CALL_PATHS = {
+    ("clients", "router"), ("clients", "trigger"), ("trigger", "router"),
+    ("router", "ranker"), ("trigger", "ranker"), ("ranker", "ranker"),
+}  # fmt: skip
+CLIENTS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "recsys"}}}]
+
+
+def _grpc_callers(policy: dict[str, Any]) -> set[str]:
+    """Who the policy admits to the gRPC port: release components, or "clients" for the
+    configured client peers (and for a rule with no `from`: anyone)."""
+    (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc"]
+    if "from" not in rule:
+        return {"clients", *SERVICES}
+    callers = set()
+    for peer in rule["from"]:
+        if peer in CLIENTS:
+            callers.add("clients")
+            continue
+        labels = peer["podSelector"]["matchLabels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE, peer
+        assert labels["app.kubernetes.io/name"] == "relaygr", peer
+        callers.add(labels["app.kubernetes.io/component"])
+    return callers
+
+
+def test_network_policies_admit_every_call_path_and_no_other() -> None:
+    """With networkPolicy.clients set (tls.yaml), each service's gRPC port admits exactly the
+    callers the service graph has: rankers take rankers too (hand-off, peer fetch)."""
     rendered = render([f for f in VALUES_FILES if f.stem == "tls"])
-    (policy,) = [
-        m for m in rendered.of_kind("NetworkPolicy") if m["metadata"]["name"].endswith("-ranker")
-    ]
-    grpc_rule = policy["spec"]["ingress"][0]
-    callers = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in
-               grpc_rule["from"]}  # fmt: skip
-    assert callers == {"router", "trigger"}
-    for peer in grpc_rule["from"]:
-        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    admitted = set()
+    for component in SERVICES:
+        policy = rendered.one("NetworkPolicy", component)
+        selected = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        assert selected == component
+        admitted |= {(caller, component) for caller in _grpc_callers(policy)}
+    assert admitted == CALL_PATHS
 
 
 def test_model_config_mounted_as_json(case: tuple[dict[str, Any], Rendered]) -> None:

@@ -98,8 +98,37 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "tls-without-secret",
-        {"tls": {"enabled": True}},
-        "tls.enabled needs tls.secretName",
+        {"tls": {"enabled": True, "secrets": {"router": "r", "ranker": "k"}}},
+        "tls.enabled needs tls.secrets.trigger or tls.secretName",
+    ),
+    (
+        "etcd-roles-without-root-password",
+        {
+            "etcd": {
+                "bundled": {"enabled": False},
+                "external": {
+                    "enabled": True,
+                    "endpoints": ["e:2379"],
+                    "tls": {"enabled": True, "secretName": "e"},
+                    "roles": {"create": True},
+                },
+            }
+        },
+        "etcd.external.roles.create needs",
+    ),
+    (
+        "etcd-service-certificates-without-tls",
+        {
+            "etcd": {
+                "bundled": {"enabled": False},
+                "external": {
+                    "enabled": True,
+                    "endpoints": ["e:2379"],
+                    "tls": {"enabled": True, "secretName": "e", "serviceCertificates": True},
+                },
+            }
+        },
+        "etcd.external.tls.serviceCertificates needs",
     ),
     (
         "tls-with-pod-ip-advertise",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from relaygr.authz import Role
 from relaygr.local.certs import Pki
 from relaygr.telemetry import Telemetry
 from relaygr.tls import open_channel
@@ -22,13 +23,15 @@ from services.trigger.server import TriggerServer, start_trigger
 from tests.integration.ranker_harness import BASE, COST, poll
 
 
-def transport(pki: Pki | None) -> dict[str, object]:
-    """Service config fields for mutual TLS with `pki`'s certificates, or for plaintext."""
+def transport(pki: Pki | None, role: Role, instance: str) -> dict[str, object]:
+    """Service config fields for mutual TLS with the identity `role`/`instance` of `pki`, or
+    for plaintext."""
     if pki is None:
         return {"plaintext": True}
+    leaf = pki.identity(role, instance)
     return {
-        "plaintext": False, "tls_cert": pki.node_cert, "tls_key": pki.node_key,
-        "tls_ca": pki.ca_cert,
+        "plaintext": False, "tls_cert": leaf.cert, "tls_key": leaf.key, "tls_ca": pki.ca_cert,
+        "trust_domain": pki.trust_domain,
     }  # fmt: skip
 
 
@@ -68,7 +71,7 @@ class Mesh:
         """A ranker serving `ranking_model` (None: the mesh's `model`)."""
         cfg = replace(
             BASE, instance_id=instance_id, etcd_endpoints=(self.endpoint,),
-            **{"lease_ttl_s": 2.0, **transport(self.pki), **config},
+            **{"lease_ttl_s": 2.0, **transport(self.pki, Role.RANKER, instance_id), **config},
         )  # type: ignore[arg-type]  # fmt: skip
         ranker = await start_ranker(
             cfg,
@@ -85,7 +88,7 @@ class Mesh:
     ) -> router_pb2_grpc.RouterServiceStub:
         cfg = RouterConfig(
             listen="127.0.0.1:0", etcd_endpoints=(self.endpoint,),
-            **{**transport(self.pki), **config},
+            **{**transport(self.pki, Role.ROUTER, f"router-{len(self.routers)}"), **config},
         )  # type: ignore[arg-type]  # fmt: skip
         router = await start_router(cfg, self._telemetry("relaygr-router"))
         channel = open_channel(f"127.0.0.1:{router.port}", self.client)
@@ -98,7 +101,10 @@ class Mesh:
 
     async def add_trigger(self, **config: object) -> trigger_pb2_grpc.TriggerServiceStub:
         """A trigger relaying through the first router (add one first)."""
-        defaults = {"router_address": f"127.0.0.1:{self.routers[0].port}", **transport(self.pki)}
+        defaults = {
+            "router_address": f"127.0.0.1:{self.routers[0].port}",
+            **transport(self.pki, Role.TRIGGER, f"trigger-{len(self.triggers)}"),
+        }
         cfg = TriggerConfig(
             listen="127.0.0.1:0", etcd_endpoints=(self.endpoint,), **{**defaults, **config}
         )  # type: ignore[arg-type]

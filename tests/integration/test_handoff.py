@@ -4,14 +4,19 @@ a receiver dying, the sender killed or a stalled call cost hits, never a Rank or
 
 import asyncio
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from relaygr.behaviours import RankInput
 from relaygr.lifecycle import connect_mesh
+from relaygr.local.certs import make_pki
 from relaygr.placement import ranking
+from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc, router_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.kv_store import CacheKey
@@ -109,7 +114,7 @@ class Traffic:
 
 async def _within_budgets(mesh: Mesh) -> None:
     for ranker in mesh.rankers.values():
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{ranker.port}") as channel:
+        async with open_channel(f"127.0.0.1:{ranker.port}", mesh.client) as channel:
             info = await ranker_pb2_grpc.RankerServiceStub(channel).Describe(
                 ranker_pb2.DescribeRequest()
             )
@@ -134,11 +139,15 @@ async def _rank_moved(
     return outcomes
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mutual-tls"])
 async def test_a_drain_under_traffic_hands_its_prefixes_to_their_next_owners(
-    etcd_server: EtcdServer, rng: np.random.Generator
+    etcd_server: EtcdServer, rng: np.random.Generator, tls: bool, tmp_path: Path
 ) -> None:
+    """Under mutual TLS too, each ranker with its own identity: the receivers take the
+    hand-off from a ranker identity and record the sender its certificate names."""
     model = tiny_model()
-    async with running_mesh(etcd_server.endpoint, model) as mesh:
+    pki = make_pki(tmp_path / "pki") if tls else None
+    async with running_mesh(etcd_server.endpoint, model, pki) as mesh:
         for name in RANKERS:
             await mesh.add_ranker(name)
         router = await mesh.add_router()
@@ -162,6 +171,10 @@ async def test_a_drain_under_traffic_hands_its_prefixes_to_their_next_owners(
             sum(r.servicer.handoff.stats.admitted.values()) for r in mesh.rankers.values()
         )  # type: ignore[union-attr]
         assert admitted == len(moved)
+        senders: Counter[str] = Counter()
+        for r in mesh.rankers.values():
+            senders.update(r.servicer.handoff.stats.received_from)  # type: ignore[union-attr]
+        assert set(senders) == {"r0"} and senders["r0"] >= 1, senders
         await _within_budgets(mesh)
 
 

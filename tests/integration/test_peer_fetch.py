@@ -7,6 +7,7 @@ or a wrong score."""
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from relaygr.behaviours import RankInput
 from relaygr.lifecycle import connect_mesh
+from relaygr.local.certs import make_pki
 from relaygr.placement import ranking
 from relaygr.pool import RankerPool
 from relaygr.tls_settings import PLAINTEXT
@@ -88,10 +90,13 @@ async def scale_out(
     return results
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mutual-tls"])
 async def test_moved_users_are_served_from_fetched_prefixes_when_fetching_is_cheaper(
-    etcd_server: EtcdServer, rng: np.random.Generator
+    etcd_server: EtcdServer, rng: np.random.Generator, tls: bool, tmp_path: Path
 ) -> None:
-    async with running_mesh(etcd_server.endpoint, tiny_model()) as mesh:
+    """Under mutual TLS too: each ranker fetches from its peers with its own identity."""
+    pki = make_pki(tmp_path / "pki") if tls else None
+    async with running_mesh(etcd_server.endpoint, tiny_model(), pki) as mesh:
         results = await scale_out(mesh, rng, **CHEAP)
         moved = [r for r in results if r[2] != r[1]]
         assert len(moved) >= 4, results  # the joining ranker's share, spills aside

@@ -20,7 +20,7 @@ from relaygr.local.etcd_server import EtcdServer, EtcdTls
 from relaygr.local.mesh import LocalMesh
 from relaygr.tls import open_blocking_channel, open_channel, server_credentials
 from relaygr.tls_settings import PLAINTEXT, ClientTls, TlsSettings
-from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from services.router.forward import RouterStats
 from tests.integration.etcd_server import started_etcd
@@ -260,8 +260,10 @@ async def test_an_expired_etcd_auth_token_is_renewed_by_reconnecting() -> None:
 def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
     rng: np.random.Generator, private_tempdir: Path
 ) -> None:
-    """`relaygr up --tls`: a throwaway CA, etcd and every service process on mutual TLS; the
-    relay runs end to end; plaintext callers are refused; the CA's files go with the mesh."""
+    """`relaygr up --tls`: a throwaway CA, etcd and every service process on mutual TLS, each
+    with its own identity; the relay runs end to end through the router and the trigger with
+    the client certificate, which a ranker's Fetch and Handoff and etcd refuse; plaintext
+    callers are refused; the CA's files go with the mesh."""
     before = mesh_workdirs()
     spec, model = tiny_mesh(trigger_args=("--mode", "all"), tls=True)
     with LocalMesh(spec) as mesh:
@@ -288,6 +290,20 @@ def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
         expected = model.full_forward(request).numpy()
         for reply in replies:
             assert rel_err(reply_scores(reply), expected) <= 1e-5
+        # The client certificate reaches rankers only through the router and the trigger.
+        for ranker in mesh.rankers:
+            with open_blocking_channel(ranker.address, mesh.client_tls) as channel:
+                stub = ranker_pb2_grpc.RankerServiceStub(channel)
+                calls = {
+                    "Fetch": lambda s=stub: list(s.Fetch(ranker_pb2.FetchRequest(), timeout=10)),
+                    "Handoff": lambda s=stub: s.Handoff(iter(()), timeout=10),
+                }
+                for method, call in calls.items():
+                    with pytest.raises(grpc.RpcError) as denied:
+                        call()
+                    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+                    assert f"RankerService/{method} is not allowed for a caller with role" \
+                        " 'client'" in denied.value.details()  # type: ignore[attr-defined]  # fmt: skip
         for service in (mesh.trigger, mesh.router, *mesh.rankers):
             with open_blocking_channel(service.address, PLAINTEXT) as channel:
                 with pytest.raises(grpc.RpcError) as err:
@@ -305,5 +321,22 @@ def test_relaygr_up_tls_runs_the_relay_over_mutual_tls_and_removes_its_ca(
                 await client.close()
 
         asyncio.run(etcd_refuses_plaintext())
+
+        async def etcd_refuses_client_writes() -> None:
+            client = EtcdClient(
+                [mesh.etcd_endpoint],
+                security=EtcdSecurity(
+                    ca=mesh.pki.ca_cert, cert=mesh.pki.client_cert, key=mesh.pki.client_key
+                ),
+                request_timeout_s=5.0,
+            )
+            try:
+                for key in ("/relaygr/rankers/forged", "/relaygr/directory/v/alice"):
+                    with pytest.raises(EtcdRejected):
+                        await client.put(key, b"{}")
+            finally:
+                await client.close()
+
+        asyncio.run(etcd_refuses_client_writes())
     assert not ca_dir.exists()
     assert mesh_workdirs() == before

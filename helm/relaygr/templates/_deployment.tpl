@@ -59,7 +59,7 @@ spec:
           volumeMounts:
             {{- include "relaygr.commonVolumeMounts" $root | nindent 12 }}
       volumes:
-        {{- include "relaygr.commonVolumes" $root | nindent 8 }}
+        {{- include "relaygr.commonVolumes" $ctx | nindent 8 }}
 ---
 apiVersion: v1
 kind: Service

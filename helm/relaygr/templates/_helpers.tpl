@@ -107,6 +107,14 @@ the compute threads that fit the share a pod is guaranteed.
 {{/* Mount points inside the containers. */}}
 {{- define "relaygr.tlsDir" -}}/etc/relaygr/tls{{- end -}}
 {{- define "relaygr.etcdTlsDir" -}}/etc/relaygr/etcd-tls{{- end -}}
+{{- define "relaygr.clientCaDir" -}}/etc/relaygr/client-ca{{- end -}}
+
+{{/* The TLS Secret of one component: tls.secrets.<component>, else the shared tls.secretName.
+Input: dict root, component. */}}
+{{- define "relaygr.tlsSecret" -}}
+{{- $tls := .root.Values.tls -}}
+{{- (get ($tls.secrets | default dict) .component) | default $tls.secretName -}}
+{{- end -}}
 {{- define "relaygr.probeDir" -}}/etc/relaygr/probe{{- end -}}
 {{- define "relaygr.modelDir" -}}/etc/relaygr/model{{- end -}}
 {{- define "relaygr.checkpointDir" -}}/var/lib/relaygr/checkpoint{{- end -}}
@@ -124,7 +132,10 @@ Input: dict root, component ("router", "trigger", "ranker").
 - {{ printf "--etcd-prefix=%s" $etcd.prefix | quote }}
 {{- if and $etcd.external.enabled $etcd.external.tls.enabled }}
 - {{ printf "--etcd-ca=%s/ca.crt" (include "relaygr.etcdTlsDir" .) | quote }}
-{{- if $etcd.external.tls.clientCertificate }}
+{{- if $etcd.external.tls.serviceCertificates }}
+- {{ printf "--etcd-cert=%s/tls.crt" (include "relaygr.tlsDir" .) | quote }}
+- {{ printf "--etcd-key=%s/tls.key" (include "relaygr.tlsDir" .) | quote }}
+{{- else if $etcd.external.tls.clientCertificate }}
 - {{ printf "--etcd-cert=%s/tls.crt" (include "relaygr.etcdTlsDir" .) | quote }}
 - {{ printf "--etcd-key=%s/tls.key" (include "relaygr.etcdTlsDir" .) | quote }}
 {{- end }}
@@ -136,9 +147,16 @@ Input: dict root, component ("router", "trigger", "ranker").
 - {{ printf "--log-level=%s" $root.Values.logging.level | quote }}
 - {{ printf "--log-format=%s" $root.Values.logging.format | quote }}
 {{- if $root.Values.tls.enabled }}
+{{- $tls := $root.Values.tls }}
 - {{ printf "--tls-cert=%s/tls.crt" (include "relaygr.tlsDir" .) | quote }}
 - {{ printf "--tls-key=%s/tls.key" (include "relaygr.tlsDir" .) | quote }}
 - {{ printf "--tls-ca=%s/ca.crt" (include "relaygr.tlsDir" .) | quote }}
+{{- if $tls.clientCaSecretName }}
+- {{ printf "--tls-client-ca=%s/ca.crt" (include "relaygr.clientCaDir" .) | quote }}
+{{- end }}
+- {{ ternary "--authz" "--no-authz" $tls.authz.enabled | quote }}
+- {{ printf "--trust-domain=%s" $tls.authz.trustDomain | quote }}
+- {{ printf "--authz-entry-callers=%s" (join "," $tls.authz.entryCallers) | quote }}
 {{- else }}
 - "--plaintext"
 {{- end }}
@@ -268,7 +286,8 @@ securityContext:
   {{- toYaml $root.Values.securityContext | nindent 2 }}
 {{- end -}}
 
-{{/* Volumes and mounts every service has: /tmp, the TLS and etcd secrets, the probe script. */}}
+{{/* Volumes and mounts every service has: /tmp, the TLS and etcd secrets, the probe script.
+Mounts take the root context; volumes take dict root, component (each its own TLS Secret). */}}
 {{- define "relaygr.commonVolumeMounts" -}}
 - name: tmp
   mountPath: /tmp
@@ -276,6 +295,11 @@ securityContext:
 - name: tls
   mountPath: {{ include "relaygr.tlsDir" . }}
   readOnly: true
+{{- if .Values.tls.clientCaSecretName }}
+- name: client-ca
+  mountPath: {{ include "relaygr.clientCaDir" . }}
+  readOnly: true
+{{- end }}
 - name: probe
   mountPath: {{ include "relaygr.probeDir" . }}
   readOnly: true
@@ -288,22 +312,29 @@ securityContext:
 {{- end -}}
 
 {{- define "relaygr.commonVolumes" -}}
+{{- $root := .root -}}
 - name: tmp
   emptyDir:
-    sizeLimit: {{ .Values.tmpSizeLimit }}
-{{- if .Values.tls.enabled }}
+    sizeLimit: {{ $root.Values.tmpSizeLimit }}
+{{- if $root.Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ .Values.tls.secretName }}
+    secretName: {{ include "relaygr.tlsSecret" . }}
     defaultMode: 0440
+{{- if $root.Values.tls.clientCaSecretName }}
+- name: client-ca
+  secret:
+    secretName: {{ $root.Values.tls.clientCaSecretName }}
+    defaultMode: 0440
+{{- end }}
 - name: probe
   configMap:
-    name: {{ include "relaygr.componentName" (dict "root" . "component" "probe") }}
+    name: {{ include "relaygr.componentName" (dict "root" $root "component" "probe") }}
 {{- end }}
-{{- if and .Values.etcd.external.enabled .Values.etcd.external.tls.enabled }}
+{{- if and $root.Values.etcd.external.enabled $root.Values.etcd.external.tls.enabled }}
 - name: etcd-tls
   secret:
-    secretName: {{ .Values.etcd.external.tls.secretName }}
+    secretName: {{ $root.Values.etcd.external.tls.secretName }}
     defaultMode: 0440
 {{- end }}
 {{- end -}}

@@ -19,6 +19,10 @@ log_format: "logging.format"
 tls_cert: "tls.enabled / tls.secretName"
 tls_key: "tls.enabled / tls.secretName"
 tls_ca: "tls.enabled / tls.secretName"
+tls_client_ca: "tls.clientCaSecretName"
+authz: "tls.authz.enabled"
+trust_domain: "tls.authz.trustDomain"
+authz_entry_callers: "tls.authz.entryCallers"
 plaintext: "tls.enabled"
 tls_server_name: "the DNS names the chart dials (the certificate must carry them)"
 instance_id: "the pod name (StatefulSet ordinal)"
@@ -88,8 +92,18 @@ router_address: "the router Service of this release"
 {{- fail "ranker: ranker.advertise=podIP cannot be verified under TLS (certificates name DNS names); use ranker.advertise=dns" -}}
 {{- end -}}
 
-{{- if and $v.tls.enabled (not $v.tls.secretName) -}}
-{{- fail "tls: tls.enabled needs tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
+{{- if and $etcd.external.tls.serviceCertificates (not (and $etcd.external.enabled $etcd.external.tls.enabled $v.tls.enabled)) -}}
+{{- fail "etcd: etcd.external.tls.serviceCertificates needs etcd.external.enabled, etcd.external.tls.enabled and tls.enabled (the services' own certificates)" -}}
+{{- end -}}
+{{- if and $etcd.external.roles.create (not (and $etcd.external.enabled $etcd.external.tls.enabled $etcd.external.roles.rootPasswordSecret.name)) -}}
+{{- fail "etcd: etcd.external.roles.create needs etcd.external.enabled, etcd.external.tls.enabled and etcd.external.roles.rootPasswordSecret.name (etcd's root password)" -}}
+{{- end -}}
+{{- if $v.tls.enabled -}}
+{{- range $component := list "router" "trigger" "ranker" -}}
+{{- if not (include "relaygr.tlsSecret" (dict "root" $ "component" $component)) -}}
+{{- fail (printf "tls: tls.enabled needs tls.secrets.%s or tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" $component) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- $managed := include "relaygr.managedFields" . | fromYaml -}}
