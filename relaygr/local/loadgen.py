@@ -3,9 +3,10 @@
 For each system (no cache, cache only, relay all, relay sequence-aware: relaygr.local.modes) it
 runs LoadGen's Server scenario (relaygr.local.loadgen_sut) at target QPS on a grid of
 `--qps-step`: doubling from `--qps-from` until a test is not valid, then bisecting, never above
-`--qps-max`. A test is valid when LoadGen says VALID (P99 of gap + ranking latency within gap +
-SLO, minimum duration and queries, its early-stopping check) and no Rank failed. Each test has
-its own users (same seed, own user ids), so no test warms another's cache.
+`--qps-max` (a first test that is not valid ends the search at 0: start lower). A test is
+valid when LoadGen says VALID (P99 of gap + ranking latency within gap + SLO, minimum duration
+and queries, its early-stopping check) and no Rank failed. Each test has its own users (same
+seed, own user ids), so no test warms another's cache.
 
 Against a local mesh it starts (etcd, rankers, router, trigger on loopback: one mesh for the
 three systems that differ only in the trigger's mode, another whose rankers bypass every cache)
@@ -250,11 +251,14 @@ def write_result(path: Path, saved: dict[str, Any]) -> None:
     partial.replace(path)
 
 
-# (smoke, search) defaults of the options a profile sets.
-PROFILE: dict[str, tuple[Any, Any]] = {
+# (smoke, search) defaults of the options a profile sets. LoadGen's early stopping at P99 needs
+# about 460 queries with none over the target, so a search's tests run at least 500; a smoke
+# test is shorter and its verdict says what it lacked.
+PROFILE: dict[str, tuple[float, float]] = {
     "qps_from": (20.0, 10.0),
-    "min_duration_s": (20.0, 20.0),
     "qps_max": (20.0, 80.0),
+    "min_duration_s": (10.0, 10.0),
+    "min_queries": (200, 500),
 }
 
 
@@ -315,11 +319,12 @@ def parser() -> argparse.ArgumentParser:
         smoke, full = PROFILE[name.replace("-", "_")]
         test.add_argument(f"--{name}", type=Bounded(float, POSITIVE),
                           help=f"{text} (default: {full:g}; --smoke: {smoke:g})")  # fmt: skip
-    test.add_argument("--qps-step", type=Bounded(float, POSITIVE), default=2.5,
+    test.add_argument("--qps-step", type=Bounded(float, POSITIVE), default=5.0,
                       help="the search's grid of target QPS")  # fmt: skip
     test.add_argument(
-        "--min-queries", type=Bounded(int, AT_LEAST_ONE), default=100,
-        help="LoadGen's minimum queries of a test (its early stopping at P99 wants ~460 or more)",
+        "--min-queries", type=Bounded(int, AT_LEAST_ONE),
+        help="LoadGen's minimum queries of a test: its early stopping at P99 wants ~460 or more"
+        f" (default: {PROFILE['min_queries'][1]:g}; --smoke: {PROFILE['min_queries'][0]:g})",
     )  # fmt: skip
     test.add_argument("--timeout", type=Bounded(float, POSITIVE), default=10.0,
                       help="per-RPC deadline, seconds")  # fmt: skip
@@ -354,7 +359,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         qps_max=max(args.qps_max, args.qps_from),
         qps_step=args.qps_step,
         min_duration_s=args.min_duration_s,
-        min_queries=args.min_queries,
+        min_queries=int(args.min_queries),
         timeout_s=args.timeout,
         seed=args.seed,
         percentile=args.percentile,
