@@ -14,7 +14,7 @@ RELEASED_CONTRACT := protos/released.json
 DOCKER ?= docker
 IMAGE ?= relaygr:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup proto test lint contract contract-release buf helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv demo clean
+.PHONY: setup proto test lint contract contract-release buf helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen demo clean
 
 setup: $(STAMP) $(PROTO_OUT) $(HELM) $(BUF_STAMP)
 
@@ -74,7 +74,7 @@ helm-lint: setup
 image:
 	$(DOCKER) build -t $(IMAGE) .
 
-bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv
+bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen
 
 bench-model: setup
 	$(PY) bench/model_bench.py
@@ -99,6 +99,9 @@ bench-chaos: setup
 
 bench-kv: setup
 	$(PY) bench/kv_store_bench.py
+
+bench-loadgen: setup
+	$(PY) bench/loadgen_bench.py $(LOADGEN_ARGS)
 
 demo: setup
 	$(PY) -m relaygr.local.demo $(DEMO_ARGS)

@@ -2,8 +2,8 @@
 
 For each system (no cache, cache only, relay all, relay sequence-aware: relaygr.local.modes) it
 runs LoadGen's Server scenario (relaygr.local.loadgen_sut) at target QPS on a grid of
-`--qps-step`: doubling from `--qps-from` until a test is not valid, then bisecting, never above
-`--qps-max` (a first test that is not valid ends the search at 0: start lower). A test is
+`--qps-step`: doubling from `--qps-from` until a test is not valid (halving down to `--qps-min`
+when the first one is not), then bisecting, never above `--qps-max`. A test is
 valid when LoadGen says VALID (P99 of gap + ranking latency within gap + SLO, minimum duration
 and queries, its early-stopping check) and no Rank failed. Each test has its own users (same
 seed, own user ids), so no test warms another's cache.
@@ -71,6 +71,7 @@ class Settings:
     slo_ms: float
     margin_ms: float
     qps_from: float
+    qps_min: float
     qps_max: float
     qps_step: float
     min_duration_s: float
@@ -166,7 +167,8 @@ def search(
 
     lo = max(1, round(settings.qps_from / settings.qps_step))
     hi = lo if smoke else max(lo, round(settings.qps_max / settings.qps_step))
-    best, _ = grid_search(lo, hi, 1, passes)
+    floor = lo if smoke else min(lo, max(1, round(settings.qps_min / settings.qps_step)))
+    best, _ = grid_search(lo, hi, 1, passes, floor=floor)
     return {"highest_valid_qps": best * settings.qps_step, "runs": runs}
 
 
@@ -256,6 +258,7 @@ def write_result(path: Path, saved: dict[str, Any]) -> None:
 # test is shorter and its verdict says what it lacked.
 PROFILE: dict[str, tuple[float, float]] = {
     "qps_from": (20.0, 10.0),
+    "qps_min": (20.0, 2.5),
     "qps_max": (20.0, 80.0),
     "min_duration_s": (10.0, 10.0),
     "min_queries": (200, 500),
@@ -313,6 +316,7 @@ def parser() -> argparse.ArgumentParser:
     test = p.add_argument_group("the tests and the search")
     for name, text in (
         ("qps-from", "first target QPS"),
+        ("qps-min", "lowest target QPS tried when the first test is not valid"),
         ("qps-max", "highest target QPS tried"),
         ("min-duration-s", "LoadGen's minimum duration of a test, seconds"),
     ):
@@ -356,6 +360,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         slo_ms=args.slo_ms,
         margin_ms=min(args.margin_ms, args.slo_ms),
         qps_from=args.qps_from,
+        qps_min=min(args.qps_min, args.qps_from),
         qps_max=max(args.qps_max, args.qps_from),
         qps_step=args.qps_step,
         min_duration_s=args.min_duration_s,

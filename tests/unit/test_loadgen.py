@@ -116,7 +116,8 @@ def test_a_mesh_not_in_the_system_s_mode_is_refused() -> None:
 def settings(seed: int) -> Settings:
     return Settings(
         model=ModelPreset.TINY, rankers=1, users=1000, median_long_term=32, max_long_term=64,
-        gap_ms=10.0, slo_ms=50.0, margin_ms=40.0, qps_from=10.0, qps_max=10.0, qps_step=5.0,
+        gap_ms=10.0, slo_ms=50.0, margin_ms=40.0, qps_from=10.0, qps_min=5.0, qps_max=10.0,
+        qps_step=5.0,
         min_duration_s=2.0, min_queries=30, timeout_s=5.0, seed=seed,
     )  # fmt: skip
 
