@@ -1,6 +1,8 @@
 """`relaygr loadgen`'s pure parts: LoadGen's verdict read from its own logs (a real LoadGen run
 against an in-process SUT), what counts as valid, the mode check, the visits of a test."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import mlperf_loadgen as lg
@@ -12,6 +14,7 @@ from relaygr.local.loadgen_sut import (
     DETAIL_LOG,
     SUMMARY_LOG,
     Verdict,
+    import_loadgen,
     read_detail_log,
     verdict_of,
 )
@@ -135,3 +138,16 @@ def test_each_test_gets_the_seed_s_visits_with_users_of_its_own() -> None:
     assert [len(r.prefix.long_term) for r in other] == [len(r.prefix.long_term) for r in first]
     faster = visits(chosen, CACHE_ONLY, 6.0)
     assert {r.prefix.user_id for r in faster}.isdisjoint(r.prefix.user_id for r in first)
+
+
+def test_the_command_imports_loadgen_only_when_a_test_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base install (no `loadgen` extra) can import the command and read its --help."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, relaygr.local.loadgen; "
+         "print('mlperf_loadgen' in sys.modules)"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "False"
+    monkeypatch.setitem(sys.modules, "mlperf_loadgen", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"pip install 'relaygr\[loadgen\]'"):
+        import_loadgen()
