@@ -173,18 +173,18 @@ def search(
 
 
 @contextmanager
-def local_target(settings: Settings, bypass: bool) -> Iterator[tuple[Target, LocalMesh]]:
-    """A local mesh for the systems with (or without) `bypass`, as a Target; stopped after."""
-    system_flags = System("", "off", bypass).ranker_flags()
+def local_target(settings: Settings, system: System) -> Iterator[tuple[Target, LocalMesh]]:
+    """A local mesh for `system` (and the systems differing from it only in the trigger's
+    mode), as a Target; stopped after."""
     spec = MeshSpec(
         rankers=settings.rankers,
-        ranker_args=("--model", settings.model.value, "--device", "cpu", *system_flags),
+        ranker_args=("--model", settings.model.value, "--device", "cpu", *system.ranker_flags()),
         trigger_args=(
             "--slo-ms", str(settings.slo_ms), "--margin-ms", str(settings.margin_ms),
             "--expected-gap-ms", str(settings.gap_ms),
         ),
     )  # fmt: skip
-    kind = "bypass" if bypass else "caching"
+    kind = "bypass" if system.bypass else "caching"
     print(f"starting a local {kind} mesh (rankers calibrate their cost model first) ...")
     with LocalMesh(spec) as mesh:
         assert mesh.trigger is not None
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
         chosen = [s for s in systems if s.bypass == bypass]
         if not chosen:
             continue
-        with _target(args, settings, bypass) as (target, mesh):
+        with _target(args, settings, chosen[0]) as (target, mesh):
             if mesh is not None:
                 saved["ranker_threads"] = mesh.ranker_threads
             for system in chosen:
@@ -237,10 +237,10 @@ def run(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
 
 @contextmanager
 def _target(
-    args: argparse.Namespace, settings: Settings, bypass: bool
+    args: argparse.Namespace, settings: Settings, system: System
 ) -> Iterator[tuple[Target, LocalMesh | None]]:
     if args.router is None:
-        with local_target(settings, bypass) as (target, mesh):
+        with local_target(settings, system) as (target, mesh):
             yield target, mesh
     else:
         yield Target(args.trigger, args.router, router_options=tuple(ROUND_ROBIN)), None
