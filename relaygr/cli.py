@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "relaygr.sim.plan_cli",
         "how many rankers, and how much device and host memory each, meet a P99 SLO (simulated)",
     ),
+    "loadgen": (
+        "relaygr.local.loadgen",
+        "MLPerf LoadGen's Server scenario on the mesh: the highest valid QPS of each system",
+    ),
     "bench": ("relaygr.local.bench_cli", "run a benchmark from the source tree's bench/"),
 }
 

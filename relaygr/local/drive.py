@@ -13,8 +13,8 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -234,6 +234,32 @@ def retrieval_event(request: RankInput, request_id: str) -> trigger_pb2.Retrieva
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineStubs:
+    """Open channels to a mesh's router (or routers) and, when there is one, its trigger."""
+
+    router: router_pb2_grpc.RouterServiceStub
+    trigger: trigger_pb2_grpc.TriggerServiceStub | None
+
+
+@asynccontextmanager
+async def pipeline_stubs(
+    trigger_address: str | None,
+    router_target: str,
+    tls: TlsSettings = PLAINTEXT,
+    router_options: Sequence[ChannelOption] = (),
+) -> AsyncIterator[PipelineStubs]:
+    """Stubs on channels open for the block (no trigger when `trigger_address` is None)."""
+    async with AsyncExitStack() as stack:
+        channel = await stack.enter_async_context(open_channel(router_target, tls, router_options))
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        trigger = None
+        if trigger_address is not None:
+            channel = await stack.enter_async_context(open_channel(trigger_address, tls))
+            trigger = trigger_pb2_grpc.TriggerServiceStub(channel)
+        yield PipelineStubs(router, trigger)
+
+
 class OpenLoopDriver:
     """Sends a schedule of arrivals, fixed before the first send, and records every request.
 
@@ -280,41 +306,12 @@ class OpenLoopDriver:
         and return the records. `on_done` is called after each Rank (for a progress bar)."""
         start = time.monotonic() + 0.5 if start is None else start
         records: list[RequestRecord] = []
-        async with AsyncExitStack() as stack:
-            channel = await stack.enter_async_context(
-                open_channel(router_target, tls, router_options)
-            )
-            router = router_pb2_grpc.RouterServiceStub(channel)
-            trigger: trigger_pb2_grpc.TriggerServiceStub | None = None
-            if trigger_address is not None:
-                channel = await stack.enter_async_context(open_channel(trigger_address, tls))
-                trigger = trigger_pb2_grpc.TriggerServiceStub(channel)
+        on_ranked = (lambda _: on_done()) if on_done is not None else None
+        async with pipeline_stubs(trigger_address, router_target, tls, router_options) as stubs:
 
             async def one(i: int) -> None:
-                decision = None
-                if trigger is not None:
-                    decision = asyncio.create_task(
-                        self._call(trigger.OnRetrieval(self._events[i], timeout=self._timeout_s))
-                    )
-                at = self._arrivals[i].at + self._gap_s
-                await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-                reply, status = await self._call(
-                    router.Rank(self._ranks[i], timeout=self._timeout_s)
-                )
-                record = RequestRecord(i, at, time.monotonic() - (start + at), status)
-                if reply is not None:
-                    record = self._answered(record, reply)
-                if on_done is not None:
-                    on_done()
-                if decision is not None:
-                    answer, decision_status = await decision
-                    record = dataclasses.replace(
-                        record,
-                        decision_status=decision_status,
-                        decision=REASONS[answer.reason] if answer is not None else "",
-                        admitted=answer is not None and answer.admitted,
-                    )
-                records.append(record)
+                at = self._arrivals[i].at
+                records.append(await self.visit(stubs, i, start + at, at, on_ranked=on_ranked))
 
             tasks: list[asyncio.Task[None]] = []
             for i, arrival in enumerate(self._arrivals):
@@ -324,6 +321,44 @@ class OpenLoopDriver:
                 tasks.append(asyncio.create_task(one(i)))
             await asyncio.gather(*tasks)
         return records
+
+    async def visit(
+        self,
+        stubs: PipelineStubs,
+        i: int,
+        arrived: float,
+        at: float,
+        *,
+        on_ranked: Callable[[RequestRecord], None] | None = None,
+    ) -> RequestRecord:
+        """Arrival i's visit: its RetrievalEvent now (when `stubs` has a trigger), its Rank
+        `gap_s` after `arrived` (a `time.monotonic()` reading), whatever the event is doing.
+
+        `at` is when it arrived in seconds from the schedule's start (the record's `at` is the
+        Rank's intended send time, `at + gap_s`; its latency counts from then). `on_ranked` is
+        called with the record as soon as the Rank is over, before the event's answer is in."""
+        decision = None
+        if stubs.trigger is not None:
+            decision = asyncio.create_task(
+                self._call(stubs.trigger.OnRetrieval(self._events[i], timeout=self._timeout_s))
+            )
+        due = arrived + self._gap_s
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        reply, status = await self._call(stubs.router.Rank(self._ranks[i], timeout=self._timeout_s))
+        record = RequestRecord(i, at + self._gap_s, time.monotonic() - due, status)
+        if reply is not None:
+            record = self._answered(record, reply)
+        if on_ranked is not None:
+            on_ranked(record)
+        if decision is not None:
+            answer, decision_status = await decision
+            record = dataclasses.replace(
+                record,
+                decision_status=decision_status,
+                decision=REASONS[answer.reason] if answer is not None else "",
+                admitted=answer is not None and answer.admitted,
+            )
+        return record
 
     async def _call(self, call: Awaitable[_Reply]) -> tuple[_Reply | None, str]:
         """(reply, "OK"), or (None, the failure's status or HUNG)."""

@@ -41,7 +41,7 @@ def option_helps(text: str) -> dict[str, str]:
 
 def test_the_subcommands_tested_are_every_subcommand() -> None:
     assert set(COMMANDS) == {
-        "ranker", "router", "trigger", "up", "demo", "simulate", "plan", "bench"
+        "ranker", "router", "trigger", "up", "demo", "simulate", "plan", "loadgen", "bench"
     }  # fmt: skip
 
 

@@ -32,3 +32,17 @@ def test_compliant_throughput_is_the_rate_below_the_first_miss_per_seed() -> Non
     assert (spread.median, spread.low, spread.high, spread.n) == (2, 1, 3, 3)
     assert spread.text(" req/s") == "2 req/s [1-3]"
     assert Spread.of([5.0]).text() == "5"
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 5, 7, 8, 9, 15, 16, 40])
+def test_grid_search_halves_down_from_a_first_miss_to_its_floor(limit: int) -> None:
+    found, tried = grid_search(8, 16, 1, lambda n: n <= limit, floor=1)
+    assert found == min(limit, 16)
+    assert tried[0] == 8 and len(tried) == len(set(tried))
+    down: list[int] = []  # after a first miss: the halvings until one passes (or the floor)
+    for half in (4, 2, 1) if limit < 8 else ():
+        down.append(half)
+        if half <= limit:
+            break
+    assert tried[1 : 1 + len(down)] == down
+    assert len(tried) <= 6

@@ -1,0 +1,54 @@
+"""Where a measured run ran: date, commit (a dirty tree flagged), machine, threads."""
+
+import os
+import platform
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _git(*args: str) -> str:
+    here = Path(__file__).resolve().parent  # inside the repository, wherever it is run from
+    done = subprocess.run(
+        ["git", *args], cwd=here, capture_output=True, text=True, check=True, timeout=30
+    )
+    return done.stdout.strip()
+
+
+def git_commit() -> str:
+    """HEAD of this repository, "-dirty" when the tree has uncommitted changes; "unknown"
+    without git or outside a repository."""
+    try:
+        head = _git("rev-parse", "HEAD")
+        # Results and docs being written (a benchmark saves and renders after each seed) do not
+        # make the code dirty.
+        # (Pathspecs from the top: git runs in bench/.)
+        outputs = (":(top,exclude)bench/results", ":(top,exclude)docs")
+        dirty = bool(_git("status", "--porcelain", "--", ":(top)", *outputs))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty else head
+
+
+def machine_info(threads: int | None = None) -> dict[str, Any]:
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs",
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
