@@ -76,8 +76,10 @@ class AdmissionPolicy:
     An event comes with the user's fallback order: the rankers its PreInfer would try, in the
     order the router tries them (`relaygr.placement.route_rank` with the directory). Checks, in
     order (the first that fails is the reason): mode `off` -> RELAY_DISABLED; an empty order ->
-    NO_RANKER; (sequence-aware) full inference predicted by the owner's (the first ranker's)
-    cost model within slo_ms - margin_ms -> NOT_AT_RISK; the same prefix already relayed ->
+    NO_RANKER; (sequence-aware) the ranking latency predicted without a relay on the owner (the
+    first ranker, where the Rank lands) within slo_ms - margin_ms -> NOT_AT_RISK, that latency
+    being the owner's last reported queued rank work (`RelayRoom.queued_rank_ms`, cost-model
+    time) plus the full inference its cost model predicts; the same prefix already relayed ->
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
     order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
     there (`RelayRoom.fits`: no unexpired refusal either) and its prefill, queued behind the
@@ -116,7 +118,8 @@ class AdmissionPolicy:
         history = event.prefix_tokens + event.short_term
         predicted = owner.cost_model().full_ms(history, event.candidates)
         aware = cfg.mode is Mode.SEQUENCE_AWARE
-        if aware and predicted <= cfg.slo_ms - cfg.margin_ms:
+        waits = self.room.queued_rank_ms(owner.instance_id, now)
+        if aware and waits + predicted <= cfg.slo_ms - cfg.margin_ms:
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
         key = (event.user_id, event.model_version, digest)

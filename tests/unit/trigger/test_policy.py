@@ -518,6 +518,35 @@ def test_the_owner_predicts_whether_the_request_is_at_risk() -> None:
     assert decision == Decision(Reason.NOT_AT_RISK, PREDICTED[SAFE], X)
 
 
+def test_the_owners_queued_rank_work_puts_a_request_at_risk_boundary_exact() -> None:
+    # The SAFE request: full inference 45.0 against slo - margin = 45.0, at risk by any wait.
+    def decide(queued_rank_ms: float) -> Decision:
+        policy = AdmissionPolicy(config())
+        report = RoomReport(0, 10**9, queued_rank_ms=queued_rank_ms)
+        policy.room.observe(X, report, NOW)
+        policy.room.observe(Y, RoomReport(0, 10**9, queued_rank_ms=100.0), NOW)  # not the owner
+        return policy.decide(event(candidates=SAFE), [ranker(), ranker(Y)], NOW)
+
+    assert decide(0.0) == Decision(Reason.NOT_AT_RISK, PREDICTED[SAFE], X)  # idle owner
+    assert decide(2**-10).admitted  # 45.0 + 2^-10 > 45.0: exact in binary
+    assert decide(30.0).admitted and decide(30.0).target == X  # a long rank queue
+    # The AT_RISK request sits 0.625 past the line: no queue can make it safe.
+    policy = AdmissionPolicy(config(margin_ms=4.375))  # line at 45.625: within
+    policy.room.observe(X, RoomReport(0, 10**9, queued_rank_ms=0.0), NOW)
+    assert policy.decide(event(), [ranker()], NOW).reason is Reason.NOT_AT_RISK
+    policy = AdmissionPolicy(config(margin_ms=4.375))
+    policy.room.observe(X, RoomReport(0, 10**9, queued_rank_ms=2**-10), NOW)
+    assert policy.decide(event(), [ranker()], NOW).admitted
+
+
+def test_a_stale_rank_queue_ages_out_to_unknown_and_zero() -> None:
+    policy = AdmissionPolicy(config())  # window 2 s
+    policy.room.observe(X, RoomReport(0, 10**9, queued_rank_ms=30.0), NOW)
+    assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW + 1.9).admitted
+    decision = policy.decide(event("b", candidates=SAFE), [ranker()], NOW + 2.0)
+    assert decision.reason is Reason.NOT_AT_RISK
+
+
 def test_mode_all_relays_to_the_owner_whatever_its_room() -> None:
     policy = AdmissionPolicy(config(mode=Mode.ALL))
     policy.room.observe(X, FULL, NOW)
