@@ -152,6 +152,10 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="share of each ranker's relay budget the trigger fills",
     )  # fmt: skip
     fleet.add_argument(
+        "--relay-take-share", type=Bounded(float, SHARE), default=0.5,
+        help="most of a ranker's relay room left one relay may take (1: first come, first served)",
+    )  # fmt: skip
+    fleet.add_argument(
         "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
         help="background prefill chunk",
     )  # fmt: skip
@@ -188,6 +192,7 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
             expected_gap_ms=args.gap_ms,
             relay_window_ms=args.relay_window_ms,
             relay_budget_share=args.relay_budget_share,
+            relay_take_share=args.relay_take_share,
         ),
         gap_s=args.gap_ms / 1e3,
     )
