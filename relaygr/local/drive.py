@@ -41,6 +41,8 @@ HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended", 
 # The status of a call with no answer `hang_grace_s` past its deadline.
 HUNG = "HUNG"
 OK = "OK"
+# The status of a retrieval never followed by a Rank (a no-show): not a Rank sent, not counted.
+NO_RANK = "NO_RANK"
 
 _Reply = TypeVar("_Reply")
 
@@ -161,11 +163,12 @@ class Point:
         warmup_s: float,
     ) -> Point:
         """The sums of a run's `records` over the arrivals from `warmup_s` on."""
-        counted = [r for r in records if arrivals[r.index].at >= warmup_s]
+        after = [r for r in records if arrivals[r.index].at >= warmup_s]
+        counted = [r for r in after if r.status != NO_RANK]  # Ranks sent
         answered = [r for r in counted if r.status == OK]
         latencies = [r.latency_s * 1e3 for r in answered]
         reasons: Counter[str] = Counter()
-        for r in counted:
+        for r in after:  # every retrieval's decision, ranked or not
             if r.decision_status == OK:
                 reasons[r.decision] += 1
             elif r.decision_status:
@@ -179,8 +182,8 @@ class Point:
             outcomes=dict(Counter(r.outcome for r in answered)),
             relayed=sum(r.relayed for r in answered),
             reasons=dict(reasons),
-            relayed_tokens=sum(arrivals[r.index].prefix_tokens for r in counted if r.admitted),
-            duration_s=(arrivals[-1].at - warmup_s) if counted else 0.0,
+            relayed_tokens=sum(arrivals[r.index].prefix_tokens for r in after if r.admitted),
+            duration_s=(arrivals[-1].at - warmup_s) if after else 0.0,
             latencies_ms=latencies,
         )
         if latencies:
