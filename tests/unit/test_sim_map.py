@@ -1,5 +1,6 @@
 """The simulated map (bench/sim_map.py): its grid, its ratios, and a tiny run end to end."""
 
+import math
 import random
 from pathlib import Path
 
@@ -22,14 +23,16 @@ def test_ratios_are_per_seed_over_the_best_baseline_and_infinite_when_it_never_c
         return {"compliant_per_ranker": value}
 
     by = {
-        "no cache": {1: row(10), 2: row(0)},
-        "cache only": {1: row(5), 2: row(0)},
-        "relay all": {1: row(20), 2: row(15)},
-        "relay sequence-aware": {1: row(30), 2: row(5)},
+        "no cache": {1: row(10), 2: row(0), 3: row(0)},
+        "cache only": {1: row(5), 2: row(0), 3: row(0)},
+        "relay all": {1: row(20), 2: row(15), 3: row(0)},
+        "relay sequence-aware": {1: row(30), 2: row(5), 3: row(0)},
     }
-    assert ratios(by, [1, 2], "compliant_per_ranker") == [3.0, None]
-    assert spread([3.0, None]) == "inf [3.00-inf]"
+    # Seed 2: only the relay complies (inf); seed 3: neither does (no ratio).
+    assert ratios(by, [1, 2, 3], "compliant_per_ranker") == [3.0, math.inf, None]
+    assert spread([3.0, math.inf, None]) == "inf [3.00-inf] (1 seed: neither)"
     assert spread([0.5, 0.5]) == "0.50"
+    assert spread([None, None]) == "neither"
 
 
 def test_the_quick_path_runs_renders_and_charts_in_seconds(tmp_path: Path) -> None:
