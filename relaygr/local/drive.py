@@ -245,7 +245,9 @@ class OpenLoopDriver:
     or late OnRetrieval never holds the Rank back. Every call has deadline `timeout_s`; one
     unanswered `hang_grace_s` past it is abandoned as HUNG. Each sent arrival gets one record,
     appended once both its calls are over. `stop_after` (seconds from the start; may be set
-    from another thread) ends the schedule: arrivals after it are not sent.
+    from another thread) ends the schedule: arrivals after it are not sent. `follow`
+    (`relaygr.local.workload.follow_ups`), when given, sets each arrival's own gap and whether
+    a Rank follows at all: a no-show sends its RetrievalEvent only, and is recorded NO_RANK.
     """
 
     def __init__(
@@ -257,9 +259,14 @@ class OpenLoopDriver:
         timeout_s: float,
         hang_grace_s: float = 2.0,
         keep_scores: bool = False,
+        follow: tuple[Sequence[float], Sequence[bool]] | None = None,
     ) -> None:
         self._arrivals = arrivals
-        self._gap_s = gap_s
+        n = len(arrivals)
+        self._gaps = [gap_s] * n if follow is None else [float(g) for g in follow[0]]
+        self._ranked = [True] * n if follow is None else [bool(r) for r in follow[1]]
+        if len(self._gaps) != n or len(self._ranked) != n:
+            raise ValueError(f"follow must give {n} gaps and {n} flags")
         self._timeout_s = timeout_s
         self._hang_after_s = timeout_s + hang_grace_s
         self._keep_scores = keep_scores
@@ -299,16 +306,19 @@ class OpenLoopDriver:
                     decision = asyncio.create_task(
                         self._call(trigger.OnRetrieval(self._events[i], timeout=self._timeout_s))
                     )
-                at = self._arrivals[i].at + self._gap_s
-                await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-                reply, status = await self._call(
-                    router.Rank(self._ranks[i], timeout=self._timeout_s)
-                )
-                record = RequestRecord(i, at, time.monotonic() - (start + at), status)
-                if reply is not None:
-                    record = self._answered(record, reply)
-                if on_done is not None:
-                    on_done()
+                at = self._arrivals[i].at + self._gaps[i]
+                if self._ranked[i]:
+                    await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+                    reply, status = await self._call(
+                        router.Rank(self._ranks[i], timeout=self._timeout_s)
+                    )
+                    record = RequestRecord(i, at, time.monotonic() - (start + at), status)
+                    if reply is not None:
+                        record = self._answered(record, reply)
+                    if on_done is not None:
+                        on_done()
+                else:  # a no-show: filtered or abandoned after its retrieval
+                    record = RequestRecord(i, at, 0.0, NO_RANK)
                 if decision is not None:
                     answer, decision_status = await decision
                     record = dataclasses.replace(
@@ -366,14 +376,16 @@ async def drive(
     on_done: Callable[[], None] | None = None,
     tls: TlsSettings = PLAINTEXT,
     records: list[RequestRecord] | None = None,
+    follow: tuple[Sequence[float], Sequence[bool]] | None = None,
 ) -> Point:
     """Run `arrivals` through the pipeline with an `OpenLoopDriver` (no trigger call when
     `trigger_address` is None) and sum its records up.
 
     `on_done` is called after each Rank (for a progress bar). `tls`: how to dial the services.
     `records`: when given, every record of the run (warm-up included) is appended to it.
+    `follow`: each arrival's gap and whether it is ranked (`OpenLoopDriver`).
     """
-    driver = OpenLoopDriver(arrivals, label=label, gap_s=gap_s, timeout_s=timeout_s)
+    driver = OpenLoopDriver(arrivals, label=label, gap_s=gap_s, timeout_s=timeout_s, follow=follow)
     ran = await driver.run(trigger_address, router_address, tls=tls, on_done=on_done)
     if records is not None:
         records.extend(sorted(ran, key=lambda r: r.index))
@@ -392,9 +404,11 @@ def drive_mesh(
     timeout_s: float,
     on_done: Callable[[], None] | None = None,
     records: list[RequestRecord] | None = None,
+    follow: tuple[Sequence[float], Sequence[bool]] | None = None,
 ) -> Point:
     """Put `mesh`'s trigger in `mode`, then drive `arrivals` through its trigger and router
-    (blocking; the demo's and the mesh benchmarks' one point). `records`: as `drive`'s."""
+    (blocking; the demo's and the mesh benchmarks' one point). `records`, `follow`: as
+    `drive`'s."""
     if mesh.trigger is None or mesh.router is None:
         raise ValueError("drive_mesh needs a started mesh with a trigger and a router")
     asyncio.run(
@@ -419,6 +433,7 @@ def drive_mesh(
             on_done=on_done,
             tls=mesh.client_tls,
             records=records,
+            follow=follow,
         )
     )
 
