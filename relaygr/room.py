@@ -17,11 +17,12 @@ from relaygr.cluster import RankerRecord
 class RoomReport:
     """What a ranker said of its relay room (Describe): the device tier's pinned bytes and budget
     (the ranker pins a relay only while pinned + its bytes <= budget) and the predicted compute
-    time of the background prefill queued or running."""
+    time of the background prefill, and of the rank work, queued or running."""
 
     pinned_bytes: int
     budget_bytes: int
     queued_prefill_ms: float = 0.0
+    queued_rank_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -112,6 +113,13 @@ class RelayRoom:
         """Predicted background prefill ahead of a relay sent to the instance now."""
         seen = self.report(instance, now)
         return (0.0 if seen is None else seen.queued_prefill_ms) + self._unqueued.get(instance, 0.0)
+
+    def queued_rank_ms(self, instance: str, now: float) -> float:
+        """Predicted rank work ahead of a Rank sent to the instance now: its last fresh report's,
+        taken as the current level (a queue under steady load stays near where it was; an
+        unknown instance, 0)."""
+        seen = self.report(instance, now)
+        return 0.0 if seen is None else seen.queued_rank_ms
 
     def refused(self, instance: str, now: float) -> bool:
         refusal = self.refusals.get(instance)

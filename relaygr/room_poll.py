@@ -72,5 +72,8 @@ class RoomPoller:
         except DecodeError as err:
             _log.warning("describe %s: malformed reply: %s", instance, err)
             return
-        report = RoomReport(info.hbm.pinned_bytes, info.hbm.budget_bytes, info.queued_prefill_ms)
+        hbm = info.hbm
+        report = RoomReport(
+            hbm.pinned_bytes, hbm.budget_bytes, info.queued_prefill_ms, info.queued_rank_ms
+        )
         self.room.observe(instance, report, sent_at)

@@ -41,6 +41,8 @@ HIT_OUTCOMES = frozenset({"hbm_hit", "dram_hit", "waited_inflight", "extended", 
 # The status of a call with no answer `hang_grace_s` past its deadline.
 HUNG = "HUNG"
 OK = "OK"
+# The status of a retrieval never followed by a Rank (a no-show): not a Rank sent, not counted.
+NO_RANK = "NO_RANK"
 
 _Reply = TypeVar("_Reply")
 
@@ -161,11 +163,12 @@ class Point:
         warmup_s: float,
     ) -> Point:
         """The sums of a run's `records` over the arrivals from `warmup_s` on."""
-        counted = [r for r in records if arrivals[r.index].at >= warmup_s]
+        after = [r for r in records if arrivals[r.index].at >= warmup_s]
+        counted = [r for r in after if r.status != NO_RANK]  # Ranks sent
         answered = [r for r in counted if r.status == OK]
         latencies = [r.latency_s * 1e3 for r in answered]
         reasons: Counter[str] = Counter()
-        for r in counted:
+        for r in after:  # every retrieval's decision, ranked or not
             if r.decision_status == OK:
                 reasons[r.decision] += 1
             elif r.decision_status:
@@ -179,8 +182,8 @@ class Point:
             outcomes=dict(Counter(r.outcome for r in answered)),
             relayed=sum(r.relayed for r in answered),
             reasons=dict(reasons),
-            relayed_tokens=sum(arrivals[r.index].prefix_tokens for r in counted if r.admitted),
-            duration_s=(arrivals[-1].at - warmup_s) if counted else 0.0,
+            relayed_tokens=sum(arrivals[r.index].prefix_tokens for r in after if r.admitted),
+            duration_s=(arrivals[-1].at - warmup_s) if after else 0.0,
             latencies_ms=latencies,
         )
         if latencies:
@@ -268,7 +271,9 @@ class OpenLoopDriver:
     or late OnRetrieval never holds the Rank back. Every call has deadline `timeout_s`; one
     unanswered `hang_grace_s` past it is abandoned as HUNG. Each sent arrival gets one record,
     appended once both its calls are over. `stop_after` (seconds from the start; may be set
-    from another thread) ends the schedule: arrivals after it are not sent.
+    from another thread) ends the schedule: arrivals after it are not sent. `follow`
+    (`relaygr.local.workload.follow_ups`), when given, sets each arrival's own gap and whether
+    a Rank follows at all: a no-show sends its RetrievalEvent only, and is recorded NO_RANK.
     """
 
     def __init__(
@@ -280,9 +285,14 @@ class OpenLoopDriver:
         timeout_s: float,
         hang_grace_s: float = 2.0,
         keep_scores: bool = False,
+        follow: tuple[Sequence[float], Sequence[bool]] | None = None,
     ) -> None:
         self._arrivals = arrivals
-        self._gap_s = gap_s
+        n = len(arrivals)
+        self._gaps = [gap_s] * n if follow is None else [float(g) for g in follow[0]]
+        self._ranked = [True] * n if follow is None else [bool(r) for r in follow[1]]
+        if len(self._gaps) != n or len(self._ranked) != n:
+            raise ValueError(f"follow must give {n} gaps and {n} flags")
         self._timeout_s = timeout_s
         self._hang_after_s = timeout_s + hang_grace_s
         self._keep_scores = keep_scores
@@ -331,25 +341,32 @@ class OpenLoopDriver:
         *,
         on_ranked: Callable[[RequestRecord], None] | None = None,
     ) -> RequestRecord:
-        """Arrival i's visit: its RetrievalEvent now (when `stubs` has a trigger), its Rank
-        `gap_s` after `arrived` (a `time.monotonic()` reading), whatever the event is doing.
+        """Arrival i's visit: its RetrievalEvent now (when `stubs` has a trigger), its Rank its
+        gap after `arrived` (a `time.monotonic()` reading), whatever the event is doing; a
+        no-show sends no Rank and is recorded NO_RANK.
 
         `at` is when it arrived in seconds from the schedule's start (the record's `at` is the
-        Rank's intended send time, `at + gap_s`; its latency counts from then). `on_ranked` is
-        called with the record as soon as the Rank is over, before the event's answer is in."""
+        Rank's intended send time, `at` plus its gap; its latency counts from then). `on_ranked`
+        is called with the record as soon as the Rank is over, before the event's answer is
+        in."""
         decision = None
         if stubs.trigger is not None:
             decision = asyncio.create_task(
                 self._call(stubs.trigger.OnRetrieval(self._events[i], timeout=self._timeout_s))
             )
-        due = arrived + self._gap_s
-        await asyncio.sleep(max(0.0, due - time.monotonic()))
-        reply, status = await self._call(stubs.router.Rank(self._ranks[i], timeout=self._timeout_s))
-        record = RequestRecord(i, at + self._gap_s, time.monotonic() - due, status)
-        if reply is not None:
-            record = self._answered(record, reply)
-        if on_ranked is not None:
-            on_ranked(record)
+        gap_s = self._gaps[i]
+        if self._ranked[i]:
+            due = arrived + gap_s
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            rank = stubs.router.Rank(self._ranks[i], timeout=self._timeout_s)
+            reply, status = await self._call(rank)
+            record = RequestRecord(i, at + gap_s, time.monotonic() - due, status)
+            if reply is not None:
+                record = self._answered(record, reply)
+            if on_ranked is not None:
+                on_ranked(record)
+        else:  # a no-show: filtered or abandoned after its retrieval
+            record = RequestRecord(i, at + gap_s, 0.0, NO_RANK)
         if decision is not None:
             answer, decision_status = await decision
             record = dataclasses.replace(
@@ -398,14 +415,16 @@ async def drive(
     on_done: Callable[[], None] | None = None,
     tls: TlsSettings = PLAINTEXT,
     records: list[RequestRecord] | None = None,
+    follow: tuple[Sequence[float], Sequence[bool]] | None = None,
 ) -> Point:
     """Run `arrivals` through the pipeline with an `OpenLoopDriver` (no trigger call when
     `trigger_address` is None) and sum its records up.
 
     `on_done` is called after each Rank (for a progress bar). `tls`: how to dial the services.
     `records`: when given, every record of the run (warm-up included) is appended to it.
+    `follow`: each arrival's gap and whether it is ranked (`OpenLoopDriver`).
     """
-    driver = OpenLoopDriver(arrivals, label=label, gap_s=gap_s, timeout_s=timeout_s)
+    driver = OpenLoopDriver(arrivals, label=label, gap_s=gap_s, timeout_s=timeout_s, follow=follow)
     ran = await driver.run(trigger_address, router_address, tls=tls, on_done=on_done)
     if records is not None:
         records.extend(sorted(ran, key=lambda r: r.index))
@@ -424,9 +443,11 @@ def drive_mesh(
     timeout_s: float,
     on_done: Callable[[], None] | None = None,
     records: list[RequestRecord] | None = None,
+    follow: tuple[Sequence[float], Sequence[bool]] | None = None,
 ) -> Point:
     """Put `mesh`'s trigger in `mode`, then drive `arrivals` through its trigger and router
-    (blocking; the demo's and the mesh benchmarks' one point). `records`: as `drive`'s."""
+    (blocking; the demo's and the mesh benchmarks' one point). `records`, `follow`: as
+    `drive`'s."""
     if mesh.trigger is None or mesh.router is None:
         raise ValueError("drive_mesh needs a started mesh with a trigger and a router")
     asyncio.run(
@@ -451,6 +472,7 @@ def drive_mesh(
             on_done=on_done,
             tls=mesh.client_tls,
             records=records,
+            follow=follow,
         )
     )
 

@@ -62,8 +62,17 @@ class WorkloadSpec:
     user_features: int = 8
     # Retrieval -> ranking. In production the gap (tens of ms to ~100 ms) is of the order of
     # the ranking budget and of an accelerator's prefill of a long history; benchmarks scale
-    # it with the model's cost on the machine at hand.
+    # it with the model's cost on the machine at hand. `gap_s` is the median; each visit's gap
+    # is log-normal around it with `gap_sigma` (0, the default: every gap is `gap_s`). An
+    # assumption: no public per-request figure for the gap's spread was found; a log-normal
+    # is the usual shape of a service's latency, and the intermediate stages (pre-ranking,
+    # filtering) between retrieval and ranking are such latencies.
     gap_s: float = 1.0
+    gap_sigma: float = 0.0
+    # The share of retrievals never followed by a Rank (filtered out by the stages between, or
+    # abandoned by the user); which ones is not known at retrieval time. Default 0, an
+    # assumption (no public figure found): a relay for such a visit is pure waste.
+    no_show_p: float = 0.0
     revisit_p: float = 0.3  # a visit is followed by another in the same session
     revisit_gap_s: float = 30.0  # mean seconds between visits of a session
     new_behaviours_p: float = 0.3  # a return visit brings new long-term behaviours
@@ -77,6 +86,10 @@ class WorkloadSpec:
             raise InvalidInput(f"revisit_p must be in [0, 1), got {self.revisit_p}")
         if not 0 < self.min_long_term <= self.max_long_term:
             raise InvalidInput("need 0 < min_long_term <= max_long_term")
+        if not 0 <= self.no_show_p < 1:
+            raise InvalidInput(f"no_show_p must be in [0, 1), got {self.no_show_p}")
+        if self.gap_sigma < 0:
+            raise InvalidInput(f"gap_sigma must be >= 0, got {self.gap_sigma}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +100,17 @@ class Arrival:
     @property
     def prefix_tokens(self) -> int:
         return self.request.prefix.num_tokens
+
+
+def follow_ups(spec: WorkloadSpec, seed: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """For `count` retrievals in order: each one's gap to its Rank (seconds, log-normal with
+    median `gap_s` and sigma `gap_sigma`) and whether a Rank follows at all (with probability
+    1 - `no_show_p`). Drawn from their own generator of `seed`, so that the arrivals' other
+    draws do not change with these knobs, and the same for every variant of a run."""
+    rng = np.random.default_rng((seed, 0x6A7))
+    gaps = spec.gap_s * np.exp(spec.gap_sigma * rng.standard_normal(count))
+    ranked = rng.random(count) >= spec.no_show_p
+    return gaps, ranked
 
 
 def zipf_ranks(rng: np.random.Generator, users: int, s: float, size: int) -> np.ndarray:

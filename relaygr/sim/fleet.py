@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
-from relaygr.local.drive import OK, RequestRecord
+from relaygr.local.drive import NO_RANK, OK, RequestRecord
 from relaygr.room import RelayRoom
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
@@ -261,9 +261,14 @@ class Fleet:
     # -- one arrival ------------------------------------------------------------------------
 
     def visit(self, index: int, visit: Visit) -> None:
-        """Schedule `visit`'s retrieval at its time and its Rank one gap later."""
+        """Schedule `visit`'s retrieval at its time and its Rank one gap later (the visit's
+        own gap, else the fleet's), if one follows."""
         self.loop.at(visit.at, self._retrieval, index, visit)
-        self.loop.at(visit.at + self.settings.gap_s, self._rank, index, visit)
+        if visit.ranked:
+            self.loop.at(visit.at + self._gap_s(visit), self._rank, index, visit)
+
+    def _gap_s(self, visit: Visit) -> float:
+        return self.settings.gap_s if visit.gap_s is None else visit.gap_s
 
     def _retrieval(self, index: int, visit: Visit) -> None:
         now = self.loop.now
@@ -283,8 +288,8 @@ class Fleet:
         )
         decision = self.policy.decide(event, order, now)
         self.records[index] = RequestRecord(
-            index, visit.at + self.settings.gap_s, 0.0, "", decision_status=OK,
-            decision=decision.reason.value, admitted=decision.admitted,
+            index, visit.at + self._gap_s(visit), 0.0, "" if visit.ranked else NO_RANK,
+            decision_status=OK, decision=decision.reason.value, admitted=decision.admitted,
         )  # fmt: skip
         if not decision.admitted:
             return

@@ -5,6 +5,7 @@ A profile is either measured (a ranker's calibrated cost model, read from a live
 each listed under `sources`, every guess under `assumptions`). See docs/simulator.md.
 """
 
+import dataclasses
 import math
 import re
 import tomllib
@@ -17,20 +18,53 @@ from relaygr.errors import InvalidInput
 
 MIB = 1 << 20
 _COST_KEYS = ("fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb")
+# What device memory holds besides the prefix caches, MiB (see `DeviceMemory`).
+_RESIDENT_KEYS = ("runtime_mib", "weights_mib", "activations_mib", "other_mib")
 _SECTIONS: dict[str, dict[str, type]] = {
     "": {"name": str, "description": str, "kind": str, "sources": list, "assumptions": list},
     # The fit's error and sample count are optional: a measured profile carries them, so that
     # writing it out and reading it back loses nothing; an assumed one has no fit.
-    "cost": {**{k: float for k in _COST_KEYS}, "median_abs_rel_error": float, "samples": int},
-    "memory": {"device_tier_mib": float, "host_tier_mib": float, "kv_bytes_per_token": int},
+    # `utilisation`: the achieved share of the device's peak the cost figures stand for.
+    "cost": {
+        **{k: float for k in _COST_KEYS},
+        "median_abs_rel_error": float,
+        "samples": int,
+        "utilisation": float,
+    },
+    # The device tier is either given (`device_tier_mib`) or sized from the device's memory
+    # after what else it holds (`device_memory_mib` and the four shares after it).
+    "memory": {
+        "device_tier_mib": float,
+        "host_tier_mib": float,
+        "kv_bytes_per_token": int,
+        **{k: float for k in ("device_memory_mib", *_RESIDENT_KEYS)},
+    },
     "latency": {"request_overhead_ms": float, "compute_noise": float},
 }
 _REQUIRED = {
     "": ("name",),
     "cost": _COST_KEYS,
-    "memory": ("device_tier_mib", "host_tier_mib", "kv_bytes_per_token"),
+    "memory": ("host_tier_mib", "kv_bytes_per_token"),  # and a device tier, given or sized
 }
 KINDS = ("measured", "assumed")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """One device's memory and what it holds besides the prefix caches, bytes: the runtime's
+    context, the model's weights, the activation workspace of the forwards in flight, and
+    anything else resident (an embedding cache, say). The rest is the device tier."""
+
+    total: int
+    runtime: int = 0
+    weights: int = 0
+    activations: int = 0
+    other: int = 0
+
+    @property
+    def tier(self) -> int:
+        """What is left for prefix caches."""
+        return self.total - self.runtime - self.weights - self.activations - self.other
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +75,10 @@ class DeviceProfile:
     `compute_noise` (the relative standard deviation of a step's actual time), what a step
     takes. `request_overhead_ms` is a request's time outside compute: the client's and the
     router's network hops and (de)serialisation. `device_tier_bytes` is the prefix cache budget
-    in device memory (HBM), `host_tier_bytes` the host (DRAM) tier.
+    in device memory (HBM), `host_tier_bytes` the host (DRAM) tier; `memory`, when the profile
+    sizes the device tier from the device's memory, says how (its `tier` is the device tier).
+    `utilisation` is the achieved share of the device's peak compute the cost figures stand for
+    (0: not stated, as for a measured profile); `at_utilisation` rescales them.
     """
 
     name: str
@@ -55,10 +92,31 @@ class DeviceProfile:
     description: str = ""
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
+    utilisation: float = 0.0
+    memory: DeviceMemory | None = None
 
     def with_memory(self, device_tier_bytes: int) -> "DeviceProfile":
-        """The same device with another prefix cache budget (sizing searches over it)."""
-        return _replace(self, device_tier_bytes=device_tier_bytes)
+        """The same device with another prefix cache budget (sizing searches over it); the
+        budget is then given, no longer sized from the device's memory."""
+        return _replace(self, device_tier_bytes=device_tier_bytes, memory=None)
+
+    def at_utilisation(self, utilisation: float) -> "DeviceProfile":
+        """The same device achieving `utilisation` of its peak instead: the compute-bound cost
+        terms (per token, per pair, per candidate key) scale by self.utilisation / utilisation;
+        the per-call overhead (launches, dispatch) and the host link's reload rate do not."""
+        if self.utilisation <= 0:
+            raise InvalidInput(f"profile {self.name} states no utilisation to rescale from")
+        if not 0 < utilisation <= 1:
+            raise InvalidInput(f"utilisation must be in (0, 1], got {utilisation}")
+        k = self.utilisation / utilisation
+        c = self.cost
+        cost = dataclasses.replace(
+            c,
+            per_token_ms=c.per_token_ms * k,
+            per_pair_ms=c.per_pair_ms * k,
+            per_candidate_key_ms=c.per_candidate_key_ms * k,
+        )
+        return _replace(self, cost=cost, utilisation=utilisation)
 
 
 def _replace(profile: DeviceProfile, **changes: Any) -> DeviceProfile:
@@ -115,7 +173,10 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
                 known = ", ".join(_SECTIONS[section])
                 raise _Bad(section, key, f"unknown key; expected one of {known}")
             _check(section, key, value, expected)
+    sized: DeviceMemory | None = None
     for section, keys in _REQUIRED.items():
+        if section == "memory":  # the device tier first: given, or sized from the memory
+            sized = _device_memory(tables.get(section, {}))
         for key in keys:
             if key not in tables.get(section, {}):
                 raise _Bad(section, key, "missing")
@@ -124,6 +185,9 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
     kind = top.get("kind", "assumed")
     if kind not in KINDS:
         raise _Bad("", "kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    utilisation = float(cost.get("utilisation", 0.0))
+    if utilisation > 1:
+        raise _Bad("cost", "utilisation", f"must be in [0, 1], got {utilisation!r}")
     return DeviceProfile(
         name=top["name"],
         cost=CostModel(
@@ -135,7 +199,7 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
             median_abs_rel_error=float(cost.get("median_abs_rel_error", 0.0)),
             samples=cost.get("samples", 0),
         ),
-        device_tier_bytes=int(memory["device_tier_mib"] * MIB),
+        device_tier_bytes=int(memory["device_tier_mib"] * MIB) if sized is None else sized.tier,
         host_tier_bytes=int(memory["host_tier_mib"] * MIB),
         kv_bytes_per_token=memory["kv_bytes_per_token"],
         request_overhead_ms=float(latency.get("request_overhead_ms", 0.0)),
@@ -144,7 +208,31 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
         description=top.get("description", ""),
         sources=tuple(top.get("sources", ())),
         assumptions=tuple(top.get("assumptions", ())),
+        utilisation=utilisation,
+        memory=sized,
     )
+
+
+def _device_memory(memory: dict[str, Any]) -> DeviceMemory | None:
+    """The device tier's sizing, when the profile sizes it (`device_memory_mib`); None when it
+    gives `device_tier_mib`. Exactly one of the two."""
+    given = "device_tier_mib" in memory
+    if "device_memory_mib" not in memory:
+        if not given:
+            raise _Bad("memory", "device_tier_mib", "missing")
+        extra = [k for k in _RESIDENT_KEYS if k in memory]
+        if extra:
+            raise _Bad("memory", extra[0], "needs device_memory_mib")
+        return None
+    if given:
+        raise _Bad("memory", "device_tier_mib", "give it or device_memory_mib, not both")
+    sized = DeviceMemory(
+        int(memory["device_memory_mib"] * MIB),
+        *(int(memory.get(k, 0.0) * MIB) for k in _RESIDENT_KEYS),
+    )
+    if sized.tier <= 0:
+        raise _Bad("memory", "device_memory_mib", "leaves no room for a device tier")
+    return sized
 
 
 def _check(section: str, key: str, value: Any, expected: type) -> None:
@@ -212,9 +300,10 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         *(f"{k} = {getattr(cost, k)!r}" for k in _COST_KEYS),
         f"median_abs_rel_error = {cost.median_abs_rel_error!r}",
         f"samples = {cost.samples}",
+        f"utilisation = {profile.utilisation!r}",
         "",
         "[memory]",
-        f"device_tier_mib = {profile.device_tier_bytes / MIB!r}",
+        *_device_tier_lines(profile),
         f"host_tier_mib = {profile.host_tier_bytes / MIB!r}",
         f"kv_bytes_per_token = {profile.kv_bytes_per_token}",
         "",
@@ -224,6 +313,17 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         "",
     ]
     path.write_text("\n".join(lines))
+
+
+def _device_tier_lines(profile: DeviceProfile) -> list[str]:
+    sized = profile.memory
+    if sized is None:
+        return [f"device_tier_mib = {profile.device_tier_bytes / MIB!r}"]
+    shares = (sized.runtime, sized.weights, sized.activations, sized.other)
+    return [
+        f"device_memory_mib = {sized.total / MIB!r}",
+        *(f"{k} = {v / MIB!r}" for k, v in zip(_RESIDENT_KEYS, shares, strict=True)),
+    ]
 
 
 def _quote(text: str) -> str:

@@ -206,7 +206,9 @@ class SimRanker:
         """What Describe reports of its relay room."""
         usage = self.store.usage(Tier.HBM)
         queued = self.scheduler.queued_background_ms()
-        return RoomReport(usage.pinned_bytes, usage.budget_bytes, queued)
+        return RoomReport(
+            usage.pinned_bytes, usage.budget_bytes, queued, self.scheduler.queued_rank_ms()
+        )
 
     def memory(self) -> MemoryUse:
         """What its tiers hold now."""

@@ -95,6 +95,12 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
         help="also write the profile used to this file (default: none)",
     )
     src.add_argument(
+        "--utilisation",
+        type=Bounded(float, SHARE),
+        help="the device's achieved share of peak compute; rescales the profile's compute"
+        " terms from the utilisation it states (default: the profile's)",
+    )
+    src.add_argument(
         "--device-tier-mib",
         type=Bounded(float, POSITIVE),
         help="override the profile's device (HBM) tier per ranker, MiB (default: the profile's)",
@@ -129,6 +135,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     )
     work.add_argument("--candidates", type=Bounded(int, AT_LEAST_ONE), default=128, help="per Rank")
     work.add_argument(
+        "--gap-sigma", type=Bounded(float, Bound(low=0)), default=0.0,
+        help="log-normal spread of each retrieval's gap around --gap-ms (0: fixed; assumption)",
+    )  # fmt: skip
+    work.add_argument(
+        "--no-show", type=Bounded(float, Bound(low=0, high=1, high_open=True)), default=0.0,
+        help="share of retrievals never followed by a Rank (filtered, abandoned; assumption)",
+    )  # fmt: skip
+    work.add_argument(
         "--warmup", type=Bounded(float, Bound(low=0, high=1, high_open=True)), default=0.2,
         help="share of each point not counted",
     )  # fmt: skip
@@ -152,6 +166,10 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="share of each ranker's relay budget the trigger fills",
     )  # fmt: skip
     fleet.add_argument(
+        "--relay-take-share", type=Bounded(float, SHARE), default=0.5,
+        help="most of a ranker's relay room left one relay may take (1: first come, first served)",
+    )  # fmt: skip
+    fleet.add_argument(
         "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
         help="background prefill chunk",
     )  # fmt: skip
@@ -167,6 +185,8 @@ def workload_of(args: argparse.Namespace) -> WorkloadSpec:
         min_long_term=min(DEFAULTS.min_long_term, args.max_long_term),
         candidates=args.candidates,
         gap_s=args.gap_ms / 1e3,
+        gap_sigma=args.gap_sigma,
+        no_show_p=args.no_show,
     )
 
 
@@ -188,6 +208,7 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
             expected_gap_ms=args.gap_ms,
             relay_window_ms=args.relay_window_ms,
             relay_budget_share=args.relay_budget_share,
+            relay_take_share=args.relay_take_share,
         ),
         gap_s=args.gap_ms / 1e3,
     )
@@ -222,6 +243,8 @@ def profile_of(args: argparse.Namespace) -> DeviceProfile:
         from relaygr.sim.measured import read_profile  # grpc only when asked
 
         profile = read_profile(args.profile_from)
+    if args.utilisation is not None:
+        profile = profile.at_utilisation(args.utilisation)
     if args.device_tier_mib is not None:
         profile = profile.with_memory(int(args.device_tier_mib * 2**20))
     if args.write_profile is not None:

@@ -9,7 +9,7 @@ millions of requests over 10^8 users cost memory by the visits drawn, not by the
 """
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from relaygr.local.workload import (
     WorkloadSpec,
     burn_in_s,
     first_length,
+    follow_ups,
     new_behaviours,
     zipf_ranks,
 )
@@ -25,7 +26,8 @@ from relaygr.local.workload import (
 
 @dataclass(frozen=True, slots=True)
 class Visit:
-    """A retrieval at `at` (seconds from the start) whose Rank follows `gap` later."""
+    """A retrieval at `at` (seconds from the start) whose Rank follows `gap_s` later (None: the
+    fleet's gap), unless it is never `ranked` (a no-show: filtered or abandoned)."""
 
     at: float
     user: str
@@ -33,6 +35,8 @@ class Visit:
     behaviours: int  # long-term
     short_term: int
     candidates: int
+    gap_s: float | None = None
+    ranked: bool = True
 
     @property
     def prefix_tokens(self) -> int:
@@ -68,7 +72,9 @@ def light_visits(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) 
     visit's new behaviours come from the same per-user generators as the Population's (so a
     user's lengths match it for the same population seed). The draws of the arrival process
     are not the Population's, so the visits are the same process, not the same trace. Memory
-    and time go with the visits drawn (burn-in included), never with the population.
+    and time go with the visits drawn (burn-in included), never with the population. With a
+    gap spread or no-shows in `spec`, each visit carries its own gap and whether it is ranked
+    (`follow_ups`); without, the fleet's gap applies and every visit is ranked.
     """
     rng = np.random.default_rng(seed)
     population_seed = int(rng.integers(0, 2**63))
@@ -112,7 +118,7 @@ def light_visits(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) 
     shorts = rng.integers(low, high + 1, len(shown))
     lengths = _Lengths(spec, population_seed)
     prefix = spec.user_prefix
-    return [
+    drawn = [
         Visit(
             float(times[i]),
             f"{prefix}-{int(who[i])}",
@@ -122,6 +128,13 @@ def light_visits(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) 
             spec.candidates,
         )
         for i, short in zip(shown, shorts, strict=True)
+    ]
+    if spec.gap_sigma == 0 and spec.no_show_p == 0:
+        return drawn
+    gaps, ranked = follow_ups(spec, seed, len(drawn))
+    return [
+        replace(v, gap_s=float(g), ranked=bool(r))
+        for v, g, r in zip(drawn, gaps, ranked, strict=True)
     ]
 
 

@@ -43,7 +43,7 @@ class Job:
     steps_run: int = 0
     seq: int = 0  # submission order: ties of `due` go to the older job
     queued: bool = False  # in a queue (False: on the worker, or finished)
-    counted: bool = False  # its remaining_ms is in the scheduler's background total
+    counted: bool = False  # its remaining_ms is in the scheduler's total for its priority
     # Wall-clock times (time.time_ns) for tracing only; the injected clock governs deadlines.
     submitted_ns: int = field(default_factory=time.time_ns)
     started_ns: int = 0  # its first step began (0: not yet, or never ran)
@@ -86,9 +86,10 @@ class ComputeScheduler:
     background work); `restart` replaces a queued job's remaining steps. A job whose deadline
     passed before its first step fails with DeadlineExceeded without running; a job whose
     future was cancelled before its first step is dropped. Queues are bounded: `submit` raises
-    ResourceExhausted beyond `max_queued[priority]`. `queued_background_ms` is the predicted
-    compute time of background-priority jobs queued or running: a running total, updated as
-    steps complete, 0 exactly whenever there are none.
+    ResourceExhausted beyond `max_queued[priority]`. `queued_background_ms` and
+    `queued_rank_ms` are the predicted compute time of the jobs of that priority queued or
+    running: running totals, updated as jobs are submitted, promoted, restarted and step, 0
+    exactly whenever there are none.
     """
 
     def __init__(
@@ -103,8 +104,9 @@ class ComputeScheduler:
         # (due, seq, job) entries; a promoted job's entry stays behind, skipped when popped.
         self._background: list[tuple[float, int, Job]] = []
         self._background_queued = 0  # live entries of _background
-        self._background_ms = 0.0
-        self._background_counted = 0  # jobs whose remaining_ms is in _background_ms
+        # Per priority, the predicted remaining compute of its jobs, and how many are counted.
+        self._queued_ms = {p: 0.0 for p in Priority}
+        self._counted = {p: 0 for p in Priority}
         self._max_queued = max_queued
         self.clock = clock
         self._executor = executor
@@ -149,8 +151,7 @@ class ComputeScheduler:
                 )
             self._submitted += 1
             job.seq = self._submitted
-            if priority is Priority.BACKGROUND:
-                self._count(job)
+            self._count(job)
             self._enqueue(job, resume=False)
             self._log("submitted", job)
             self._cond.notify()
@@ -172,8 +173,10 @@ class ComputeScheduler:
                 return False
             self._promote(job, deadline)
             old, job.steps = job.steps, steps
+            self._uncount(job)
             job.step_ms, job.steps_run = tuple(step_ms), 0
             job.remaining_ms = sum(job.step_ms)
+            self._count(job)
             self._log("restarted", job)
         old.close()  # not running: no step of it can be in progress
         return True
@@ -189,7 +192,13 @@ class ComputeScheduler:
     def queued_background_ms(self) -> float:
         """Predicted compute time of background-priority work queued or running (O(1))."""
         with self._cond:
-            return self._background_ms
+            return self._queued_ms[Priority.BACKGROUND]
+
+    def queued_rank_ms(self) -> float:
+        """Predicted compute time of rank-priority work queued or running (O(1)): how long a
+        new Rank would wait before its own compute starts."""
+        with self._cond:
+            return self._queued_ms[Priority.RANK]
 
     # -- bookkeeping (under the lock) ------------------------------------------------------
 
@@ -215,8 +224,9 @@ class ComputeScheduler:
             job.deadline = None if deadline is None else max(job.deadline, deadline)
         if job.priority is Priority.RANK:
             return
-        job.priority = Priority.RANK
         self._uncount(job)
+        job.priority = Priority.RANK
+        self._count(job)
         if job.queued:  # its heap entry is now stale: skipped when it comes up
             self._background_queued -= 1
             self._ranks.append(job)
@@ -224,24 +234,23 @@ class ComputeScheduler:
 
     def _count(self, job: Job) -> None:
         job.counted = True
-        self._background_counted += 1
-        self._background_ms += job.remaining_ms
+        self._counted[job.priority] += 1
+        self._queued_ms[job.priority] += job.remaining_ms
 
     def _uncount(self, job: Job) -> None:
         if not job.counted:
             return
         job.counted = False
-        self._background_counted -= 1
+        self._counted[job.priority] -= 1
         # Exactly 0 when none is left: no rounding residue from the steps' subtractions.
-        self._background_ms = (
-            self._background_ms - job.remaining_ms if self._background_counted else 0.0
-        )
+        left = self._queued_ms[job.priority] - job.remaining_ms
+        self._queued_ms[job.priority] = left if self._counted[job.priority] else 0.0
 
     def _ran_step(self, job: Job, ms: float) -> None:
         job.steps_run += 1
         job.remaining_ms -= ms
         if job.counted:
-            self._background_ms -= ms
+            self._queued_ms[job.priority] -= ms
 
     def _take(self) -> Job | None:
         if self._ranks:

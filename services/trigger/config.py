@@ -68,6 +68,15 @@ class TriggerConfig(ServiceOptions):
             SHARE,
         ),
     )
+    relay_take_share: float = field(
+        default=0.5,
+        metadata=helped(
+            "most of a ranker's relay room left (its share of the budget less what is held) one"
+            " relay may take: as the room binds, only relays of fewer bytes, which save a"
+            " violation each at a lower cost in room, are admitted (1: first come, first served)",
+            SHARE,
+        ),
+    )
     relay_window_ms: int = field(
         default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank", POSITIVE)
     )
@@ -123,5 +132,5 @@ class TriggerConfig(ServiceOptions):
 # What the live config key (`{etcd_prefix}/config/trigger`, a JSON object) may change.
 LIVE_FIELDS = (
     "mode", "slo_ms", "margin_ms", "expected_gap_ms", "prefill_share", "burst_s",
-    "relay_budget_share", "relay_window_ms", "refusal_cooldown_ms",
+    "relay_budget_share", "relay_take_share", "relay_window_ms", "refusal_cooldown_ms",
 )  # fmt: skip

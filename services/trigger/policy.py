@@ -75,8 +75,10 @@ class AdmissionPolicy:
     An event comes with the user's fallback order: the rankers its PreInfer would try, in the
     order the router tries them (`relaygr.placement.route_rank` with the directory). Checks, in
     order (the first that fails is the reason): mode `off` -> RELAY_DISABLED; an empty order ->
-    NO_RANKER; (sequence-aware) full inference predicted by the owner's (the first ranker's)
-    cost model within slo_ms - margin_ms -> NOT_AT_RISK; the same prefix already relayed ->
+    NO_RANKER; (sequence-aware) the ranking latency predicted without a relay on the owner (the
+    first ranker, where the Rank lands) within slo_ms - margin_ms -> NOT_AT_RISK, that latency
+    being the owner's last reported queued rank work (`RelayRoom.queued_rank_ms`, cost-model
+    time) plus the full inference its cost model predicts; the same prefix already relayed ->
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
     order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
     there (`RelayRoom.fits`: no unexpired refusal either) and its prefill, queued behind the
@@ -84,6 +86,19 @@ class AdmissionPolicy:
     (expected_gap_ms); none -> LOAD_LIMIT if the relay had room somewhere, else NO_ROOM if it
     fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays every event that
     is not a duplicate to the owner. An admitted relay is booked at once on its target.
+
+    Value-ordered footprint (sequence-aware): when the relay room binds, the relays kept are
+    those that save the most SLO violations per byte, not the first to arrive. Every relay the
+    policy admits is at risk, so it saves one violation if its Rank comes (which the trigger
+    cannot tell apart: filtered and abandoned requests look the same at retrieval), and its
+    value per byte is 1 / its KV bytes. A byte of room is priced by what is left: a relay may
+    take at most `relay_take_share` of the room left on a ranker (its share of the budget less
+    what is held), i.e. its value per byte must be at least 1 / (relay_take_share * room
+    left). While the room is ample every relay passes; as it fills, the price rises and only
+    shorter prefixes get in, so a long prefix that arrives first cannot take the room that
+    several shorter ones, arriving later, would each use to save a violation. Whatever the
+    arrival order, of two relays only one of which fits under the price, that one is admitted.
+    `relay_take_share` 1 is first come, first served.
     Relays are booked per (user, model version, prefix): a prefix relayed for one version is
     neither cached nor in flight for another.
     """
@@ -115,7 +130,8 @@ class AdmissionPolicy:
         history = event.prefix_tokens + event.short_term
         predicted = owner.cost_model().full_ms(history, event.candidates)
         aware = cfg.mode is Mode.SEQUENCE_AWARE
-        if aware and predicted <= cfg.slo_ms - cfg.margin_ms:
+        waits = self.room.queued_rank_ms(owner.instance_id, now)
+        if aware and waits + predicted <= cfg.slo_ms - cfg.margin_ms:
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
         key = (event.user_id, event.model_version, digest)
@@ -152,7 +168,7 @@ class AdmissionPolicy:
             nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
             if nbytes > self.room.budget(ranker) * cfg.relay_budget_share:
                 continue  # would never fit there
-            if not self.room.fits(ranker, nbytes, now, cfg.relay_budget_share):
+            if not self._affordable(ranker, nbytes, now):
                 reason = Reason.LOAD_LIMIT if reason is Reason.LOAD_LIMIT else Reason.NO_ROOM
                 continue
             reason = Reason.LOAD_LIMIT
@@ -160,6 +176,17 @@ class AdmissionPolicy:
             if self.room.queued_ms(ranker.instance_id, now) < start_by_ms:
                 return decided
         return Decision(reason)
+
+    def _affordable(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
+        """Does the relay fit the ranker's room at the price a byte of it costs now: at most
+        `relay_take_share` of the room left (`relay_budget_share` of the budget less what is
+        held), and no unexpired refusal?"""
+        cfg = self.cfg
+        if self.room.refused(ranker.instance_id, now):
+            return False
+        left = self.room.budget(ranker) * cfg.relay_budget_share
+        left -= self.room.held(ranker.instance_id, now)
+        return nbytes <= left * cfg.relay_take_share
 
     @staticmethod
     def _decision(event: Event, ranker: RankerRecord, predicted: float, digest: str) -> Decision:

@@ -5,8 +5,9 @@ import asyncio
 import grpc
 import numpy as np
 
-from relaygr.local.drive import drive
-from relaygr.local.workload import Arrival
+from relaygr.local.drive import NO_RANK, OK, RequestRecord, drive
+from relaygr.local.workload import Arrival, WorkloadSpec, follow_ups
+from relaygr.v1 import common_pb2
 from tests.unit.ranker.factories import prefix, rank_input
 
 SERVER_DELAY_S = 0.3
@@ -42,3 +43,42 @@ async def test_a_slow_server_does_not_shift_the_send_times(rng: np.random.Genera
     drift = np.abs(sent - intended)
     assert drift.max() < 0.03, drift  # sends keep to the schedule, 20 in flight at once
     assert min(point.latencies_ms) >= SERVER_DELAY_S * 1e3  # measured from intended time
+
+
+async def test_follow_ups_set_each_gap_and_a_no_show_sends_no_rank(
+    rng: np.random.Generator,
+) -> None:
+    arrivals = [
+        Arrival(0.02 * i, rank_input(rng, prefix(rng, 4, user_id=f"u{i}"), 2, 2)) for i in range(12)
+    ]
+    spec = WorkloadSpec(gap_s=0.05, gap_sigma=0.5, no_show_p=0.4)
+    seed = int(rng.integers(2**32))
+    print(f"follow-ups seed {seed}")
+    gaps, ranked = follow_ups(spec, seed, len(arrivals))
+    ranked[0], ranked[1] = True, False  # at least one of each
+    users: list[str] = []
+
+    async def rank(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        users.append(common_pb2.RankRequest.FromString(request).user_id)
+        return b""
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "relaygr.v1.RouterService", {"Rank": grpc.unary_unary_rpc_method_handler(rank)}
+    ),))  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    records: list[RequestRecord] = []
+    try:
+        point = await drive(
+            None, f"127.0.0.1:{port}", arrivals, label="follow", rate=50.0, gap_s=0.1,
+            warmup_s=0.0, timeout_s=5.0, records=records, follow=(gaps, ranked),
+        )  # fmt: skip
+    finally:
+        await server.stop(None)
+    shows = [f"u{i}" for i in range(len(arrivals)) if ranked[i]]
+    assert sorted(users) == sorted(shows)  # no-shows never reach the router
+    assert point.sent == point.ok == len(shows) and not point.errors
+    for r in records:  # each Rank's intended time is its arrival plus its own gap
+        assert r.at == arrivals[r.index].at + gaps[r.index]
+        assert r.status == (OK if ranked[r.index] else NO_RANK)

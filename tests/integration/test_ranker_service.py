@@ -452,3 +452,21 @@ async def test_describe_reports_queued_prefill_time_and_pre_infer_sets_its_due(
         gate.open()
         assert (await pre).outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
         assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_prefill_ms == 0.0
+
+
+async def test_describe_reports_queued_rank_work(rng: np.random.Generator) -> None:
+    async with running_ranker() as r:  # 64-token chunks, COST: 1 ms a call
+        gate = Gate(r)
+        await gate.wait_entered()
+        assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_rank_ms == 0.0
+        request = rank_input(rng, prefix(rng, 100, user_id="a"))  # a miss: 104-token prefill
+        ranked = asyncio.ensure_future(r.stub.Rank(rank_request_to_proto(request)))
+        await poll(lambda: r.engine.inflight() == 1)
+        info = await r.stub.Describe(ranker_pb2.DescribeRequest())
+        # The miss's prefill runs at rank priority: rank work, not background (the Rank's own
+        # forward carries no prediction in the engine yet).
+        assert info.queued_rank_ms == pytest.approx(COST.prefill_ms(104))
+        assert info.queued_prefill_ms == 0.0
+        gate.open()
+        await ranked
+        assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_rank_ms == 0.0

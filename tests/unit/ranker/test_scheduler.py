@@ -252,3 +252,34 @@ def test_events_carry_the_injected_clock() -> None:
         ("step", 42.0),
         ("done", 42.0),
     ]
+
+
+def test_queued_rank_ms_follows_submissions_steps_promotions_and_restarts() -> None:
+    seen: list[float] = []
+
+    def recording(job: Job) -> None:
+        seen.append(scheduler.queued_rank_ms())  # before each step
+        next(job.steps)
+
+    scheduler = ComputeScheduler({Priority.RANK: 8, Priority.BACKGROUND: 8}, executor=recording)
+    gate, entered = threading.Event(), threading.Event()
+    scheduler.submit("hold", held(gate, entered), Priority.RANK)
+    scheduler.start()
+    assert entered.wait(10)
+    assert scheduler.queued_rank_ms() == 0.0
+    r = scheduler.submit("r", steps(2, [], "r"), Priority.RANK, step_ms=(3, 5))
+    assert scheduler.queued_rank_ms() == 8.0
+    b = scheduler.submit("b", steps(1, [], "b"), Priority.BACKGROUND, due=1.0, step_ms=(4,))
+    assert scheduler.queued_rank_ms() == 8.0  # background work: not counted
+    scheduler.promote(b)  # rank work now
+    assert (scheduler.queued_rank_ms(), scheduler.queued_background_ms()) == (12.0, 0.0)
+    p = scheduler.submit("p", steps(3, [], "p"), Priority.BACKGROUND, due=2.0, step_ms=(2, 2, 2))
+    assert scheduler.restart(p, steps(1, [], "p2"), (1.5,))  # rank work, with its new steps
+    assert (scheduler.queued_rank_ms(), scheduler.queued_background_ms()) == (13.5, 0.0)
+    gate.set()
+    r.future.result(10)
+    p.future.result(10)
+    scheduler.stop()
+    # Each rank job's steps and the call that returns, in arrival order: r (3, 5), b (4), p (1.5).
+    assert seen[1:] == [*(13.5, 10.5, 5.5), *(5.5, 1.5), *(1.5, 0.0)]
+    assert scheduler.queued_rank_ms() == 0.0

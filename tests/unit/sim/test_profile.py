@@ -45,7 +45,7 @@ SECTIONS = "expected one of ['cost', 'latency', 'memory']"
 TOP_KEYS = "expected one of name, description, kind, sources, assumptions"
 COST_KEYS = (
     "expected one of fixed_ms, per_token_ms, per_pair_ms, per_candidate_key_ms, "
-    "reload_ms_per_mb, median_abs_rel_error, samples"
+    "reload_ms_per_mb, median_abs_rel_error, samples, utilisation"
 )
 NUMBER = "must be a finite number >= 0, got"
 

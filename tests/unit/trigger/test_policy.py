@@ -53,8 +53,9 @@ def seen(pinned: int, budget: int = 10**9, queued_ms: float = 0.0) -> RoomReport
 
 
 def config(**overrides: Any) -> TriggerConfig:
-    # defaults: slo 50, margin 5, window 2 s, cooldown 1 s
-    return TriggerConfig(**{"plaintext": True, **overrides})
+    # defaults: slo 50, margin 5, window 2 s, cooldown 1 s; a relay may take all the room left
+    # (first come, first served) unless said, so that the room tests count bytes alone
+    return TriggerConfig(**{"plaintext": True, "relay_take_share": 1.0, **overrides})
 
 
 class Digest:
@@ -518,6 +519,35 @@ def test_the_owner_predicts_whether_the_request_is_at_risk() -> None:
     assert decision == Decision(Reason.NOT_AT_RISK, PREDICTED[SAFE], X)
 
 
+def test_the_owners_queued_rank_work_puts_a_request_at_risk_boundary_exact() -> None:
+    # The SAFE request: full inference 45.0 against slo - margin = 45.0, at risk by any wait.
+    def decide(queued_rank_ms: float) -> Decision:
+        policy = AdmissionPolicy(config())
+        report = RoomReport(0, 10**9, queued_rank_ms=queued_rank_ms)
+        policy.room.observe(X, report, NOW)
+        policy.room.observe(Y, RoomReport(0, 10**9, queued_rank_ms=100.0), NOW)  # not the owner
+        return policy.decide(event(candidates=SAFE), [ranker(), ranker(Y)], NOW)
+
+    assert decide(0.0) == Decision(Reason.NOT_AT_RISK, PREDICTED[SAFE], X)  # idle owner
+    assert decide(2**-10).admitted  # 45.0 + 2^-10 > 45.0: exact in binary
+    assert decide(30.0).admitted and decide(30.0).target == X  # a long rank queue
+    # The AT_RISK request sits 0.625 past the line: no queue can make it safe.
+    policy = AdmissionPolicy(config(margin_ms=4.375))  # line at 45.625: within
+    policy.room.observe(X, RoomReport(0, 10**9, queued_rank_ms=0.0), NOW)
+    assert policy.decide(event(), [ranker()], NOW).reason is Reason.NOT_AT_RISK
+    policy = AdmissionPolicy(config(margin_ms=4.375))
+    policy.room.observe(X, RoomReport(0, 10**9, queued_rank_ms=2**-10), NOW)
+    assert policy.decide(event(), [ranker()], NOW).admitted
+
+
+def test_a_stale_rank_queue_ages_out_to_unknown_and_zero() -> None:
+    policy = AdmissionPolicy(config())  # window 2 s
+    policy.room.observe(X, RoomReport(0, 10**9, queued_rank_ms=30.0), NOW)
+    assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW + 1.9).admitted
+    decision = policy.decide(event("b", candidates=SAFE), [ranker()], NOW + 2.0)
+    assert decision.reason is Reason.NOT_AT_RISK
+
+
 def test_mode_all_relays_to_the_owner_whatever_its_room() -> None:
     policy = AdmissionPolicy(config(mode=Mode.ALL))
     policy.room.observe(X, FULL, NOW)
@@ -619,3 +649,39 @@ def test_relays_are_booked_per_model_version() -> None:
     assert policy.room.live(("user-0", "v2", "digest-a"), NOW) is None
     cached = policy.decide(dataclasses.replace(event(), model_version="v1"), [v1], NOW)
     assert cached.reason is Reason.ALREADY_CACHED
+
+
+def test_binding_room_admits_more_violations_saved_per_byte_whatever_the_arrival_order() -> None:
+    # Both at risk, so each saves one violation: the short prefix (96,000 bytes) saves more per
+    # byte than the long one (192,000). Room for one of them, not both (250,000).
+    short, long = event("short", prefix=PREFIX), event("long", prefix=2 * PREFIX)
+    target = ranker(hbm_budget_bytes=250_000)
+
+    def admitted_of(first: Event, second: Event, take: float) -> list[str]:
+        policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=take))
+        decisions = [(e.user_id, policy.decide(e, [target], NOW)) for e in (first, second)]
+        return [user for user, d in decisions if d.admitted]
+
+    assert admitted_of(long, short, take=0.5) == ["short"]
+    assert admitted_of(short, long, take=0.5) == ["short"]
+    # First come, first served: the long prefix takes the room the short one would use.
+    assert admitted_of(long, short, take=1.0) == ["long"]
+    # Where the room does not bind, both.
+    policy = AdmissionPolicy(config(relay_take_share=0.5))  # budget 10^9
+    assert policy.decide(long, [ranker()], NOW).admitted
+    assert policy.decide(short, [ranker()], NOW).admitted
+
+
+def test_the_price_of_room_is_exact_and_follows_what_is_held() -> None:
+    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=0.5))
+    # 96,000 bytes against half the room left: 192,000 left admits it exactly, 191,999 not.
+    assert policy.decide(event("a"), [ranker(hbm_budget_bytes=2 * NBYTES)], NOW).admitted
+    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=0.5))
+    decision = policy.decide(event("a"), [ranker(hbm_budget_bytes=2 * NBYTES - 1)], NOW)
+    assert decision.reason is Reason.NO_ROOM
+    # What the ranker reports held counts against the room left, and a costlier relay spills to
+    # the next ranker of the order where room is ample.
+    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=0.5))
+    policy.room.observe(X, seen(10**9 - 2 * NBYTES + 1), NOW)
+    decision = policy.decide(event("b"), [ranker(), ranker(Y)], NOW)
+    assert decision.admitted and decision.target == Y

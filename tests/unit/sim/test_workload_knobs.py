@@ -1,0 +1,92 @@
+"""Workload realism knobs: the retrieval-to-ranking gap as a distribution and retrievals never
+ranked (no-shows), drawn once for every variant of a run, and what the fleet makes of them."""
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relaygr.errors import InvalidInput
+from relaygr.local.drive import NO_RANK
+from relaygr.local.workload import WorkloadSpec, follow_ups
+from relaygr.sim.fleet import FleetSettings
+from relaygr.sim.profile import write_profile
+from relaygr.sim.simulate import parser, profile_of, workload_of
+from relaygr.sim.sweep import SweepSpec, run_sweep
+from relaygr.sim.workload import light_visits
+from tests.unit.sim.test_agreement import PROFILE
+
+SPEC = WorkloadSpec(users=5000, median_long_term=120, max_long_term=400, candidates=32, gap_s=0.5)
+
+
+def seed() -> int:
+    drawn = random.SystemRandom().randrange(2**32)
+    print(f"seed {drawn}")
+    return drawn
+
+
+def test_gaps_are_lognormal_around_the_median_and_no_shows_come_at_their_share() -> None:
+    s = seed()
+    spec = WorkloadSpec(gap_s=0.1, gap_sigma=0.5, no_show_p=0.3)
+    gaps, ranked = follow_ups(spec, s, 20_000)
+    assert np.median(gaps) == pytest.approx(0.1, rel=0.03)
+    assert np.std(np.log(gaps)) == pytest.approx(0.5, rel=0.03)
+    assert 1 - ranked.mean() == pytest.approx(0.3, abs=0.015)
+    # Degenerate: sigma 0 is the fixed gap, share 0 ranks every retrieval.
+    gaps, ranked = follow_ups(WorkloadSpec(gap_s=0.1), s, 100)
+    assert (gaps == 0.1).all() and ranked.all()
+
+
+def test_the_knobs_leave_the_arrivals_as_they_were() -> None:
+    s = seed()
+    plain = light_visits(SPEC, 20.0, 10.0, s)
+    spread = light_visits(replace(SPEC, gap_sigma=0.7, no_show_p=0.2), 20.0, 10.0, s)
+    assert [(v.at, v.user, v.behaviours) for v in plain] == [
+        (v.at, v.user, v.behaviours) for v in spread
+    ]
+    assert all(v.gap_s is None and v.ranked for v in plain)  # the fleet's gap, all ranked
+    assert len({v.gap_s for v in spread}) > 1 and not all(v.ranked for v in spread)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"no_show_p": 1.0}, "no_show_p must be in"), ({"gap_sigma": -0.1}, "gap_sigma must be")],
+)
+def test_bad_knobs_are_refused(changes: dict[str, float], message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        WorkloadSpec(**changes)
+
+
+def test_a_no_show_is_never_ranked_nor_counted_but_its_relay_is_still_sent() -> None:
+    s = seed()
+    workload = replace(SPEC, no_show_p=0.4, gap_sigma=0.3)
+    spec = SweepSpec(
+        PROFILE, FleetSettings(rankers=2, gap_s=0.5), workload, (10.0,), 20.0, (s,),
+        variants=("relay all",),
+    )  # fmt: skip
+    visits = light_visits(workload, 10.0, 20.0, s)
+    (done,) = run_sweep(spec).points
+    point = done.point
+    counted = [v for v in visits if v.at >= 20.0 * spec.warmup]
+    shows = sum(v.ranked for v in counted)
+    assert 0 < shows < len(counted)
+    assert point.sent == shows and point.ok == shows and not point.errors
+    # The trigger cannot tell a no-show: relay all admits every retrieval's relay.
+    assert sum(point.reasons.values()) == len(counted)
+    assert NO_RANK not in point.errors
+
+
+def test_simulate_takes_the_knobs_from_its_command_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    write_profile(replace(PROFILE, utilisation=0.25), path)
+    args = parser().parse_args(
+        ["--profile", str(path), "--gap-ms", "50", "--gap-sigma", "0.5", "--no-show", "0.1",
+         "--utilisation", "0.5"]
+    )  # fmt: skip
+    workload = workload_of(args)
+    assert (workload.gap_s, workload.gap_sigma, workload.no_show_p) == (0.05, 0.5, 0.1)
+    profile = profile_of(args)
+    assert profile.utilisation == 0.5
+    assert profile.cost.per_token_ms == PROFILE.cost.per_token_ms / 2

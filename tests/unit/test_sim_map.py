@@ -1,0 +1,56 @@
+"""The simulated map (bench/sim_map.py): its grid, its ratios, and a tiny run end to end."""
+
+import math
+import random
+from pathlib import Path
+
+from sim_map import AXES, CENTRE, CORNERS, chart, map_points, measure, parse, ratios, render, spread
+
+
+def test_the_grid_is_one_axis_at_a_time_around_the_centre_plus_the_corners() -> None:
+    points = map_points(AXES, CORNERS)
+    assert points[0].label == "centre" and points[0].values == CENTRE
+    others = sum(len([v for v in values if v != CENTRE[axis]]) for axis, values in AXES.items())
+    assert len(points) == 1 + others + len(CORNERS)
+    for point in points[1 : 1 + others]:  # exactly one value differs from the centre
+        assert sum(point.values[k] != CENTRE[k] for k in CENTRE) == 1, point.label
+    assert points[-1].values == {**CENTRE, **CORNERS[-1]}
+    assert len({p.label for p in points}) == len(points)
+
+
+def test_ratios_are_per_seed_over_the_best_baseline_and_infinite_when_it_never_complies() -> None:
+    def row(value: float) -> dict[str, float]:
+        return {"compliant_per_ranker": value}
+
+    by = {
+        "no cache": {1: row(10), 2: row(0), 3: row(0)},
+        "cache only": {1: row(5), 2: row(0), 3: row(0)},
+        "relay all": {1: row(20), 2: row(15), 3: row(0)},
+        "relay sequence-aware": {1: row(30), 2: row(5), 3: row(0)},
+    }
+    # Seed 2: only the relay complies (inf); seed 3: neither does (no ratio).
+    assert ratios(by, [1, 2, 3], "compliant_per_ranker") == [3.0, math.inf, None]
+    assert spread([3.0, math.inf, None]) == "inf [3.00-inf] (1 seed: neither)"
+    assert spread([0.5, 0.5]) == "0.50"
+    assert spread([None, None]) == "neither"
+
+
+def test_the_quick_path_runs_renders_and_charts_in_seconds(tmp_path: Path) -> None:
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"seed {seed}")
+    args = parse(["--quick", "--seed", str(seed), "--no-docs"])
+    args.duration, args.rate_max, args.length_max, args.users = 2.0, 20.0, 1024, 10_000
+    results = measure(args)
+    points = ["centre", "tier=binding"]
+    assert results["points"] == points
+    assert len(results["rows"]) == len(points) * 4  # one profile, one seed, four variants
+    for row in results["rows"]:
+        assert row["compliant_per_ranker"] % args.rate_step == 0
+        assert row["longest"] % 512 == 0
+        assert abs(sum(row["shares"].values()) - 1.0) < 1e-9  # relayed, cross-visit, full
+    saved = {"command": "sim_map", "args": vars(args), **results}
+    text = render(saved)
+    assert "| centre |" in text and "| tier=binding |" in text
+    assert "Where the relay does not pay" in text
+    chart(saved, args.profiles[0], tmp_path / "map.png")
+    assert (tmp_path / "map.png").stat().st_size > 0
