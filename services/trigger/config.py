@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from relaygr.bounds import NON_NEGATIVE, POSITIVE, SHARE
+from relaygr.bounds import NON_NEGATIVE, POSITIVE, SHARE, Bound
 from relaygr.config import check_bounds, helped
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
@@ -77,6 +77,16 @@ class TriggerConfig(ServiceOptions):
             SHARE,
         ),
     )
+    relay_spare_share: float = field(
+        default=0.5,
+        metadata=helped(
+            "sequence-aware: a relay not at risk is still admitted while its ranker's relay room"
+            " is at most this full and its queued prefill starts it before the gap ends, so"
+            " relaying what would fit the SLO anyway only takes room and time nothing at risk"
+            " needs now",
+            Bound(low=0, high=1, meaning="0: relay only what is at risk"),
+        ),
+    )
     relay_window_ms: int = field(
         default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank", POSITIVE)
     )
@@ -132,5 +142,6 @@ class TriggerConfig(ServiceOptions):
 # What the live config key (`{etcd_prefix}/config/trigger`, a JSON object) may change.
 LIVE_FIELDS = (
     "mode", "slo_ms", "margin_ms", "expected_gap_ms", "prefill_share", "burst_s",
-    "relay_budget_share", "relay_take_share", "relay_window_ms", "refusal_cooldown_ms",
+    "relay_budget_share", "relay_take_share", "relay_spare_share", "relay_window_ms",
+    "refusal_cooldown_ms",
 )  # fmt: skip

@@ -76,9 +76,12 @@ class AdmissionPolicy:
     order the router tries them (`relaygr.placement.route_rank` with the directory). Checks, in
     order (the first that fails is the reason): mode `off` -> RELAY_DISABLED; an empty order ->
     NO_RANKER; (sequence-aware) the ranking latency predicted without a relay on the owner (the
-    first ranker, where the Rank lands) within slo_ms - margin_ms -> NOT_AT_RISK, that latency
-    being the owner's last reported queued rank work (`RelayRoom.queued_rank_ms`, cost-model
-    time) plus the full inference its cost model predicts; the same prefix already relayed ->
+    first ranker, where the Rank lands) within slo_ms - margin_ms, that latency being the
+    owner's last reported queued rank work (`RelayRoom.queued_rank_ms`, cost-model time) plus
+    the full inference its cost model predicts, is not at risk: it is relayed only to the owner
+    and only while the owner has room and time to spare (`relay_spare_share`; a relay shortens
+    its Rank whether or not it is at risk, and one not at risk takes only what nothing at risk
+    needs now), else NOT_AT_RISK; the same prefix already relayed ->
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
     order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
     there (`RelayRoom.fits`: no unexpired refusal either) and its prefill, queued behind the
@@ -88,16 +91,17 @@ class AdmissionPolicy:
     is not a duplicate to the owner. An admitted relay is booked at once on its target.
 
     Value-ordered footprint (sequence-aware): when the relay room binds, the relays kept are
-    those that save the most SLO violations per byte, not the first to arrive. Every relay the
-    policy admits is at risk, so it saves one violation if its Rank comes (which the trigger
-    cannot tell apart: filtered and abandoned requests look the same at retrieval), and its
-    value per byte is 1 / its KV bytes. A byte of room is priced by what is left: a relay may
-    take at most `relay_take_share` of the room left on a ranker (its share of the budget less
-    what is held), i.e. its value per byte must be at least 1 / (relay_take_share * room
-    left). While the room is ample every relay passes; as it fills, the price rises and only
-    shorter prefixes get in, so a long prefix that arrives first cannot take the room that
-    several shorter ones, arriving later, would each use to save a violation. Whatever the
-    arrival order, of two relays only one of which fits under the price, that one is admitted.
+    those that save the most SLO violations per byte, not the first to arrive. Past the spare
+    mark every relay the policy admits is at risk, so it saves one violation if its Rank comes
+    (which the trigger cannot tell apart: filtered and abandoned requests look the same at
+    retrieval), and its value per byte is 1 / its KV bytes. A byte of room is priced by what is
+    left: a relay may take at most `relay_take_share` of the room left on a ranker (its share of
+    the budget less what is held), i.e. its value per byte must be at least
+    1 / (relay_take_share * room left). While the room is ample every relay passes; as it
+    fills, the price rises and only shorter prefixes get in, so a long prefix that arrives first
+    cannot take the room that several shorter ones, arriving later, would each use to save a
+    violation. Whatever the arrival order, of two relays only one of which fits under the price,
+    that one is admitted.
     `relay_take_share` 1 is first come, first served.
     Relays are booked per (user, model version, prefix): a prefix relayed for one version is
     neither cached nor in flight for another.
@@ -131,7 +135,8 @@ class AdmissionPolicy:
         predicted = owner.cost_model().full_ms(history, event.candidates)
         aware = cfg.mode is Mode.SEQUENCE_AWARE
         waits = self.room.queued_rank_ms(owner.instance_id, now)
-        if aware and waits + predicted <= cfg.slo_ms - cfg.margin_ms:
+        at_risk = waits + predicted > cfg.slo_ms - cfg.margin_ms
+        if aware and not at_risk and not self._spare(owner, now):
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
         key = (event.user_id, event.model_version, digest)
@@ -141,9 +146,10 @@ class AdmissionPolicy:
             reason = Reason.IN_FLIGHT if relay.settled_at is None else Reason.ALREADY_CACHED
             return dataclasses.replace(decided, reason=reason)
         if aware:
-            placed = self._place(event, order, predicted, digest, now)
+            placed = self._place(event, order[:1] if not at_risk else order, predicted, digest, now)
             if not placed.admitted:
-                return dataclasses.replace(decided, reason=placed.reason)
+                reason = placed.reason if at_risk else Reason.NOT_AT_RISK
+                return dataclasses.replace(decided, reason=reason)
             decided = placed
         expires = now + cfg.relay_window_s  # in flight: until its dispatch deadline at most
         self.room.start(
@@ -176,6 +182,18 @@ class AdmissionPolicy:
             if self.room.queued_ms(ranker.instance_id, now) < start_by_ms:
                 return decided
         return Decision(reason)
+
+    def _spare(self, owner: RankerRecord, now: float) -> bool:
+        """Has the owner room and time to spare for a relay not at risk: its relay room less than
+        `relay_spare_share` full (0 spares nothing) and its queued prefill under half the
+        expected gap? Such a relay still shortens its Rank (the prefix is ready, not computed in
+        line), and takes nothing a relay at risk would need now; past either mark, only relays
+        at risk go."""
+        cfg = self.cfg
+        budget = self.room.budget(owner) * cfg.relay_budget_share
+        held = self.room.held(owner.instance_id, now)
+        queued = self.room.queued_ms(owner.instance_id, now)
+        return held < budget * cfg.relay_spare_share and queued < cfg.expected_gap_ms / 2
 
     def _affordable(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
         """Does the relay fit the ranker's room at the price a byte of it costs now: at most

@@ -59,7 +59,8 @@ async def test_long_sequences_are_relayed_and_short_ones_ranked_in_full(
     model = tiny_model()
 
     async with running_mesh(etcd_server.endpoint, model) as mesh:
-        trigger = await _mesh_with_trigger(mesh)
+        # Only what is at risk (no spare-room relays of short prefixes): the classification.
+        trigger = await _mesh_with_trigger(mesh, relay_spare_share=0.0)
         servicer = mesh.triggers[0].servicer
         longs = [prefix(rng, LONG, user_id=f"long{i}") for i in range(8)]
         shorts = [prefix(rng, SHORT, user_id=f"short{i}") for i in range(8)]
@@ -227,7 +228,9 @@ async def test_bad_input_and_bad_live_config_are_refused(
         live = mesh.triggers[0].live_config
         client = EtcdClient([etcd_server.endpoint])
         try:
-            await client.put(live.key, json.dumps({"slo_ms": 1000.0}).encode())
+            # Only what is at risk from now on, and nothing is at risk under a 1 s SLO.
+            relax = {"slo_ms": 1000.0, "relay_spare_share": 0.0}
+            await client.put(live.key, json.dumps(relax).encode())
             await eventually(lambda: live.current.slo_ms == 1000.0, "live config applied")
             late = _event(prefix(rng, LONG, user_id="late"))
             assert (await trigger.OnRetrieval(late)).reason == (Reason.ADMISSION_REASON_NOT_AT_RISK)

@@ -55,7 +55,11 @@ def seen(pinned: int, budget: int = 10**9, queued_ms: float = 0.0) -> RoomReport
 def config(**overrides: Any) -> TriggerConfig:
     # defaults: slo 50, margin 5, window 2 s, cooldown 1 s; a relay may take all the room left
     # (first come, first served) unless said, so that the room tests count bytes alone
-    return TriggerConfig(**{"plaintext": True, "relay_take_share": 1.0, **overrides})
+    # Relays of prefixes not at risk (relay_spare_share) and the room's price (relay_take_share)
+    # have tests of their own: here, only what is at risk, first come first served.
+    return TriggerConfig(
+        **{"plaintext": True, "relay_take_share": 1.0, "relay_spare_share": 0.0, **overrides}
+    )
 
 
 class Digest:
@@ -685,3 +689,46 @@ def test_the_price_of_room_is_exact_and_follows_what_is_held() -> None:
     policy.room.observe(X, seen(10**9 - 2 * NBYTES + 1), NOW)
     decision = policy.decide(event("b"), [ranker(), ranker(Y)], NOW)
     assert decision.admitted and decision.target == Y
+
+
+# -- relays not at risk, while the owner has room and time to spare ----------------------------
+
+
+def test_a_relay_not_at_risk_goes_to_its_owner_while_room_and_time_are_spare() -> None:
+    policy = AdmissionPolicy(config(relay_spare_share=0.5))  # relay room 0.9 * 10^9
+    safe = policy.decide(event("a", candidates=SAFE), [ranker()], NOW)
+    assert safe == admitted(predicted=PREDICTED[SAFE])
+    # an at-risk relay is placed as before
+    assert policy.decide(event("b", candidates=AT_RISK), [ranker()], NOW).admitted
+
+
+def test_past_the_spare_mark_only_relays_at_risk_go() -> None:
+    policy = AdmissionPolicy(config(relay_spare_share=0.5))
+    half = int(10**9 * 0.9 * 0.5)
+    policy.room.observe(X, seen(pinned=half), NOW)  # exactly half the relay room held
+    assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW).reason is (
+        Reason.NOT_AT_RISK
+    )
+    assert policy.decide(event("b", candidates=AT_RISK), [ranker()], NOW).admitted
+    below = AdmissionPolicy(config(relay_spare_share=0.5))
+    below.room.observe(X, seen(pinned=half - NBYTES), NOW)
+    assert below.decide(event("a", candidates=SAFE), [ranker()], NOW).admitted
+
+
+def test_a_relay_not_at_risk_waits_for_no_queued_prefill_and_never_spills() -> None:
+    busy = AdmissionPolicy(config(relay_spare_share=0.5, expected_gap_ms=100))
+    busy.room.observe(X, seen(pinned=0, queued_ms=50.0), NOW)  # half the gap queued
+    assert busy.decide(event("a", candidates=SAFE), [ranker()], NOW).reason is (Reason.NOT_AT_RISK)
+    # the owner refused for room: a relay not at risk is not sent down the order
+    refused = AdmissionPolicy(config(relay_spare_share=0.5))
+    refused.room.refuse(X, NOW)
+    other = ranker("ranker-1")
+    decision = refused.decide(event("a", candidates=SAFE), [ranker(), other], NOW)
+    assert decision.reason is Reason.NOT_AT_RISK
+
+
+def test_spare_share_zero_relays_only_what_is_at_risk() -> None:
+    policy = AdmissionPolicy(config(relay_spare_share=0.0))
+    assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW).reason is (
+        Reason.NOT_AT_RISK
+    )
