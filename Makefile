@@ -9,7 +9,7 @@ HELM := $(VENV)/bin/helm
 DOCKER ?= docker
 IMAGE ?= relaygr:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup proto test lint helm-lint image bench bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv demo clean
+.PHONY: setup proto test lint helm-lint image bench bench-model bench-batch bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv demo clean
 
 setup: $(STAMP) $(PROTO_OUT) $(HELM)
 	@command -v promtool >/dev/null || echo "note: no promtool: the alert and Prometheus tests skip; as root: apt-get install -y --no-install-recommends prometheus"
@@ -51,10 +51,13 @@ helm-lint: setup
 image:
 	$(DOCKER) build -t $(IMAGE) .
 
-bench: bench-model bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv
+bench: bench-model bench-batch bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv
 
 bench-model: setup
 	$(PY) bench/model_bench.py
+
+bench-batch: setup
+	$(PY) bench/batch_bench.py
 
 bench-ranker: setup
 	$(PY) bench/ranker_bench.py
