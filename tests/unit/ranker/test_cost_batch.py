@@ -9,7 +9,8 @@ import pytest
 
 from relaygr.cluster import RankerRecord
 from relaygr.cost import CallShape, CostModel, batch_ms
-from services.ranker.cost_fit import BatchSample, fit_batch_saving
+from services.ranker.cost_fit import BatchSample, Sample, fit_batch_saving
+from services.ranker.cost_learner import CostLearner
 from services.ranker.cost_model import measure_batches
 from services.ranker.model import RankingModel
 
@@ -108,3 +109,13 @@ def test_the_ranker_record_carries_the_batch_term() -> None:
     assert (cost.batch_saving_ms, cost.batch_samples) == (0.0, 0)
     with pytest.raises(Exception, match="batch_saving_ms"):
         ranker(batch_saving_ms=-1.0)
+
+
+def test_a_refit_from_served_timings_keeps_the_calibrated_batch_term() -> None:
+    calibrated = dataclasses.replace(COST, batch_saving_ms=2.5, batch_samples=6)
+    calibration = [Sample(t, c, COST.full_ms(t, c)) for t in (128, 1024, 4096) for c in (0, 64)]
+    learner = CostLearner(calibration, calibrated, refit_after=1)
+    learner.observe(Sample(2048, 64, COST.full_ms(2048, 64)))
+    refitted = learner.refit()
+    assert refitted is not None
+    assert (refitted.batch_saving_ms, refitted.batch_samples) == (2.5, 6)
