@@ -114,3 +114,9 @@ def batch_ms(cost: CostModel, shapes: Sequence[CallShape]) -> float:
         return 0.0
     alone = [cost.shape_ms(s) for s in shapes]
     return max(sum(alone) - cost.batch_saving_ms * (len(alone) - 1), max(alone))
+
+
+def batch_speedup(cost: CostModel, shape: CallShape, size: int) -> float:
+    """Batch efficiency: the throughput of `size` requests of `shape` as one call over that of
+    `size` single calls (1 for one request, or when the saving is not known)."""
+    return size * cost.shape_ms(shape) / batch_ms(cost, [shape] * size)

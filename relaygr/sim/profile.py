@@ -20,8 +20,15 @@ _COST_KEYS = ("fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms",
 _SECTIONS: dict[str, dict[str, type]] = {
     "": {"name": str, "description": str, "kind": str, "sources": list, "assumptions": list},
     # The fit's error and sample count are optional: a measured profile carries them, so that
-    # writing it out and reading it back loses nothing; an assumed one has no fit.
-    "cost": {**{k: float for k in _COST_KEYS}, "median_abs_rel_error": float, "samples": int},
+    # writing it out and reading it back loses nothing; an assumed one has no fit. So is the
+    # batch term (relaygr.cost.batch_ms): absent, a batch costs its requests' single calls.
+    "cost": {
+        **{k: float for k in _COST_KEYS},
+        "median_abs_rel_error": float,
+        "samples": int,
+        "batch_saving_ms": float,
+        "batch_samples": int,
+    },
     "memory": {"device_tier_mib": float, "host_tier_mib": float, "kv_bytes_per_token": int},
     "latency": {"request_overhead_ms": float, "compute_noise": float},
 }
@@ -134,6 +141,8 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
             reload_ms_per_mb=float(cost["reload_ms_per_mb"]),
             median_abs_rel_error=float(cost.get("median_abs_rel_error", 0.0)),
             samples=cost.get("samples", 0),
+            batch_saving_ms=float(cost.get("batch_saving_ms", 0.0)),
+            batch_samples=cost.get("batch_samples", 0),
         ),
         device_tier_bytes=int(memory["device_tier_mib"] * MIB),
         host_tier_bytes=int(memory["host_tier_mib"] * MIB),
@@ -212,6 +221,8 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         *(f"{k} = {getattr(cost, k)!r}" for k in _COST_KEYS),
         f"median_abs_rel_error = {cost.median_abs_rel_error!r}",
         f"samples = {cost.samples}",
+        f"batch_saving_ms = {cost.batch_saving_ms!r}",
+        f"batch_samples = {cost.batch_samples}",
         "",
         "[memory]",
         f"device_tier_mib = {profile.device_tier_bytes / MIB!r}",
