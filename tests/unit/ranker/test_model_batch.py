@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from relaygr.behaviours import Prefix, RankInput
+from relaygr.behaviours import Behaviours, Prefix, RankInput
+from relaygr.errors import InvalidInput
 from services.ranker.model import Extension, RankingModel, RankItem
 from services.ranker.prefix_kv import PrefixKV
 
@@ -152,3 +153,26 @@ def test_empty_batches(model: RankingModel) -> None:
     assert model.rank_batch([]) == []
     assert model.full_forward_batch([]) == []
     assert model.chunk_batch([]) == []
+
+
+def test_one_invalid_item_refuses_the_batch_before_any_compute(
+    model: RankingModel, rng: np.random.Generator
+) -> None:
+    """Each item is validated as its single call would be; the batch names the fault."""
+    requests = _requests(rng, 2)
+    items = _items(requests, [model.prefill(r.prefix) for r in requests])
+    too_many = rng.integers(0, 1 << 40, model.cfg.max_candidates + 1)
+    bad = RankItem(items[1].kv, items[1].short_term, too_many, items[1].request_ts)
+    with pytest.raises(InvalidInput, match="candidates"):
+        model.rank_batch([items[0], bad])
+    stranger = RankingModel(tiny_config(), seed=12)
+    with pytest.raises(InvalidInput, match="prefix cache was built by model"):
+        stranger.rank_batch(items)
+    with pytest.raises(InvalidInput, match="over the limit"):
+        model.chunk_batch(
+            [requests[0].prefix, Extension(items[0].kv, _long(rng, model.cfg.max_history_tokens))]
+        )
+
+
+def _long(rng: np.random.Generator, count: int) -> Behaviours:
+    return prefix(rng, count).long_term
