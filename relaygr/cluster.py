@@ -17,7 +17,7 @@ from relaygr.json_object import json_object
 _MAX_PORT = 65535
 _COSTS = (
     "fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb",
-    "median_abs_rel_error",
+    "median_abs_rel_error", "batch_saving_ms",
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -51,6 +51,10 @@ class RankerRecord:
     # from an older ranker's record, read as 0 (not known).
     median_abs_rel_error: float = 0.0
     cost_samples: int = 0
+    # What batching saves per request after the first (`CostModel.batch_saving_ms` and
+    # `batch_samples`); absent from an older ranker's record, read as 0 (not known).
+    batch_saving_ms: float = 0.0
+    batch_samples: int = 0
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -66,7 +70,9 @@ class RankerRecord:
     def cost_model(self) -> CostModel:
         """The latency model the ranker published."""
         return CostModel(
-            **{name: getattr(self, name) for name in _COSTS}, samples=self.cost_samples
+            **{name: getattr(self, name) for name in _COSTS},
+            samples=self.cost_samples,
+            batch_samples=self.batch_samples,
         )
 
     def to_json(self) -> bytes:

@@ -3,6 +3,7 @@
 Free of torch, so the trigger and router import it without loading the model stack.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -16,6 +17,11 @@ class CostModel:
     `median_abs_rel_error` and `samples` say how far to trust it: the median of
     |predicted - measured| / measured over the `samples` timed runs it was fitted to (0 and 0:
     not fitted here, e.g. given by configuration or a test).
+
+    Batches (`batch_ms`): `batch_saving_ms` is what each request after the first saves when B
+    requests run as one model call instead of B calls (per-call work a batch pays once: kernel
+    launches, Python dispatch, GEMM set-up); `batch_samples` how many timed batches it was
+    fitted to. 0 and 0: not known, a batch costs its requests' single calls.
     """
 
     fixed_ms: float
@@ -25,6 +31,8 @@ class CostModel:
     reload_ms_per_mb: float
     median_abs_rel_error: float = 0.0
     samples: int = 0
+    batch_saving_ms: float = 0.0
+    batch_samples: int = 0
 
     def full_ms(self, tokens: int, candidates: int) -> float:
         return (
@@ -53,6 +61,11 @@ class CostModel:
     def reload_ms(self, nbytes: int) -> float:
         return self.reload_ms_per_mb * nbytes / 2**20
 
+    def shape_ms(self, shape: "CallShape") -> float:
+        """One request's time alone: `rank_ms` of its shape (a miss or a first chunk: 0 cached
+        tokens, and then `full_ms` or `prefill_ms`)."""
+        return self.rank_ms(shape.cached_tokens, shape.new_tokens, shape.candidates)
+
     def reload_is_cheaper(self, nbytes: int, tokens: int) -> bool:
         """Bring a host copy back rather than recompute the prefix?"""
         return self.reload_ms(nbytes) < self.prefill_ms(tokens)
@@ -73,3 +86,37 @@ class TransferCost:
 
     def ms(self, nbytes: int) -> float:
         return self.fixed_ms + self.ms_per_mb * nbytes / 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """One request's share of a model call: `new_tokens` history tokens computed on top of
+    `cached_tokens` already cached, then `candidates` scored against all of them.
+
+    A cached Rank: (prefix, short-term, candidates); a miss's full inference: (0, history,
+    candidates); a background prefill chunk: (done so far, chunk, 0).
+    """
+
+    cached_tokens: int
+    new_tokens: int
+    candidates: int
+
+
+def batch_ms(cost: CostModel, shapes: Sequence[CallShape]) -> float:
+    """Predicted milliseconds of one model call over the requests `shapes` (RankingModel's
+    rank_batch, full_forward_batch or chunk_batch).
+
+    Each request's single-call time, less `batch_saving_ms` for every request after the
+    first, and never less than its slowest request alone (a batch does all its requests'
+    work). One request: `shape_ms`; an empty batch: 0.
+    """
+    if not shapes:
+        return 0.0
+    alone = [cost.shape_ms(s) for s in shapes]
+    return max(sum(alone) - cost.batch_saving_ms * (len(alone) - 1), max(alone))
+
+
+def batch_speedup(cost: CostModel, shape: CallShape, size: int) -> float:
+    """Batch efficiency: the throughput of `size` requests of `shape` as one call over that of
+    `size` single calls (1 for one request, or when the saving is not known)."""
+    return size * cost.shape_ms(shape) / batch_ms(cost, [shape] * size)

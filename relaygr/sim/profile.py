@@ -23,13 +23,16 @@ _RESIDENT_KEYS = ("runtime_mib", "weights_mib", "activations_mib", "other_mib")
 _SECTIONS: dict[str, dict[str, type]] = {
     "": {"name": str, "description": str, "kind": str, "sources": list, "assumptions": list},
     # The fit's error and sample count are optional: a measured profile carries them, so that
-    # writing it out and reading it back loses nothing; an assumed one has no fit.
+    # writing it out and reading it back loses nothing; an assumed one has no fit. So is the
+    # batch term (relaygr.cost.batch_ms): absent, a batch costs its requests' single calls.
     # `utilisation`: the achieved share of the device's peak the cost figures stand for.
     "cost": {
         **{k: float for k in _COST_KEYS},
         "median_abs_rel_error": float,
         "samples": int,
         "utilisation": float,
+        "batch_saving_ms": float,
+        "batch_samples": int,
     },
     # The device tier is either given (`device_tier_mib`) or sized from the device's memory
     # after what else it holds (`device_memory_mib` and the four shares after it).
@@ -198,6 +201,8 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
             reload_ms_per_mb=float(cost["reload_ms_per_mb"]),
             median_abs_rel_error=float(cost.get("median_abs_rel_error", 0.0)),
             samples=cost.get("samples", 0),
+            batch_saving_ms=float(cost.get("batch_saving_ms", 0.0)),
+            batch_samples=cost.get("batch_samples", 0),
         ),
         device_tier_bytes=int(memory["device_tier_mib"] * MIB) if sized is None else sized.tier,
         host_tier_bytes=int(memory["host_tier_mib"] * MIB),
@@ -301,6 +306,8 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         f"median_abs_rel_error = {cost.median_abs_rel_error!r}",
         f"samples = {cost.samples}",
         f"utilisation = {profile.utilisation!r}",
+        f"batch_saving_ms = {cost.batch_saving_ms!r}",
+        f"batch_samples = {cost.batch_samples}",
         "",
         "[memory]",
         *_device_tier_lines(profile),

@@ -1,12 +1,14 @@
 """Robust, non-negative fit of a ranker's cost model to timed runs, and the fit's error."""
 
+import dataclasses
 import itertools
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from relaygr.cost import CostModel
+from relaygr.cost import CallShape, CostModel
 
 # Tukey's bisquare tuning constant (95% efficiency on Gaussian noise) and Huber's, for the
 # first iterations: Huber converges from a least-squares start that outliers may have pulled
@@ -120,3 +122,34 @@ def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostMo
     return CostModel(
         fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb, error, len(usable)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSample:
+    """One timed batch: the requests' `shapes`, the batch's time as one model call, and the
+    same requests' time as single calls run back to back with it (so load drift hits both)."""
+
+    shapes: tuple[CallShape, ...]
+    batch_ms: float
+    singles_ms: float
+
+    def saving_ms(self) -> float:
+        """What each request after the first saved by sharing the call."""
+        return (self.singles_ms - self.batch_ms) / (len(self.shapes) - 1)
+
+
+def fit_batch_saving(cost: CostModel, samples: Sequence[BatchSample]) -> CostModel:
+    """`cost` with `batch_saving_ms` fitted to timed batches of two or more requests.
+
+    The saving is the median over samples of each batch's own saving per extra request, so a
+    batch (or its singles) slowed by load elsewhere on the host moves it little; it is never
+    negative (a batch that measured slower than its singles is noise, or no saving: batch_ms
+    then predicts the singles' time). Measured singles, not the fitted per-request model, are
+    the baseline, so the single model's own error does not leak into the batch term. Without
+    usable samples, `cost` is returned unchanged.
+    """
+    usable = [s for s in samples if len(s.shapes) > 1 and s.batch_ms > 0 and s.singles_ms > 0]
+    if not usable:
+        return cost
+    saving = max(0.0, statistics.median(s.saving_ms() for s in usable))
+    return dataclasses.replace(cost, batch_saving_ms=saving, batch_samples=len(usable))

@@ -1,5 +1,6 @@
 """A cost model that keeps learning from the work a ranker serves, and when to republish it."""
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -49,13 +50,19 @@ class CostLearner:
 
     def refit(self) -> CostModel | None:
         """Fit again if `refit_after` samples arrived since the last fit: the new model (also
-        now `model`), else None. Reload cost is the calibration's (nothing served times it)."""
+        now `model`), else None. Reload cost and the batch term are the calibration's (nothing
+        served times them: a served batch has no single calls beside it to compare with)."""
         with self._lock:
             if self._unfitted < self._refit_after:
                 return None
             samples = [*self._calibration, *self._served]
             self._unfitted = 0
-        self.model = fit_cost_model(samples, self.model.reload_ms_per_mb)
+        fitted = fit_cost_model(samples, self.model.reload_ms_per_mb)
+        self.model = dataclasses.replace(
+            fitted,
+            batch_saving_ms=self.model.batch_saving_ms,
+            batch_samples=self.model.batch_samples,
+        )
         return self.model
 
 

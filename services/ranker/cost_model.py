@@ -8,13 +8,21 @@ import numpy as np
 import torch
 
 from relaygr.behaviours import Behaviours, Prefix, UserId
-from relaygr.cost import CostModel
-from services.ranker.cost_fit import Sample, fit_cost_model
-from services.ranker.model import RankingModel
+from relaygr.cost import CallShape, CostModel
+from services.ranker.cost_fit import BatchSample, Sample, fit_batch_saving, fit_cost_model
+from services.ranker.model import RankingModel, RankItem
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.synthetic import random_behaviours
 
-__all__ = ["Sample", "calibrate", "fit_cost_model", "measure"]
+__all__ = [
+    "BatchSample",
+    "Sample",
+    "calibrate",
+    "fit_batch_saving",
+    "fit_cost_model",
+    "measure",
+    "measure_batches",
+]
 
 Timer = Callable[[], float]
 
@@ -85,7 +93,64 @@ def calibrate(
 ) -> CostModel:
     """Time full inference and prefill on this device at `lengths` and fit the cost model."""
     samples = measure(model, lengths, candidates, chunk_tokens, repeats, timer)
-    return fit_cost_model(samples, reload_ms_per_mb=reload_ms_per_mb(model.device, timer))
+    cost = fit_cost_model(samples, reload_ms_per_mb=reload_ms_per_mb(model.device, timer))
+    batches = measure_batches(model, (min(lengths), max(lengths)), candidates, repeats=repeats)
+    return fit_batch_saving(cost, batches)
+
+
+def measure_batches(
+    model: RankingModel,
+    lengths: Sequence[int],
+    candidates: int,
+    batch: int = 4,
+    repeats: int = 3,
+    timer: Timer = time.perf_counter,
+) -> list[BatchSample]:
+    """Time, on this device, `batch` cached Ranks (a prefix of each of `lengths`, `candidates`
+    each) as one `rank_batch` call and as single calls back to back, `repeats` rounds that
+    interleave the lengths. One sample per length and round. Prefills are untimed; lengths
+    beyond the model's history limit are clamped to it.
+    """
+    cfg = model.cfg
+    lengths = sorted({min(max(1, n), cfg.max_history_tokens) for n in lengths})
+    candidates = min(max(1, candidates), cfg.max_candidates)
+    rng = np.random.default_rng(1)
+    users: dict[int, list[RankItem]] = {}
+    for n in lengths:
+        users[n] = []
+        for i in range(batch):
+            prefix = Prefix(
+                UserId(f"calibration-{i}"),
+                np.zeros(0, np.int64),
+                random_behaviours(rng, n, 1_700_000_000, 60 * n, cfg.num_actions),
+            )
+            items = rng.integers(0, 1 << 40, candidates)
+            users[n].append(
+                RankItem(model.prefill(prefix), Behaviours.empty(), items, 1_800_000_000)
+            )
+
+    def timed(fn: Callable[[], object]) -> float:
+        start = timer()
+        fn()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        return (timer() - start) * 1e3
+
+    def singles(items: list[RankItem]) -> None:
+        for item in items:
+            model.rank_batch([item])
+
+    for n in lengths[:1]:  # warm-up: first calls and buffers
+        singles(users[n])
+        model.rank_batch(users[n])
+    samples = []
+    for _ in range(max(1, repeats)):
+        for n in lengths:
+            alone = timed(lambda: singles(users[n]))  # noqa: B023 (called at once)
+            together = timed(lambda: model.rank_batch(users[n]))  # noqa: B023
+            shape = CallShape(n, 0, candidates)
+            samples.append(BatchSample((shape,) * batch, together, alone))
+    return samples
 
 
 def _chunked_prefill(model: RankingModel, prefix: Prefix, chunk: int) -> PrefixKV:

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -36,6 +37,63 @@ class _Keys:
     @property
     def length(self) -> int:
         return int(self.keys[0].shape[1]) if self.keys else 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankItem:
+    """One user's Rank in a batch: its cached prefix, short-term behaviours, candidates and
+    request time (the arguments of `RankingModel.rank`)."""
+
+    kv: PrefixKV
+    short_term: Behaviours
+    candidates: Int64Array
+    request_ts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """One user's prefill chunk on top of its cached prefix (the arguments of `extend`)."""
+
+    kv: PrefixKV
+    more_long_term: Behaviours
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """New history tokens `x` [n, d] of one user after its cached `past`; `ts` holds the
+    timestamps of past and new tokens."""
+
+    past: PrefixKV | None
+    x: torch.Tensor
+    ts: torch.Tensor
+
+    @property
+    def n_past(self) -> int:
+        return self.past.num_tokens if self.past else 0
+
+    @property
+    def n_new(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """One user's candidates to score against its cached `past` and its `new` history."""
+
+    past: PrefixKV | None
+    new: _Keys
+    ts: torch.Tensor
+    candidates: Int64Array
+    request_ts: int
+
+    @property
+    def n_past(self) -> int:
+        return self.past.num_tokens if self.past else 0
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of every part, in order (a lone part as it is: no copy for a batch of one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def content_version(cfg: ModelConfig, model: nn.Module) -> ModelVersion:
@@ -103,140 +161,228 @@ class RankingModel(nn.Module):
         return self.bias.position_weight.device
 
     # ----------------------------------------------------------------------------------------
-    # Entry points
+    # Entry points: each single-request one is its batch of one
 
     @torch.inference_mode()
     def full_forward(self, request: RankInput) -> torch.Tensor:
         """Scores [tasks, candidates] by full inference over the whole request (no cache)."""
-        validate_rank_input(request, self.cfg)
-        prefix = request.prefix
-        x, ts = self._embed_history(
-            prefix.user_features, prefix.long_term.concat(request.short_term)
-        )
-        new = self._history(None, x, ts)
-        return self._score(None, new, ts, request.candidates, request.request_ts)
+        return self.full_forward_batch([request])[0]
 
     @torch.inference_mode()
     def prefill(self, prefix: Prefix) -> PrefixKV:
         """Compute the K/V of every prefix token [U, S_l] at every layer."""
-        validate_prefix(prefix, self.cfg)
-        x, ts = self._embed_history(prefix.user_features, prefix.long_term)
-        new = self._history(None, x, ts)
-        return PrefixKV(
-            keys=self._stack_for_storage(new.keys),
-            values=self._stack_for_storage(new.values),
-            timestamps=ts,
-            num_user_tokens=len(prefix.user_features),
-            hasher=PrefixHasher.start(prefix.user_features).absorb(prefix.long_term),
-            model_version=self.model_version,
-        )
+        return self.chunk_batch([prefix])[0]
 
     @torch.inference_mode()
     def extend(self, kv: PrefixKV, more_long_term: Behaviours) -> PrefixKV:
         """The prefix `kv` followed by `more_long_term`; equal to prefilling the whole prefix."""
-        self._check_cache(kv)
-        validate_behaviours(more_long_term, self.cfg, "long_term")
-        total = kv.num_tokens + len(more_long_term)
-        if total > self.cfg.max_history_tokens:
-            raise InvalidInput(
-                f"extended prefix would have {total} tokens, over the limit of "
-                f"{self.cfg.max_history_tokens}"
-            )
-        x = self.embedding.behaviours(more_long_term)
-        ts = torch.cat([kv.timestamps, self._tensor(more_long_term.timestamps)])
-        new = self._history(kv, x, ts)
-        return PrefixKV(
-            keys=torch.cat([kv.keys, self._stack_for_storage(new.keys)], dim=2),
-            values=torch.cat([kv.values, self._stack_for_storage(new.values)], dim=2),
-            timestamps=ts,
-            num_user_tokens=kv.num_user_tokens,
-            hasher=kv.hasher.absorb(more_long_term),
-            model_version=self.model_version,
-        )
+        return self.chunk_batch([Extension(kv, more_long_term)])[0]
 
     @torch.inference_mode()
     def rank(
         self, kv: PrefixKV, short_term: Behaviours, candidates: Int64Array, request_ts: int
     ) -> torch.Tensor:
         """Scores [tasks, candidates] for the prefix cached in `kv` plus short-term behaviours."""
+        return self.rank_batch([RankItem(kv, short_term, candidates, request_ts)])[0]
+
+    @torch.inference_mode()
+    def full_forward_batch(self, requests: Sequence[RankInput]) -> list[torch.Tensor]:
+        """`full_forward` of each request, in one pass: scores [tasks, candidates] in order."""
+        for request in requests:
+            validate_rank_input(request, self.cfg)
+        histories = [
+            _Run(
+                None,
+                *self._embed_history(
+                    r.prefix.user_features, r.prefix.long_term.concat(r.short_term)
+                ),
+            )
+            for r in requests
+        ]
+        new = self._history(histories)
+        return self._score(
+            [
+                _Scored(None, keys, run.ts, r.candidates, r.request_ts)
+                for r, run, keys in zip(requests, histories, new, strict=True)
+            ]
+        )
+
+    @torch.inference_mode()
+    def rank_batch(self, items: Sequence[RankItem]) -> list[torch.Tensor]:
+        """`rank` of each item (its own cached prefix, short-term behaviours, candidates and
+        request time), in one pass: scores [tasks, candidates] per item, in item order."""
+        runs = []
+        for item in items:
+            self._check_cache(item.kv)
+            validate_suffix(
+                item.short_term, item.candidates, item.request_ts, item.kv.num_tokens, self.cfg
+            )
+            ts = torch.cat([item.kv.timestamps, self._tensor(item.short_term.timestamps)])
+            runs.append(_Run(item.kv, self.embedding.behaviours(item.short_term), ts))
+        new = self._history(runs)
+        return self._score(
+            [
+                _Scored(item.kv, keys, run.ts, item.candidates, item.request_ts)
+                for item, run, keys in zip(items, runs, new, strict=True)
+            ]
+        )
+
+    @torch.inference_mode()
+    def chunk_batch(self, items: Sequence[Prefix | Extension]) -> list[PrefixKV]:
+        """Several users' prefill chunks in one pass: a `Prefix` is prefilled from nothing, an
+        `Extension` extends its cached prefix. Returns each item's new PrefixKV, in order."""
+        runs = [self._chunk_run(item) for item in items]
+        new = self._history(runs)
+        out = []
+        for item, run, keys in zip(items, runs, new, strict=True):
+            stored_keys = self._stack_for_storage(keys.keys)
+            stored_values = self._stack_for_storage(keys.values)
+            if isinstance(item, Extension):
+                out.append(
+                    PrefixKV(
+                        keys=torch.cat([item.kv.keys, stored_keys], dim=2),
+                        values=torch.cat([item.kv.values, stored_values], dim=2),
+                        timestamps=run.ts,
+                        num_user_tokens=item.kv.num_user_tokens,
+                        hasher=item.kv.hasher.absorb(item.more_long_term),
+                        model_version=self.model_version,
+                    )
+                )
+            else:
+                out.append(
+                    PrefixKV(
+                        keys=stored_keys,
+                        values=stored_values,
+                        timestamps=run.ts,
+                        num_user_tokens=len(item.user_features),
+                        hasher=PrefixHasher.start(item.user_features).absorb(item.long_term),
+                        model_version=self.model_version,
+                    )
+                )
+        return out
+
+    def _chunk_run(self, item: Prefix | Extension) -> "_Run":
+        if isinstance(item, Prefix):
+            validate_prefix(item, self.cfg)
+            return _Run(None, *self._embed_history(item.user_features, item.long_term))
+        kv, more = item.kv, item.more_long_term
         self._check_cache(kv)
-        validate_suffix(short_term, candidates, request_ts, kv.num_tokens, self.cfg)
-        ts = torch.cat([kv.timestamps, self._tensor(short_term.timestamps)])
-        new = self._history(kv, self.embedding.behaviours(short_term), ts)
-        return self._score(kv, new, ts, candidates, request_ts)
+        validate_behaviours(more, self.cfg, "long_term")
+        total = kv.num_tokens + len(more)
+        if total > self.cfg.max_history_tokens:
+            raise InvalidInput(
+                f"extended prefix would have {total} tokens, over the limit of "
+                f"{self.cfg.max_history_tokens}"
+            )
+        ts = torch.cat([kv.timestamps, self._tensor(more.timestamps)])
+        return _Run(kv, self.embedding.behaviours(more), ts)
 
     # ----------------------------------------------------------------------------------------
-    # The one pass every entry point shares
+    # The one pass every entry point shares, over a batch of users
 
-    def _history(self, past: PrefixKV | None, x: torch.Tensor, ts: torch.Tensor) -> _Keys:
-        """K/V at every layer of new history tokens `x` that follow the cached `past`.
+    def _history(self, runs: Sequence["_Run"]) -> list[_Keys]:
+        """K/V at every layer of each run's new history tokens, which follow its cached past.
 
-        `ts` holds the timestamps of past and new tokens. New tokens run in query blocks; each
-        block passes through every layer before the next starts (block-outer order keeps the
-        bias of a block computed once for all layers, and is exactly chunked prefill).
+        Runs advance in lockstep by query block: block j of every run that has one passes
+        through every layer before block j + 1 starts (block-outer order keeps the bias of a
+        block computed once for all layers, and is exactly chunked prefill). The projections
+        and feed-forward layers take the rows of all runs at once; attention is per run,
+        against its own past and its own new tokens only (jagged blocks: nothing padded).
         """
         cfg = self.cfg
-        n_past, n_new = (past.num_tokens if past else 0), int(x.shape[0])
-        width = (cfg.num_heads, n_new)
-        keys = [x.new_empty(*width, cfg.d_qk) for _ in self.layers]
-        values = [x.new_empty(*width, cfg.d_v) for _ in self.layers]
-        past_keys = self._compute_view(past)
         block, last = cfg.attention_block, len(self.layers) - 1
-        table = self.bias.position_table(n_past + n_new, pad=block)
-        for start in range(0, n_new, block):
-            stop = min(start + block, n_new)
-            first = n_past + start
-            bias = self.bias.block(
-                table, block, first, ts[first : n_past + stop], ts[: n_past + stop]
+        out: list[_Keys] = []
+        for run in runs:
+            width = (cfg.num_heads, run.n_new)
+            out.append(
+                _Keys(
+                    [run.x.new_empty(*width, cfg.d_qk) for _ in self.layers],
+                    [run.x.new_empty(*width, cfg.d_v) for _ in self.layers],
+                )
             )
-            counts = key_counts(first, n_past + stop, x)
-            h = x[start:stop]
+        pasts = [self._compute_view(run.past) for run in runs]
+        tables = [self.bias.position_table(run.n_past + run.n_new, pad=block) for run in runs]
+        for start in range(0, max((run.n_new for run in runs), default=0), block):
+            active = [i for i, run in enumerate(runs) if run.n_new > start]
+            spans, biases, counts, rows = [], [], [], []
+            offset = 0
+            for i in active:
+                run = runs[i]
+                stop = min(start + block, run.n_new)
+                first = run.n_past + start
+                biases.append(
+                    self.bias.block(
+                        tables[i], block, first, run.ts[first : run.n_past + stop],
+                        run.ts[: run.n_past + stop],
+                    )
+                )  # fmt: skip
+                rows.append(run.x[start:stop])
+                counts.append(key_counts(first, run.n_past + stop, run.x))
+                spans.append((offset, offset + stop - start, stop))
+                offset += stop - start
+            h = _rows(rows)
+            count = _rows(counts)
             for index, layer in enumerate(self._hstu_layers()):
                 u, v, q, k = layer.project(h)
-                keys[index][:, start:stop] = k
-                values[index][:, start:stop] = v
+                for i, (lo, hi, stop) in zip(active, spans, strict=True):
+                    out[i].keys[index][:, start:stop] = k[:, lo:hi]
+                    out[i].values[index][:, start:stop] = v[:, lo:hi]
                 if index == last:
                     break  # the last layer's outputs of history tokens feed nothing
-                out = torch.zeros_like(v)
-                if n_past:
-                    attend(out, q, past_keys.keys[index], past_keys.values[index], bias[:, :n_past])
-                attend(
-                    out,
-                    q,
-                    keys[index][:, :stop],
-                    values[index][:, :stop],
-                    bias[:, n_past:],
-                    causal_from=start,
-                )
-                h = layer.finish(h, u, out.div_(counts[:, None]))
-        return _Keys(keys, values)
+                attention = torch.zeros_like(v)
+                for i, bias, (lo, hi, stop) in zip(active, biases, spans, strict=True):
+                    n_past, mine, query = runs[i].n_past, attention[:, lo:hi], q[:, lo:hi]
+                    if n_past:
+                        past = pasts[i]
+                        attend(mine, query, past.keys[index], past.values[index], bias[:, :n_past])
+                    attend(
+                        mine,
+                        query,
+                        out[i].keys[index][:, :stop],
+                        out[i].values[index][:, :stop],
+                        bias[:, n_past:],
+                        causal_from=start,
+                    )
+                h = layer.finish(h, u, attention.div_(count[:, None]))
+        return out
 
-    def _score(
-        self,
-        past: PrefixKV | None,
-        new: _Keys,
-        ts: torch.Tensor,
-        candidates: Int64Array,
-        request_ts: int,
-    ) -> torch.Tensor:
-        """Candidates attend to every history token and to themselves; [tasks, C] scores."""
-        n_past = past.num_tokens if past else 0
-        n_history = n_past + new.length
-        past_keys = self._compute_view(past)
-        table = self.bias.position_table(n_history, pad=0)
-        row = self.bias.block(table, 0, n_history, ts.new_full((1,), request_ts), ts)[0]
+    def _score(self, items: Sequence["_Scored"]) -> list[torch.Tensor]:
+        """Candidates attend to every history token of their own user and to themselves;
+        [tasks, C] scores per item. Rows of all items share the projections and feed-forward
+        layers; attention to a history is per item."""
+        if not items:
+            return []
+        rows, counts, spans, biases, pasts = [], [], [], [], []
+        offset = 0
+        for item in items:
+            n_history = item.n_past + item.new.length
+            table = self.bias.position_table(n_history, pad=0)
+            ts = item.ts
+            biases.append(
+                self.bias.block(table, 0, n_history, ts.new_full((1,), item.request_ts), ts)[0]
+            )
+            embedded = self.embedding.candidates(item.candidates)
+            rows.append(embedded)
+            # Every candidate sits at position n_history: the history and itself.
+            counts.append(key_counts(n_history, n_history + 1, embedded).expand(len(embedded)))
+            spans.append((offset, offset + len(embedded)))
+            offset += len(embedded)
+            pasts.append(self._compute_view(item.past))
         self_bias = self.bias.position_weight[0] + self.bias.time_weight[0]
-        h = self.embedding.candidates(candidates)
-        counts = key_counts(n_history, n_history + 1, h)  # the history and itself
+        h = _rows(rows)
+        count = _rows(counts)
         for index, layer in enumerate(self._hstu_layers()):
             u, v, q, k = layer.project(h)
-            out = attend_self(q, k, v, self_bias)
-            if n_past:
-                attend(out, q, past_keys.keys[index], past_keys.values[index], row[:n_past])
-            if new.length:
-                attend(out, q, new.keys[index], new.values[index], row[n_past:])
-            h = layer.finish(h, u, out.div_(counts[:, None]))
-        return torch.sigmoid(self.task_head(self.final_norm(h))).T.contiguous()
+            attention = attend_self(q, k, v, self_bias)
+            for item, past, row, (lo, hi) in zip(items, pasts, biases, spans, strict=True):
+                n_past, mine, query = item.n_past, attention[:, lo:hi], q[:, lo:hi]
+                if n_past:
+                    attend(mine, query, past.keys[index], past.values[index], row[:n_past])
+                if item.new.length:
+                    attend(mine, query, item.new.keys[index], item.new.values[index], row[n_past:])
+            h = layer.finish(h, u, attention.div_(count[:, None]))
+        scores = torch.sigmoid(self.task_head(self.final_norm(h)))
+        return [scores[lo:hi].T.contiguous() for lo, hi in spans]
 
     # ----------------------------------------------------------------------------------------
     # Helpers

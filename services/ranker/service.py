@@ -290,6 +290,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 reload_ms_per_mb=cost.reload_ms_per_mb,
                 median_abs_rel_error=cost.median_abs_rel_error,
                 samples=cost.samples,
+                batch_saving_ms=cost.batch_saving_ms,
+                batch_samples=cost.batch_samples,
                 **self._transfer_cost(engine),
             ),
             relay_enabled=engine.settings.relay_enabled,

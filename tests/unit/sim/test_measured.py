@@ -39,6 +39,8 @@ def info(instance: str = "ranker-0", per_token_ms: float = 0.16) -> ranker_pb2.R
             reload_ms_per_mb=0.5,
             median_abs_rel_error=0.02,
             samples=12,
+            batch_saving_ms=1.5,
+            batch_samples=6,
         ),
         relay_enabled=True,
         intra_op_threads=1,
@@ -48,7 +50,7 @@ def info(instance: str = "ranker-0", per_token_ms: float = 0.16) -> ranker_pb2.R
 def test_describe_becomes_a_measured_profile() -> None:
     profile = profile_of(info(), "127.0.0.1:4242", WHEN)
     assert profile.kind == "measured"
-    assert profile.cost == CostModel(6.0, 0.16, 7e-5, 2e-4, 0.5, 0.02, 12)
+    assert profile.cost == CostModel(6.0, 0.16, 7e-5, 2e-4, 0.5, 0.02, 12, 1.5, 6)
     assert profile.device_tier_bytes == 128 * MIB  # the budget, not what is used
     assert profile.host_tier_bytes == 512 * MIB
     assert profile.kv_bytes_per_token == 6152  # K, V and the timestamp

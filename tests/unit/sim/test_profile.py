@@ -45,7 +45,8 @@ SECTIONS = "expected one of ['cost', 'latency', 'memory']"
 TOP_KEYS = "expected one of name, description, kind, sources, assumptions"
 COST_KEYS = (
     "expected one of fixed_ms, per_token_ms, per_pair_ms, per_candidate_key_ms, "
-    "reload_ms_per_mb, median_abs_rel_error, samples, utilisation"
+    "reload_ms_per_mb, median_abs_rel_error, samples, utilisation, "
+    "batch_saving_ms, batch_samples"
 )
 NUMBER = "must be a finite number >= 0, got"
 
@@ -73,7 +74,15 @@ def _profile(**changes: Any) -> DeviceProfile:
     profile = DeviceProfile(
         name="edge",
         cost=CostModel(
-            1.25, 1e-3, 3.974e-7, 0.1 + 0.2, 0.02097, median_abs_rel_error=0.14, samples=9
+            1.25,
+            1e-3,
+            3.974e-7,
+            0.1 + 0.2,
+            0.02097,
+            median_abs_rel_error=0.14,
+            samples=9,
+            batch_saving_ms=0.1 + 0.7,
+            batch_samples=4,
         ),
         device_tier_bytes=40 * 1024 * MIB + 12345,
         host_tier_bytes=3,
