@@ -32,7 +32,6 @@ from relaygr.sim.ranker import (
 from relaygr.sim.workload import Visit
 from relaygr.versions import choose_version, live_versions
 from services.ranker.config import RankerConfig
-from services.ranker.engine import EngineSettings
 from services.ranker.scheduler import Priority
 from services.router.config import RouterConfig
 from services.router.forward import CallFailed, Forwarder, Method, RelayHint, Route, Served
@@ -65,15 +64,6 @@ class FleetSettings:
             plaintext=True, slo_ms=slo_ms, margin_ms=margin_ms, expected_gap_ms=gap_ms
         )
         return cls(rankers=rankers, trigger=trigger, gap_s=gap_ms / 1e3, triggers=triggers)
-
-    def engine(self) -> EngineSettings:
-        r = self.ranker
-        return EngineSettings(
-            relay_enabled=r.relay_enabled,
-            relay_window_s=r.relay_window_ms / 1e3,
-            prefill_chunk_tokens=r.prefill_chunk_tokens,
-            max_relay_window_s=r.max_relay_window_ms / 1e3,
-        )
 
 
 @dataclass(slots=True)
@@ -108,7 +98,7 @@ def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
         instance,
         fleet.loop,
         fleet.profile,
-        fleet.settings.engine(),
+        fleet.settings.ranker.core_settings(),
         {Priority.RANK: cfg.max_queued_ranks, Priority.BACKGROUND: cfg.max_queued_prefills},
         cfg.dram_ttl_s,
         random.Random(fleet.rng.getrandbits(64)),

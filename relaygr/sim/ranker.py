@@ -20,8 +20,8 @@ from relaygr.room import RoomReport
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
 from relaygr.sim.workload import Visit
+from services.ranker.core_types import CoreSettings
 from services.ranker.digest import PrefixDigest
-from services.ranker.engine import EngineSettings
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.plan import (
@@ -173,7 +173,7 @@ class SimRanker:
         instance_id: str,
         loop: EventLoop,
         profile: DeviceProfile,
-        settings: EngineSettings,
+        settings: CoreSettings,
         max_queued: dict[Priority, int],
         dram_ttl_s: float,
         rng: random.Random,

@@ -11,7 +11,7 @@ from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
 from services.ranker.handoff import HandoffStats
 from services.ranker.kv_store import Drop, Tier
 from services.ranker.outcomes import FetchResult
-from services.ranker.scheduler import Priority
+from services.ranker.queues import Priority
 from services.ranker.transfer import Refusal
 
 # Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
@@ -198,7 +198,7 @@ class RankerMetrics:
             "relaygr_ranker_queue_depth",
             "Compute jobs waiting for the worker, by priority",
             ["priority"],
-            {(p.name.lower(),): engine.scheduler.depth(p) for p in Priority},
+            {(p.name.lower(),): engine.queues.depth(p) for p in Priority},
         )
         cost = engine.cost_model
         yield gauge(
@@ -219,7 +219,7 @@ class RankerMetrics:
             "Predicted compute time of the background prefill queued or running (the cost "
             "model's), which a PreInfer admitted now would wait behind if its Rank is due later",
             [],
-            {(): engine.scheduler.queued_background_ms() / 1e3},
+            {(): engine.queues.queued_background_ms() / 1e3},
         )
         if engine.peer_fetch is not None:
             yield counter(

@@ -281,7 +281,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             ),
             relay_enabled=engine.settings.relay_enabled,
             intra_op_threads=torch.get_num_threads(),
-            queued_prefill_ms=engine.scheduler.queued_background_ms(),
+            queued_prefill_ms=engine.queues.queued_background_ms(),
         )
 
     @staticmethod

@@ -26,7 +26,7 @@ from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.observer import Origin, Work
 from services.ranker.outcomes import FetchResult
 from services.ranker.plan import Costed, Held, Source, cheapest
-from services.ranker.scheduler import ComputeScheduler, Priority
+from services.ranker.queues import Priority
 from services.ranker.transfer import Receiver, encode
 from services.ranker.transfer_cost import TransferLearner, TransferSample, fit_transfer_cost
 from tests.unit.ranker.factories import prefix, rank_input
@@ -126,15 +126,14 @@ def fetching_engine(
         int(hbm_prefixes * KV_BYTES), 8 * KV_BYTES, dram_ttl=600.0, clock=clock,
         to_host=lambda kv: kv.to("cpu"),
     )  # fmt: skip
-    scheduler = ComputeScheduler({Priority.RANK: 64, Priority.BACKGROUND: 64}, clock=clock)
     settings = EngineSettings(True, relay_window_s=30.0, prefill_chunk_tokens=64)
     observer = Observed()
     fetch = PeerFetch(peers, FetchSettings(cap_s=0.05), transfer, learn=False)
-    scheduler.start()
+    engine = RankerEngine(MODEL, store, cost, settings, observer, fetch, clock=clock)
     try:
-        yield RankerEngine(MODEL, store, scheduler, cost, settings, observer, fetch), observer
+        yield engine, observer
     finally:
-        scheduler.stop()
+        engine.stop()
 
 
 # -- the decision (pure) --------------------------------------------------------------------
@@ -317,7 +316,7 @@ def test_ranks_joining_a_failing_fetch_compute_once_at_rank_priority(
     with fetching_engine(peers) as (engine, observer):
 
         async def scenario() -> list[object]:
-            gate = Gate(engine.scheduler)  # the fallback stays queued until the gate opens
+            gate = Gate(engine)  # the fallback stays queued until the gate opens
             await gate.wait_entered()
             peers.release = asyncio.Event()
             pre = asyncio.create_task(engine.pre_infer(request.prefix, None, None))
@@ -327,7 +326,7 @@ def test_ranks_joining_a_failing_fetch_compute_once_at_rank_priority(
             for _ in range(10):
                 await asyncio.sleep(0)
             peers.release.set()
-            while not engine.scheduler.depth(Priority.RANK):
+            while not engine.queues.depth(Priority.RANK):
                 await asyncio.sleep(0)  # the fallback was lifted: a Rank waits on it
             gate.open()
             return [await pre, *await asyncio.gather(*ranks)]

@@ -13,6 +13,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,10 +27,10 @@ from relaygr.sim.profile import DeviceProfile
 from relaygr.sim.ranker import MemoryUse, PreInferReply, RankReply, Status, status_of
 from relaygr.sim.workload import Visit, visits_of
 from services.ranker.config import RankerConfig
-from services.ranker.engine import RankerEngine
+from services.ranker.engine import Executor, RankerEngine
 from services.ranker.kv_store import KVStore, Tier
 from services.ranker.model import RankingModel
-from services.ranker.scheduler import ComputeScheduler, Job, Priority
+from services.ranker.queues import Job
 from services.trigger.config import Mode, TriggerConfig
 from tests.unit.ranker.factories import tiny_config
 
@@ -76,10 +77,10 @@ class Clock:
         self.now = max(self.now, now)
 
 
-def virtual_steps(clock: Clock) -> Callable[[Job], None]:
-    def run(job: Job) -> None:
+def virtual_steps(clock: Clock) -> Executor:
+    def run(job: Job, step: Callable[[], Any]) -> Any:
         clock.now += job.next_step_ms / 1e3
-        next(job.steps)
+        return step()
 
     return run
 
@@ -102,17 +103,14 @@ class EngineRanker:
             PROFILE.device_tier_bytes, PROFILE.host_tier_bytes, 600.0, self.clock,
             lambda kv: kv.to("cpu"),
         )  # fmt: skip
-        scheduler = ComputeScheduler(
-            {Priority.RANK: 64, Priority.BACKGROUND: 256},
-            clock=self.clock,
+        self.engine = RankerEngine(
+            MODEL, store, COST, self.fleet.settings.ranker.core_settings(), clock=self.clock,
             executor=virtual_steps(self.clock),
-        )
-        scheduler.start()
-        self.engine = RankerEngine(MODEL, store, scheduler, COST, self.fleet.settings.engine())
+        )  # fmt: skip
 
     def room(self) -> RoomReport:
         usage = self.engine.store.usage(Tier.HBM)
-        queued = self.engine.scheduler.queued_background_ms()
+        queued = self.engine.queues.queued_background_ms()
         return RoomReport(usage.pinned_bytes, usage.budget_bytes, queued)
 
     def memory(self) -> MemoryUse:
@@ -156,7 +154,7 @@ class EngineRanker:
         self.alive = False
 
     def stop(self) -> None:
-        self.engine.scheduler.stop()
+        self.engine.stop()
 
 
 @pytest.fixture
