@@ -43,7 +43,7 @@ from services.ranker.core_types import (
     work_of,
 )
 from services.ranker.digest import ModelVersion
-from services.ranker.handoff_order import Candidate, value_order
+from services.ranker.handoff_order import Candidate, Declined, admit_received, value_order
 from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
 from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, cheapest, sooner
@@ -208,6 +208,17 @@ class RankerCore(Generic[KV]):
         """The entry held under exactly `key` (HBM first, else its host copy), for a peer that
         missed it or a hand-off; a peek: its LRU place, pin and tier stay."""
         return self.store.peek_any(key)
+
+    def use_mark(self) -> int:
+        """The store's use count now: `receive` displaces only entries idle since a mark."""
+        return self.store.use_mark()
+
+    def receive(
+        self, key: CacheKey, kv: KV, origin: Origin | None, idle_before: int
+    ) -> Tier | Declined:
+        """A prefix handed off by a draining peer: stored unpinned, or why not
+        (`handoff_order.admit_received`)."""
+        return admit_received(self.store, key, kv, origin, idle_before, self.computing)
 
     def handoff_order(self) -> list[Candidate]:
         """Every held prefix, most valuable first (`handoff.value_order`), for a drain."""

@@ -11,6 +11,7 @@ import torch
 
 from relaygr.behaviours import UserId
 from services.ranker.handoff import HandoffStats
+from services.ranker.handoff_order import Declined, admit_received
 from services.ranker.kv_store import CacheKey, KVStore
 from services.ranker.model_config import ModelConfig
 from services.ranker.observer import Origin
@@ -109,19 +110,10 @@ class HandoffIntake:
                 self._refuse(header, got)
             return
         key = header.key
-        tier = self._store.tier_of(key)
-        if tier is None:
-            if self._computing(key):
-                self._refuse(header, Refusal.COMPUTING)
-                return
-            if self._store.user_keys(key.user_id, key.model_version):
-                self._refuse(header, Refusal.HELD)
-                return
-            tier = self._store.put_received(
-                key, got, self._origin_of(header.origin_traceparent), self._mark
-            )
-        if tier is None:
-            self._refuse(header, Refusal.NO_ROOM)
+        origin = self._origin_of(header.origin_traceparent)
+        tier = admit_received(self._store, key, got, origin, self._mark, self._computing)
+        if isinstance(tier, Declined):
+            self._refuse(header, Refusal(tier.value))
             return
         self.report.admitted += 1
         self.report.admitted_bytes += header.nbytes

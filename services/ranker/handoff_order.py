@@ -1,9 +1,12 @@
-"""Which held prefixes a draining ranker hands off first: pure, for the core and the sender."""
+"""Hand-off decisions, pure: which held prefixes a draining ranker sends first, and whether a
+receiving ranker stores one. The core, the gRPC sender and intake, and the simulator use them."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
-from services.ranker.kv_store import CacheKey, Tier
+from services.ranker.kv_store import KV, CacheKey, KVStore, Tier
+from services.ranker.outcomes import Origin
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +39,33 @@ def value_order(candidates: Iterable[Candidate]) -> list[Candidate]:
             seen.add(c.key)
             unique.append(c)
     return unique
+
+
+class Declined(StrEnum):
+    """Why a handed-off entry is not stored (the receiving side's decision)."""
+
+    COMPUTING = "computing"  # this ranker is computing that prefix itself
+    HELD = "held"  # it holds another prefix of the user: its own is kept (it may be newer)
+    NO_ROOM = "no_room"  # the tiers cannot take it without displacing entries in use
+
+
+def admit_received(
+    store: KVStore[KV],
+    key: CacheKey,
+    kv: KV,
+    origin: Origin | None,
+    idle_before: int,
+    computing: Callable[[CacheKey], bool],
+) -> Tier | Declined:
+    """Store a handed-off entry unpinned (`KVStore.put_received`: displacing only entries idle
+    since `idle_before`) and say in which tier; an entry whose key is held already counts as
+    admitted where it is, and is not stored twice."""
+    tier = store.tier_of(key)
+    if tier is not None:
+        return tier
+    if computing(key):
+        return Declined.COMPUTING
+    if store.user_keys(key.user_id, key.model_version):
+        return Declined.HELD
+    tier = store.put_received(key, kv, origin, idle_before)
+    return Declined.NO_ROOM if tier is None else tier
