@@ -228,7 +228,9 @@ class SimRanker:
         dram_ttl_s: float,
         rng: random.Random,
         fetch: SimFetch | None = None,
+        record: Callable[[Action], None] | None = None,
     ) -> None:
+        """`record`: sees the core's every action (`RankerCore`)."""
         self.instance_id = instance_id
         self.loop = loop
         self.profile = profile
@@ -250,6 +252,7 @@ class SimRanker:
             held,
             loop.clock,
             peers=None if fetch is None else _Peers(fetch, instance_id),
+            record=record,
         )
         self.alive = True
         self.busy_s = 0.0  # virtual seconds the worker computed

@@ -13,7 +13,6 @@ from typing import Any, Generic, Protocol
 
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from services.ranker.chunks import extension_spans, prefill_spans
 from services.ranker.core_types import (
     KV,
     Action,
@@ -155,9 +154,11 @@ class RankerCore(Generic[KV]):
         observe: Observer | None = None,
         peers: PeerPlanner | None = None,
         wall_ns: Callable[[], int] = lambda: 0,
+        record: Callable[[Action], None] | None = None,
     ) -> None:
         """`kv_bytes_per_token`: what a prefix token holds; `held_of`: a cached prefix's sizes
-        and whether it is on the device; `wall_ns`: the wall clock, for tracing times only."""
+        and whether it is on the device; `wall_ns`: the wall clock, for tracing times only;
+        `record`: sees every action, in order (a log that tests compare across drivers)."""
         self.store = store
         self.cost_model = cost_model
         self.settings = settings
@@ -176,6 +177,7 @@ class RankerCore(Generic[KV]):
         self._running: Job | None = None
         self.draining = False
         self._actions: list[Action] = []
+        self._record = record
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -301,7 +303,7 @@ class RankerCore(Generic[KV]):
         self._running = None
         job.seconds += seconds
         ms = job.next_step_ms
-        if job.steps_run + 1 < _steps(job.spec):
+        if job.steps_run + 1 < len(job.step_ms):  # one prediction per step; a scoring job one
             job.partial = result
             self.queues.stepped(job, ms)
             return self._flush()
@@ -762,20 +764,7 @@ class RankerCore(Generic[KV]):
 
     def _flush(self) -> list[Action]:
         actions, self._actions = self._actions, []
+        if self._record is not None:
+            for action in actions:
+                self._record(action)
         return actions
-
-
-def steps_of(spec: Spec) -> int:
-    """How many steps a job of `spec` takes."""
-    if isinstance(spec, Prefill):
-        behaviours = spec.prefix.behaviours
-        return len(prefill_spans(spec.prefix.user_features, behaviours, spec.chunk))
-    if isinstance(spec, Extend):
-        spans = extension_spans(
-            spec.prefix.user_features, spec.base_behaviours, spec.prefix.behaviours, spec.chunk
-        )
-        return 1 + len(spans)
-    return 1
-
-
-_steps = steps_of

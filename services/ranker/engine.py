@@ -161,8 +161,10 @@ class RankerEngine:
         peer_fetch: PeerFetch | None = None,
         clock: Callable[[], float] = time.monotonic,
         executor: Executor = _direct,
+        record: Callable[[Action], None] | None = None,
     ) -> None:
-        """`observer` None: nothing observed; `peer_fetch` None: a miss is never fetched."""
+        """`observer` None: nothing observed; `peer_fetch` None: a miss is never fetched;
+        `record`: sees the core's every action (`RankerCore`)."""
         self.model = model
         self.settings = settings
         self.peer_fetch = peer_fetch
@@ -179,6 +181,7 @@ class RankerEngine:
             self._observe,
             peer_fetch,
             time.time_ns,
+            record,
         )
         self.worker = ComputeWorker(on_idle=self._idle_from_worker)
         self._executor = executor
