@@ -19,6 +19,7 @@ from services.ranker.core_types import (
     Answer,
     Computed,
     CoreSettings,
+    CoreStats,
     Extend,
     FullForward,
     JobEnd,
@@ -197,6 +198,17 @@ class RankerCore(Generic[KV]):
         """Jobs queued or running."""
         running = 0 if self._running is None else 1
         return running + sum(self.queues.depth(p) for p in Priority)
+
+    def stats(self) -> CoreStats:
+        """A snapshot for the metrics and Describe (reading changes nothing)."""
+        return CoreStats(
+            {tier: self.store.usage(tier) for tier in Tier},
+            self.store.stats,
+            {p: self.queues.depth(p) for p in Priority},
+            self.queues.queued_background_ms(),
+            len(self.flights),
+            self.cost_model,
+        )
 
     def key(self, prefix: PrefixRef) -> CacheKey:
         return CacheKey(prefix.user_id, self.model_version, prefix.digest)

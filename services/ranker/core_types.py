@@ -6,8 +6,9 @@ from enum import StrEnum
 from typing import Any, Generic, NewType, Protocol, TypeVar
 
 from relaygr.behaviours import UserId
+from relaygr.cost import CostModel
 from services.ranker.digest import PrefixDigest
-from services.ranker.kv_store import Cached, CacheKey
+from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
 from services.ranker.queues import Job, Priority
 
@@ -220,6 +221,19 @@ class RankServed:
 
 
 Observation = JobEnded[Any] | Computed | PreInferServed[Any] | RankServed
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    """What a ranker core holds and has done, as of the last event (reading it changes
+    nothing: expiry happens on `RankerCore.tick`); the metrics and Describe read it by attribute."""
+
+    tiers: dict[Tier, TierUsage]
+    kv: KVStats  # counters since start
+    queue_depth: dict[Priority, int]  # jobs waiting for the worker
+    queued_background_ms: float  # predicted compute of background work queued or running
+    inflight: int  # prefix computations, reloads and fetches
+    cost_model: CostModel  # the one decisions use now
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from services.ranker.core_types import (
     Answer,
     Computed,
     CoreSettings,
+    CoreStats,
     Extend,
     FullForward,
     JobEnd,
@@ -224,6 +225,14 @@ class RankerEngine:
         for a peer that missed it; None when neither tier holds it (a peek)."""
         entry = self.core.held_for_peer(key)
         return None if entry is None else (entry.kv, entry.origin)
+
+    def stats(self) -> CoreStats:
+        """The core's typed snapshot (`RankerCore.stats`)."""
+        return self.core.stats()
+
+    def tick(self) -> None:
+        """Time passed: relays past their window and stale host copies go (`RankerCore.tick`)."""
+        self._apply(self.core.tick())
 
     def key(self, prefix: Prefix) -> CacheKey:
         """The cache key of `prefix` on this ranker."""

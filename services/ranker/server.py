@@ -54,6 +54,7 @@ from services.ranker.transfer import CHUNK_BYTES
 
 _log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
+TICK_S = 1.0  # how often the ranker's core hears that time passed (expiry of pins and copies)
 
 
 def load_model(cfg: RankerConfig) -> RankingModel:
@@ -183,6 +184,14 @@ async def keep_learning(
                 await ranker.mesh.cluster.register(record(model), cfg.lease_ttl_s)
 
 
+async def keep_ticking(engine: RankerEngine, interval_s: float = TICK_S) -> None:
+    """Tell the engine time passed every `interval_s`: relays past their window are released
+    and stale host copies dropped even while no request comes (the metrics then read them)."""
+    while True:
+        await asyncio.sleep(interval_s)  # a period, not a synchronisation
+        engine.tick()
+
+
 def peer_fetch(
     cfg: RankerConfig,
     mesh: MeshLink,
@@ -222,6 +231,7 @@ class RankerServer:
     mesh: MeshLink | None = None
     metrics_server: MetricsServer | None = None
     learning: "asyncio.Task[None] | None" = None  # refits the cost model from served work
+    ticking: "asyncio.Task[None] | None" = None  # the engine's clock tick (expiry)
     peer_pool: RankerPool | None = None  # channels to the peers this ranker fetches from
     handoff: HandoffSender | None = None  # None: a drain hands nothing off
 
@@ -243,11 +253,12 @@ class RankerServer:
         Landing and the final compute are not bounded by `grace_s`: queued compute is
         finished, then the server's stop bounds the RPCs still waiting on it.
         """
-        if self.learning is not None:
-            self.learning.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.learning
-            self.learning = None
+        for task in (self.learning, self.ticking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.learning = self.ticking = None
         if self.engine is not None:
             await self.engine.drain()  # no new PreInfer from here on; Ranks are still served
             if self.handoff is not None and self.mesh is not None:
@@ -280,6 +291,11 @@ class RankerServer:
             )  # fmt: skip
 
     async def close(self) -> None:
+        if self.ticking is not None:  # stopped without a drain
+            self.ticking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.ticking
+            self.ticking = None
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
@@ -361,6 +377,7 @@ async def start_ranker(
         peer_fetch=fetch,
     )  # fmt: skip
     metrics.engine = ranker.engine
+    ranker.ticking = asyncio.create_task(keep_ticking(ranker.engine))
     handoff_stats = metrics.handoff = HandoffStats()
     servicer.handoff = HandoffReceiving(
         handoff_stats,

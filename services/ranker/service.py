@@ -234,10 +234,11 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
     ) -> ranker_pb2.RankerInfo:
         engine = self.engine
         cfg = engine.model.cfg
-        cost = engine.cost_model
+        core = engine.stats()
+        cost = core.cost_model
 
         def usage(tier: Tier) -> ranker_pb2.TierUsage:
-            u = engine.store.usage(tier)
+            u = core.tiers[tier]
             return ranker_pb2.TierUsage(
                 budget_bytes=u.budget_bytes,
                 used_bytes=u.used_bytes,
@@ -281,7 +282,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             ),
             relay_enabled=engine.settings.relay_enabled,
             intra_op_threads=torch.get_num_threads(),
-            queued_prefill_ms=engine.queues.queued_background_ms(),
+            queued_prefill_ms=core.queued_background_ms,
         )
 
     @staticmethod

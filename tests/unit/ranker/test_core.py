@@ -427,3 +427,19 @@ def test_a_refitted_cost_model_decides_from_then_on() -> None:
     core.cost_model_refitted(replace(COST, reload_ms_per_mb=1e9))  # reloading is now dear
     d.rank(R(a))
     assert [type(j.spec) for j in d.run()] == [Prefill, Score]
+
+
+def test_reading_the_stats_changes_nothing_and_a_tick_expires_relays() -> None:
+    core, d, clock = make()
+    _rid, actions = core.pre_infer(prefix("a"), 1.0, None)
+    d.feed(actions)
+    d.run()
+    clock.now += 2.0  # past the relay window
+    for _ in range(2):
+        stats = core.stats()
+        assert stats.tiers[Tier.HBM].pinned_bytes == 104 * BYTES_PER_TOKEN
+        assert stats.kv.relays_expired_unconsumed == 0
+    d.feed(core.tick())
+    stats = core.stats()
+    assert stats.tiers[Tier.HBM].pinned_bytes == 0
+    assert stats.kv.relays_expired_unconsumed == 1
