@@ -35,7 +35,7 @@ from relaygr.sim.ranker import (
 from relaygr.sim.workload import Visit
 from relaygr.versions import choose_version, live_versions
 from services.ranker.config import RankerConfig
-from services.ranker.handoff import plan
+from services.ranker.handoff import HandoffSettings, plan
 from services.ranker.handoff_order import Declined
 from services.ranker.kv_store import CacheKey
 from services.ranker.peers import fetch_peers
@@ -227,7 +227,7 @@ class Fleet:
         self.stats.handoff_unsent += len(ordered) - sum(len(v) for v in routes.values())
         owner = {c.key: t.instance_id for t, entries in routes.items() for c in entries}
         marks = {t.instance_id: self.rankers[t.instance_id].use_mark() for t in routes}
-        free_at, end = start, start + cfg.handoff_seconds
+        free_at, end = start, start + HandoffSettings.of(cfg).within(cfg.drain_grace_s)
         for c in ordered:
             target = owner.get(c.key)
             if target is None:

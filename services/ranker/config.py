@@ -241,8 +241,3 @@ class RankerConfig(ServiceOptions):
     @property
     def handoff_bytes_per_s(self) -> float:
         return self.handoff_bandwidth_mb_s * MIB
-
-    @property
-    def handoff_seconds(self) -> float:
-        """The hand-off's time budget: `handoff_budget_s`, within `drain_grace_s`."""
-        return min(self.handoff_budget_s, self.drain_grace_s)

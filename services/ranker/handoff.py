@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from relaygr.cluster import RankerRecord
+from services.ranker.config import RankerConfig
 from services.ranker.handoff_order import Candidate, value_order
 from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
 from services.ranker.observer import Origin
 from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.transfer import EntryHeader, Refusal, chunks, encode
+from services.ranker.transfer import CHUNK_BYTES, EntryHeader, Refusal, chunks, encode
 
 _log = logging.getLogger("services.ranker.handoff")
 
@@ -134,10 +135,21 @@ class TargetOutcome:
 
 @dataclass(frozen=True, slots=True)
 class HandoffSettings:
-    budget_s: float
+    budget_s: float  # the configured budget; a drain's grace may cut it (`within`)
     bytes_per_s: float
     max_entries: int
     chunk_bytes: int
+
+    @classmethod
+    def of(cls, cfg: RankerConfig) -> "HandoffSettings":
+        """A ranker configuration's hand-off settings (the server's and the simulator's)."""
+        return cls(cfg.handoff_budget_s, cfg.handoff_bytes_per_s, cfg.handoff_max_entries,
+                   CHUNK_BYTES)  # fmt: skip
+
+    def within(self, grace_s: float | None) -> float:
+        """The hand-off's time budget in a drain of `grace_s` (None: no limit): the one place
+        the budget meets the grace."""
+        return self.budget_s if grace_s is None else min(grace_s, self.budget_s)
 
 
 class HandoffSender:
@@ -180,9 +192,7 @@ class HandoffSender:
         """Hand the held prefixes to their successors in `view`, within `budget_s` (None: the
         configured budget)."""
         start = self._clock()
-        budget = (
-            self._settings.budget_s if budget_s is None else min(budget_s, self._settings.budget_s)
-        )
+        budget = self._settings.within(budget_s)
         deadline = start + budget
         ordered = value_order(candidates(self._store))
         routes = plan(ordered, view, self_id, model_version, self._settings.max_entries)

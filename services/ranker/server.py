@@ -50,7 +50,6 @@ from services.ranker.tracing_observer import (
     origin_from_traceparent,
     origin_traceparent,
 )
-from services.ranker.transfer import CHUNK_BYTES
 
 _log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
@@ -394,11 +393,8 @@ async def start_ranker(
             telemetry.client_interceptors(),
             telemetry.tracer,
         )
-        settings = HandoffSettings(
-            cfg.handoff_seconds, cfg.handoff_bytes_per_s, cfg.handoff_max_entries, CHUNK_BYTES
-        )
         ranker.handoff = HandoffSender(
-            ranker.engine.store, port, settings, handoff_stats, origin_traceparent
+            ranker.engine.store, port, HandoffSettings.of(cfg), handoff_stats, origin_traceparent
         )
     servicer.configure(instance_id, str(loaded.device))
     servicer.attach(ranker.engine)

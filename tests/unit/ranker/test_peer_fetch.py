@@ -70,7 +70,7 @@ class FakePeers:
     fetch until it is set."""
 
     held: dict[CacheKey, Fetched] = field(default_factory=dict)
-    mode: str = "serve"  # serve, not_found, stall, raise, corrupt
+    mode: str = "serve"  # serve, not_found, stall, raise, corrupt, impostor
     peers_of: list[Peer] = field(default_factory=lambda: [PEER])
     calls: list[CacheKey] = field(default_factory=list)
     release: asyncio.Event | None = None
@@ -86,7 +86,7 @@ class FakePeers:
             await asyncio.Event().wait()  # never answers: the fetch's own timeout ends it
         if self.mode == "raise":
             raise ConnectionResetError("peer went away mid-fetch")
-        if self.mode == "corrupt":  # a well-formed entry of another prefix
+        if self.mode in ("corrupt", "impostor"):  # a well-formed entry of another prefix
             other = next(iter(self.held.values()))
             return Fetched(other.kv.to("cpu"), "")
         got = self.held.get(key)
@@ -261,13 +261,16 @@ def test_a_host_copy_is_reloaded_not_fetched(rng: np.random.Generator) -> None:
         ("stall", FetchResult.TIMEOUT),
         ("raise", FetchResult.ERROR),
         ("corrupt", FetchResult.REFUSED),
+        ("impostor", FetchResult.REFUSED),  # another prefix of the very same size
     ],
 )
 def test_a_failed_fetch_computes_the_prefix_exactly(
     rng: np.random.Generator, mode: str, result: FetchResult
 ) -> None:
     request = rank_input(rng, prefix(rng, TOKENS, user_id="moved"))
-    other = prefix(rng, TOKENS + 8, user_id="other")  # what a corrupt peer sends instead
+    # What a corrupt peer sends instead: another size, or (an impostor) the same size, which
+    # only the digest tells apart.
+    other = prefix(rng, TOKENS + (0 if mode == "impostor" else 8), user_id="other")
     other_key, other_entry = produced(other)
     peers = FakePeers({other_key: other_entry}, mode=mode, peers_of=[PEER, Peer("p2", "x:2")])
     with fetching_engine(peers) as (engine, observer):
