@@ -7,9 +7,7 @@ drive this one copy.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Generic, Protocol
+from typing import Any, Generic
 
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
@@ -17,109 +15,38 @@ from services.ranker.core_types import (
     KV,
     Action,
     Answer,
-    Computed,
     CoreSettings,
     CoreStats,
-    Extend,
     FullForward,
     JobEnd,
     JobEnded,
     Observation,
-    Prefill,
     PrefixRef,
     PreInferAnswer,
     PreInferServed,
     RankAnswer,
     RankRef,
     RankServed,
-    Reload,
     RequestId,
     RunStep,
     Score,
     Spec,
     StartFetch,
     Waited,
+    computed_of,
     history_tokens,
     work_of,
 )
 from services.ranker.digest import ModelVersion
+from services.ranker.flight import Flight, FlightState, Pending, Role
 from services.ranker.handoff_order import Candidate, Declined, admit_received, value_order
 from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
-from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, cheapest, sooner
+from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, sooner
+from services.ranker.planner import PeerPlanner, Planner
 from services.ranker.queues import ComputeQueues, Job, Overloaded, Priority
 
 _WORK = {Source.RELOAD: Work.RELOAD, Source.EXTEND: Work.EXTEND, Source.PREFILL: Work.PREFILL}
-
-
-class PeerPlanner(Protocol):
-    """Whom a missing prefix may be fetched from, and the predicted transfer time (no I/O)."""
-
-    def peers(self, key: CacheKey) -> list[Any]: ...
-
-    def transfer_ms(self, nbytes: int) -> float: ...
-
-
-class FlightState(StrEnum):
-    """An in-flight prefix: FETCHING (from a peer; nothing queued) -> landed, or -> COMPUTING
-    (the fallback: as it would have been computed without peers); COMPUTING (its job queued or
-    running, `job.queued` says which) -> landed or failed."""
-
-    FETCHING = "fetching"
-    COMPUTING = "computing"
-
-
-@dataclass(eq=False, slots=True)
-class Flight:
-    """The one computation, reload or fetch of a key; mutated by the core alone."""
-
-    key: CacheKey
-    prefix: PrefixRef
-    state: FlightState
-    source: Source
-    computed_tokens: int  # prefix tokens it computes (0 for a reload or a fetch)
-    pin_for: float | None  # a PreInfer's relay window: it lands pinned (None: a Rank's)
-    due: float | None
-    # What the landed entry records as its origin: the requester, except that a Rank's reload
-    # of a host copy keeps the copy's producer (the content is the same).
-    origin: Origin | None
-    job: Job | None = None  # None while FETCHING
-    taken_over: bool = False  # a Rank restarted this PreInfer's job as its own computation
-    # A fetch's fallback: computed at this priority, by this deadline, should the fetch fail.
-    fallback_priority: Priority = Priority.BACKGROUND
-    fallback_deadline: float | None = None
-    waiters: list[RequestId] = field(default_factory=list)
-    tag: Any = None  # the starting request's
-
-    @property
-    def relay(self) -> bool:
-        return self.pin_for is not None
-
-
-class _Role(StrEnum):
-    STARTED = "started"  # a PreInfer that started the flight
-    JOINED = "joined"  # a PreInfer that found it in flight
-    WAITING = "waiting"  # a Rank waiting for another request's flight
-    OWN = "own"  # a Rank whose own computation the flight is
-    SCORING = "scoring"  # a Rank whose scoring job runs
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    rid: RequestId
-    role: _Role
-    key: CacheKey | None
-    prefix: PrefixRef
-    deadline: float | None
-    window_s: float = 0.0  # a PreInfer's relay window
-    rank: RankRef | None = None
-    outcome: CacheOutcome = CacheOutcome.HBM_HIT
-    computed: int = 0
-    relayed: bool = False
-    own: Origin | None = None
-    consumed: Origin | None = None
-    job: Job | None = None  # its scoring job
-    tag: Any = None
 
 
 Observer = Callable[[Observation], None]
@@ -161,18 +88,16 @@ class RankerCore(Generic[KV]):
         and whether it is on the device; `wall_ns`: the wall clock, for tracing times only;
         `record`: sees every action, in order (a log that tests compare across drivers)."""
         self.store = store
-        self.cost_model = cost_model
         self.settings = settings
         self.model_version = model_version
-        self._bytes_per_token = kv_bytes_per_token
+        self._planner = Planner(store, cost_model, kv_bytes_per_token, held_of, peers)
         self.queues = ComputeQueues(settings.max_queued(), clock)
         self.clock = clock
         self._held_of = held_of
         self._observe = observe or (lambda _: None)
-        self._peers = peers
         self._wall_ns = wall_ns
         self.flights: dict[CacheKey, Flight] = {}
-        self._requests: dict[RequestId, _Request] = {}
+        self._requests: dict[RequestId, Pending] = {}
         self._owner: dict[Job, CacheKey | RequestId] = {}  # a job's flight key or Rank
         self._next_id = 0
         self._running: Job | None = None
@@ -192,7 +117,7 @@ class RankerCore(Generic[KV]):
     def waiting(self, rid: RequestId) -> bool:
         """Whether request `rid` waits for another request's in-flight prefix now."""
         request = self._requests.get(rid)
-        return request is not None and request.role in (_Role.JOINED, _Role.WAITING)
+        return request is not None and request.role in (Role.JOINED, Role.WAITING)
 
     def queued(self) -> int:
         """Jobs queued or running."""
@@ -257,7 +182,7 @@ class RankerCore(Generic[KV]):
         """A PreInfer arrived; `rank_expected_in_s`: when its Rank is expected, from now (None:
         the end of the relay window); `tag`: the driver's, carried by the jobs it causes."""
         rid = self._new_id()
-        request = _Request(rid, _Role.STARTED, None, prefix, deadline, tag=tag)
+        request = Pending(rid, Role.STARTED, None, prefix, deadline, tag=tag)
         try:
             self._pre_infer(request, relay_window_s, rank_expected_in_s, origin)
         except (Unavailable, InvalidInput, ResourceExhausted) as err:
@@ -273,7 +198,7 @@ class RankerCore(Generic[KV]):
     ) -> tuple[RequestId, list[Action]]:
         """A Rank arrived; `origin`: the request as the producer of what it computes."""
         rid = self._new_id()
-        r = _Request(rid, _Role.SCORING, None, request.prefix, deadline, rank=request, own=origin,
+        r = Pending(rid, Role.SCORING, None, request.prefix, deadline, rank=request, own=origin,
                      tag=tag)  # fmt: skip
         self._requests[rid] = r
         try:
@@ -323,7 +248,9 @@ class RankerCore(Generic[KV]):
         job.finished_ns = self._wall_ns()
         job.partial = None
         self.queues.end(job, "done")
-        self._computed(job)
+        computed = computed_of(job, self._held_of)
+        if computed is not None:
+            self._observe(computed)
         self._ended(job, JobEnd.DONE, result)
         return self._flush()
 
@@ -358,9 +285,9 @@ class RankerCore(Generic[KV]):
             if flight.fallback_priority is Priority.BACKGROUND
             else None
         )
-        source, spec, computed, step_ms = self._plan(key, flight.prefix, chunk)
+        source, spec, computed, step_ms = self._planner.plan(key, flight.prefix, chunk)
         if source is Source.RELOAD and not flight.relay:
-            flight.origin = self._reload_origin(key, flight.origin)
+            flight.origin = self._planner.reload_origin(key, flight.origin)
         try:
             job = self._submit(key, source, spec, step_ms, flight.fallback_priority,
                                flight.fallback_deadline, flight.due, flight.tag)  # fmt: skip
@@ -385,15 +312,20 @@ class RankerCore(Generic[KV]):
         self.store.expire()
         return self._flush()
 
+    @property
+    def cost_model(self) -> CostModel:
+        """The compute cost model decisions use now."""
+        return self._planner.cost_model
+
     def cost_model_refitted(self, model: CostModel) -> None:
         """Decide with `model` from now on (the cost learner's refit)."""
-        self.cost_model = model
+        self._planner.cost_model = model
 
     # -- PreInfer --------------------------------------------------------------------------
 
     def _pre_infer(
         self,
-        request: _Request,
+        request: Pending,
         relay_window_s: float | None,
         rank_expected_in_s: float | None,
         origin: Origin | None,
@@ -417,10 +349,10 @@ class RankerCore(Generic[KV]):
             return
         flight = self.flights.get(key)
         if flight is not None:
-            request.role = _Role.JOINED
+            request.role = Role.JOINED
             flight.waiters.append(request.rid)
             return
-        nbytes = (prefix.user_features + prefix.behaviours) * self._bytes_per_token
+        nbytes = self._planner.nbytes(prefix)
         if not self.store.fits_device(nbytes):
             del self._requests[request.rid]
             usage = self.store.usage(Tier.HBM)
@@ -438,7 +370,7 @@ class RankerCore(Generic[KV]):
             raise
         flight.waiters.append(request.rid)
 
-    def _pin(self, request: _Request, outcome: PreInferOutcome) -> None:
+    def _pin(self, request: Pending, outcome: PreInferOutcome) -> None:
         assert request.key is not None
         kv = self.store.get(request.key, Tier.HBM)
         if kv is None or not self.store.put_device(
@@ -455,7 +387,7 @@ class RankerCore(Generic[KV]):
 
     # -- Rank ------------------------------------------------------------------------------
 
-    def _rank(self, r: _Request) -> None:
+    def _rank(self, r: Pending) -> None:
         assert r.rank is not None
         request = r.rank
         if not self.settings.relay_enabled:
@@ -475,32 +407,32 @@ class RankerCore(Generic[KV]):
         flight = self.flights.get(key)
         if flight is not None:
             if self._take_over(key, flight, r.prefix, r.deadline, r.own):
-                r.role = _Role.OWN
+                r.role = Role.OWN
             else:
                 self._hasten(flight, r.deadline)
-                r.role, r.outcome = _Role.WAITING, CacheOutcome.WAITED_INFLIGHT
+                r.role, r.outcome = Role.WAITING, CacheOutcome.WAITED_INFLIGHT
                 r.consumed, r.relayed = flight.origin, flight.relay
             flight.waiters.append(r.rid)
             return
         self._compute_own(r)
 
-    def _compute_own(self, r: _Request) -> None:
+    def _compute_own(self, r: Pending) -> None:
         assert r.key is not None
         flight = self._start(r.key, r.prefix, Priority.RANK, r.deadline, None, r.own, tag=r.tag)
-        r.role = _Role.OWN
+        r.role = Role.OWN
         flight.waiters.append(r.rid)
 
-    def _score_prefix(self, r: _Request, kv: KV) -> None:
+    def _score_prefix(self, r: Pending, kv: KV) -> None:
         assert r.rank is not None
         self._score(r, Score(r.rank, kv), "rank", ())
 
-    def _score(self, r: _Request, spec: Spec, name: str, step_ms: tuple[float, ...]) -> None:
-        r.role = _Role.SCORING
+    def _score(self, r: Pending, spec: Spec, name: str, step_ms: tuple[float, ...]) -> None:
+        r.role = Role.SCORING
         job = self._queue(name, spec, Priority.RANK, r.deadline, None, step_ms, r.tag)
         r.job = job
         self._owner[job] = r.rid
 
-    def _scored(self, r: _Request, scores: Any) -> None:
+    def _scored(self, r: Pending, scores: Any) -> None:
         assert r.rank is not None
         if r.key is not None:
             self.store.consume(r.key)
@@ -524,18 +456,18 @@ class RankerCore(Generic[KV]):
         """The cheapest way to make `key` device-resident, as the key's one flight. Background
         work runs in chunks, so that ranks overtake it; rank work in one call."""
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
-        peers = self._fetch_peers(key)
-        source, spec, computed, step_ms = self._plan(key, prefix, chunk, peers)
+        peers = self._planner.fetch_peers(key)
+        source, spec, computed, step_ms = self._planner.plan(key, prefix, chunk, peers)
         if source is Source.FETCH:
             flight = Flight(key, prefix, FlightState.FETCHING, source, 0, pin_for, due, origin)
             flight.tag = tag
             flight.fallback_priority, flight.fallback_deadline = priority, deadline
             self.flights[key] = flight
-            nbytes = (prefix.user_features + prefix.behaviours) * self._bytes_per_token
+            nbytes = self._planner.nbytes(prefix)
             self._actions.append(StartFetch(key, tuple(peers), nbytes, prefix.user_features))
             return flight
         if source is Source.RELOAD and pin_for is None:
-            origin = self._reload_origin(key, origin)
+            origin = self._planner.reload_origin(key, origin)
         job = self._submit(key, source, spec, step_ms, priority, deadline, due, tag)
         flight = Flight(key, prefix, FlightState.COMPUTING, source, computed, pin_for, due,
                         origin, job, tag=tag)  # fmt: skip
@@ -589,7 +521,7 @@ class RankerCore(Generic[KV]):
         job = flight.job
         if job is None or job.priority is not Priority.BACKGROUND:
             return False
-        source, spec, computed, step_ms = self._plan(key, prefix, None)
+        source, spec, computed, step_ms = self._planner.plan(key, prefix, None)
         if not sooner(sum(step_ms), job.remaining_ms) or not self.queues.restart(
             job, spec, step_ms, deadline
         ):
@@ -597,7 +529,7 @@ class RankerCore(Generic[KV]):
         flight.source, flight.computed_tokens = source, computed
         flight.pin_for, flight.taken_over = None, True
         if source is Source.RELOAD:
-            flight.origin = self._reload_origin(key, origin)
+            flight.origin = self._planner.reload_origin(key, origin)
         return True
 
     def _hasten(self, flight: Flight, deadline: float | None) -> None:
@@ -610,63 +542,6 @@ class RankerCore(Generic[KV]):
         if deadline is not None:
             old = flight.fallback_deadline
             flight.fallback_deadline = deadline if old is None else min(old, deadline)
-
-    def _reload_origin(self, key: CacheKey, origin: Origin | None) -> Origin | None:
-        """A reload's content is its host copy's: it keeps the copy's producer when known."""
-        entry = self.store.peek(key, Tier.DRAM)
-        return entry.origin if entry is not None and entry.origin is not None else origin
-
-    def _fetch_peers(self, key: CacheKey) -> list[Any]:
-        """None without peer fetch, or when a host copy of `key` is here (reloading it is this
-        ranker's own business)."""
-        if self._peers is None or self.store.peek(key, Tier.DRAM) is not None:
-            return []
-        return self._peers.peers(key)
-
-    def _plan(
-        self, key: CacheKey, prefix: PrefixRef, chunk: int | None, peers: list[Any] | None = None
-    ) -> tuple[Source, Spec | None, int, tuple[float, ...]]:
-        """The cheapest way to make `key` device-resident (`plan.cheapest`): its source, job
-        (None: a fetch), the prefix tokens it computes and each step's predicted time."""
-        held = self.store.peek(key, Tier.DRAM)
-        base = self._extendable(key, prefix)
-        fetch_ms = None
-        if peers and self._peers is not None:
-            nbytes = (prefix.user_features + prefix.behaviours) * self._bytes_per_token
-            fetch_ms = self._peers.transfer_ms(nbytes)
-        costed = cheapest(
-            self.cost_model,
-            prefix.user_features,
-            prefix.behaviours,
-            None if held is None else self._held_of(held.kv),
-            None if base is None else self._held_of(base),
-            chunk,
-            fetch_ms,
-        )
-        size = chunk if chunk is not None else max(prefix.user_features + prefix.behaviours, 1)
-        spec: Spec | None = None
-        if costed.source is Source.RELOAD:
-            assert held is not None
-            spec = Reload(held.kv)
-        elif costed.source is Source.EXTEND:
-            assert base is not None
-            spec = Extend(prefix, base, self._held_of(base).num_behaviours, size)
-        elif costed.source is Source.PREFILL:
-            spec = Prefill(prefix, size)
-        return costed.source, spec, costed.computed_tokens, costed.step_ms
-
-    def _extendable(self, key: CacheKey, prefix: PrefixRef) -> KV | None:
-        """The user's newest cached prefix that is a strict prefix of `prefix` (its digest is
-        that of `prefix`'s head of the same length), if any."""
-        for old in self.store.user_keys(key.user_id, key.model_version):
-            tier = self.store.tier_of(old)
-            entry = self.store.peek(old, tier) if tier is not None else None
-            if entry is None:
-                continue
-            n = self._held_of(entry.kv).num_behaviours
-            if n < prefix.behaviours and prefix.head_digest(n) == old.digest:
-                return entry.kv
-        return None
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -701,15 +576,15 @@ class RankerCore(Generic[KV]):
             r = self._requests.get(rid)
             if r is None:
                 continue
-            if r.role is _Role.STARTED:
+            if r.role is Role.STARTED:
                 taken = flight.taken_over
                 self._pin(r, PreInferOutcome.JOINED_INFLIGHT if taken
                           else PRE_INFER_OUTCOME[flight.source])  # fmt: skip
-            elif r.role is _Role.JOINED:
+            elif r.role is Role.JOINED:
                 self._actions.append(Waited(rid))
                 self._pin(r, PreInferOutcome.JOINED_INFLIGHT)
             else:
-                if r.role is _Role.WAITING:
+                if r.role is Role.WAITING:
                     self._actions.append(Waited(rid))
                 else:
                     self._own_landed(r, flight)
@@ -718,7 +593,7 @@ class RankerCore(Generic[KV]):
                 except ResourceExhausted as err:
                     self._answer(rid, error=err)
 
-    def _own_landed(self, r: _Request, flight: Flight) -> None:
+    def _own_landed(self, r: Pending, flight: Flight) -> None:
         r.outcome = RANK_OUTCOME[flight.source]
         r.computed += flight.computed_tokens
         r.relayed = False
@@ -730,34 +605,15 @@ class RankerCore(Generic[KV]):
             r = self._requests.get(rid)
             if r is None:
                 continue
-            if r.role in (_Role.JOINED, _Role.WAITING):
+            if r.role in (Role.JOINED, Role.WAITING):
                 self._actions.append(Waited(rid))
-            if r.role is _Role.WAITING and isinstance(error, DeadlineExceeded):
+            if r.role is Role.WAITING and isinstance(error, DeadlineExceeded):
                 try:  # its pre-infer gave up: compute it
                     self._compute_own(r)
                 except ResourceExhausted as err:
                     self._answer(rid, error=err)
                 continue
             self._answer(rid, error=error)
-
-    def _computed(self, job: Job) -> None:
-        spec = job.spec
-        if isinstance(spec, Prefill):
-            tokens = spec.prefix.user_features + spec.prefix.behaviours
-            self._observe(Computed(Work.PREFILL, tokens, None, 0, job.seconds))
-        elif isinstance(spec, Extend):
-            tokens = spec.prefix.user_features + spec.prefix.behaviours
-            cached = spec.prefix.user_features + spec.base_behaviours
-            self._observe(Computed(Work.EXTEND, tokens, cached, 0, job.seconds))
-        elif isinstance(spec, Score):
-            request = spec.request
-            cached = self._held_of(spec.kv).num_tokens
-            self._observe(Computed(Work.RANK, history_tokens(request), cached,
-                                   request.candidates, job.seconds))  # fmt: skip
-        elif isinstance(spec, FullForward):
-            request = spec.request
-            self._observe(Computed(Work.FULL_FORWARD, history_tokens(request), None,
-                                   request.candidates, job.seconds))  # fmt: skip
 
     # -- plumbing --------------------------------------------------------------------------
 

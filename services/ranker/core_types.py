@@ -1,6 +1,7 @@
 """What flows in and out of the ranker core (services/ranker/core.py): the requests as it sees
 them, the jobs it schedules (data), the actions it asks of its driver and what it reports."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Generic, NewType, Protocol, TypeVar
@@ -10,6 +11,7 @@ from relaygr.cost import CostModel
 from services.ranker.digest import PrefixDigest
 from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
+from services.ranker.plan import Held
 from services.ranker.queues import Job, Priority
 
 KV = TypeVar("KV", bound=Cached)
@@ -200,6 +202,26 @@ class Computed:
     cached_tokens: int | None
     candidates: int
     seconds: float
+
+
+def computed_of(job: Job, held_of: Callable[[Any], Held]) -> Computed | None:
+    """What a finished job computed, for the cost learner (None: a reload computes nothing)."""
+    spec, seconds = job.spec, job.seconds
+    if isinstance(spec, Prefill | Extend):
+        prefix = spec.prefix
+        tokens = prefix.user_features + prefix.behaviours
+        if isinstance(spec, Prefill):
+            return Computed(Work.PREFILL, tokens, None, 0, seconds)
+        cached = prefix.user_features + spec.base_behaviours
+        return Computed(Work.EXTEND, tokens, cached, 0, seconds)
+    if isinstance(spec, Score | FullForward):
+        request = spec.request
+        history = history_tokens(request)
+        if isinstance(spec, Score):
+            cached = held_of(spec.kv).num_tokens
+            return Computed(Work.RANK, history, cached, request.candidates, seconds)
+        return Computed(Work.FULL_FORWARD, history, None, request.candidates, seconds)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ TOOLING = ("relaygr.local", "relaygr.sim")
 CORES = (
     "services.ranker.core",
     "services.ranker.core_types",
+    "services.ranker.flight",
+    "services.ranker.planner",
     "services.ranker.queues",
     "services.ranker.handoff_order",
     "services.ranker.engine",
@@ -160,6 +162,10 @@ def test_cores_reach_no_transport_or_tracing(core: str) -> None:
 SYNC_CORES = (
     "services.ranker.core",
     "services.ranker.core_types",
+    "services.ranker.flight",
+    "services.ranker.planner",
+    "services.ranker.flight",
+    "services.ranker.planner",
     "services.ranker.queues",
     "services.ranker.handoff_order",
 )

@@ -10,7 +10,7 @@ import pytest
 from relaygr.behaviours import UserId
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, Unavailable
-from services.ranker.core import FlightState, RankerCore
+from services.ranker.core import RankerCore
 from services.ranker.core_types import (
     Action,
     Answer,
@@ -28,6 +28,7 @@ from services.ranker.core_types import (
     Waited,
 )
 from services.ranker.digest import ModelVersion, PrefixDigest
+from services.ranker.flight import FlightState
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.plan import Held
