@@ -93,7 +93,7 @@ class EngineObserver(Protocol):
         excluded. `tokens`: history tokens it covers; `cached_tokens`: those it found cached
         (None: it started from nothing, a prefill or full inference); `candidates`: scored.
 
-        Called on the compute worker thread, not the event loop: keep it short and thread-safe.
+        Called on the event loop once the job's last step is back from the compute worker.
         """
         ...
 
