@@ -268,13 +268,14 @@ class SimRanker:
 
     def room(self) -> RoomReport:
         """What Describe reports of its relay room."""
-        usage = self.core.store.usage(Tier.HBM)
-        queued = self.core.queues.queued_background_ms()
-        return RoomReport(usage.pinned_bytes, usage.budget_bytes, queued)
+        stats = self.core.stats()
+        usage = stats.tiers[Tier.HBM]
+        return RoomReport(usage.pinned_bytes, usage.budget_bytes, stats.queued_background_ms)
 
     def memory(self) -> MemoryUse:
         """What its tiers hold now."""
-        device, host = self.core.store.usage(Tier.HBM), self.core.store.usage(Tier.DRAM)
+        tiers = self.core.stats().tiers
+        device, host = tiers[Tier.HBM], tiers[Tier.DRAM]
         return MemoryUse(device.used_bytes, device.pinned_bytes, host.used_bytes)
 
     # -- requests ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from services.ranker.core_types import (
 )
 from services.ranker.digest import ModelVersion
 from services.ranker.flight import Flight, FlightState, Pending, Role
-from services.ranker.handoff_order import Candidate, Declined, admit_received, value_order
+from services.ranker.handoff_order import Candidate, Declined, admit_received, held_candidates
 from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
 from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, sooner
@@ -160,13 +160,8 @@ class RankerCore(Generic[KV]):
         return admit_received(self.store, key, kv, origin, idle_before, self.computing)
 
     def handoff_order(self) -> list[Candidate]:
-        """Every held prefix, most valuable first (`handoff.value_order`), for a drain."""
-        self.store.expire()
-        return value_order(
-            Candidate(e.key, tier, e.nbytes, e.pinned_until, e.last_use)
-            for tier in Tier
-            for e in self.store.entries(tier)
-        )
+        """Every held prefix, most valuable first (`handoff_order.value_order`), for a drain."""
+        return held_candidates(self.store)
 
     # -- events: requests ------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from typing import Protocol
 
 from relaygr.cluster import RankerRecord
 from services.ranker.config import RankerConfig
-from services.ranker.handoff_order import Candidate, value_order
-from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
+from services.ranker.handoff_order import Candidate, PrefixHolder
+from services.ranker.kv_store import CacheKey, Tier
 from services.ranker.observer import Origin
 from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
@@ -43,16 +43,6 @@ class HandoffStats:
     refused: Counter[Refusal] = field(default_factory=Counter)
     refused_bytes: Counter[Refusal] = field(default_factory=Counter)
     receive_seconds: float = 0.0  # summed over received streams
-
-
-def candidates(store: KVStore[PrefixKV]) -> list[Candidate]:
-    """Every prefix the store holds, in both tiers."""
-    store.expire()
-
-    def of(entry: Entry[PrefixKV], tier: Tier) -> Candidate:
-        return Candidate(entry.key, tier, entry.nbytes, entry.pinned_until, entry.last_use)
-
-    return [of(e, tier) for tier in Tier for e in store.entries(tier)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +154,7 @@ class HandoffSender:
 
     def __init__(
         self,
-        store: KVStore[PrefixKV],
+        holder: PrefixHolder[PrefixKV],
         port: HandoffPort,
         settings: HandoffSettings,
         stats: HandoffStats,
@@ -173,7 +163,7 @@ class HandoffSender:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         encode_in_thread: bool = True,
     ) -> None:
-        self._store = store
+        self._holder = holder
         self._port = port
         self._settings = settings
         self.stats = stats
@@ -194,7 +184,7 @@ class HandoffSender:
         start = self._clock()
         budget = self._settings.within(budget_s)
         deadline = start + budget
-        ordered = value_order(candidates(self._store))
+        ordered = self._holder.handoff_order()
         routes = plan(ordered, view, self_id, model_version, self._settings.max_entries)
         self.stats.unsent_entries += len(ordered) - sum(len(v) for v in routes.values())
         bandwidth = Bandwidth(self._settings.bytes_per_s, self._clock)
@@ -239,7 +229,7 @@ class HandoffSender:
         return TargetOutcome(target, sent[0], sent[1], receipt)
 
     def _read(self, c: Candidate) -> tuple[CacheKey, PrefixKV, Origin | None] | None:
-        entry = self._store.peek_any(c.key)
+        entry = self._holder.held_for_peer(c.key)
         return None if entry is None else (entry.key, entry.kv, entry.origin)
 
     async def _encode(

@@ -11,8 +11,7 @@ import torch
 
 from relaygr.behaviours import UserId
 from services.ranker.handoff import HandoffStats
-from services.ranker.handoff_order import Declined, admit_received
-from services.ranker.kv_store import CacheKey, KVStore
+from services.ranker.handoff_order import Declined, PrefixHolder
 from services.ranker.model_config import ModelConfig
 from services.ranker.observer import Origin
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
@@ -46,25 +45,23 @@ class HandoffIntake:
 
     def __init__(
         self,
-        store: KVStore[PrefixKV],
+        holder: PrefixHolder[PrefixKV],
         cfg: ModelConfig,
         model_version: ModelVersion,
         device: torch.device,
-        computing: Callable[[CacheKey], bool],
         stats: HandoffStats,
         origin_of: Callable[[str], Origin | None] = lambda _: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._store = store
+        self._holder = holder
         self._receiver = Receiver(cfg, model_version, device)
         self._header_refused = False  # the current entry was refused (and counted) at its header
         self._stray = False  # data came with no entry to belong to (counted once per run)
-        self._computing = computing
         self._stats = stats
         self._origin_of = origin_of
         self._clock = clock
         self._started = clock()
-        self._mark = store.use_mark()
+        self._mark = holder.use_mark()
         self.report = IntakeReport()
         stats.received_streams += 1
 
@@ -111,7 +108,7 @@ class HandoffIntake:
             return
         key = header.key
         origin = self._origin_of(header.origin_traceparent)
-        tier = admit_received(self._store, key, got, origin, self._mark, self._computing)
+        tier = self._holder.receive(key, got, origin, self._mark)
         if isinstance(tier, Declined):
             self._refuse(header, Refusal(tier.value))
             return

@@ -4,8 +4,9 @@ receiving ranker stores one. The core, the gRPC sender and intake, and the simul
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Generic, Protocol
 
-from services.ranker.kv_store import KV, CacheKey, KVStore, Tier
+from services.ranker.kv_store import KV, CacheKey, Entry, KVStore, Tier
 from services.ranker.outcomes import Origin
 
 
@@ -69,3 +70,52 @@ def admit_received(
         return Declined.HELD
     tier = store.put_received(key, kv, origin, idle_before)
     return Declined.NO_ROOM if tier is None else tier
+
+
+def held_candidates(store: KVStore[KV]) -> list[Candidate]:
+    """Every prefix `store` holds, in both tiers, most valuable first (`value_order`); pins past
+    their window and stale host copies are expired first."""
+    store.expire()
+    return value_order(
+        Candidate(e.key, tier, e.nbytes, e.pinned_until, e.last_use)
+        for tier in Tier
+        for e in store.entries(tier)
+    )
+
+
+class PrefixHolder(Protocol[KV]):
+    """What a hand-off's two ends need of a ranker's prefixes: `RankerCore`, or `StoreHolder`."""
+
+    def handoff_order(self) -> list[Candidate]: ...
+
+    def held_for_peer(self, key: CacheKey) -> Entry[KV] | None: ...
+
+    def use_mark(self) -> int: ...
+
+    def receive(
+        self, key: CacheKey, kv: KV, origin: Origin | None, idle_before: int
+    ) -> Tier | Declined: ...
+
+
+class StoreHolder(Generic[KV]):
+    """A `PrefixHolder` over a bare store (nothing computing unless `computing` says so)."""
+
+    def __init__(
+        self, store: KVStore[KV], computing: Callable[[CacheKey], bool] = lambda _: False
+    ) -> None:
+        self._store = store
+        self._computing = computing
+
+    def handoff_order(self) -> list[Candidate]:
+        return held_candidates(self._store)
+
+    def held_for_peer(self, key: CacheKey) -> Entry[KV] | None:
+        return self._store.peek_any(key)
+
+    def use_mark(self) -> int:
+        return self._store.use_mark()
+
+    def receive(
+        self, key: CacheKey, kv: KV, origin: Origin | None, idle_before: int
+    ) -> Tier | Declined:
+        return admit_received(self._store, key, kv, origin, idle_before, self._computing)

@@ -394,7 +394,7 @@ async def start_ranker(
             telemetry.tracer,
         )
         ranker.handoff = HandoffSender(
-            ranker.engine.store, port, HandoffSettings.of(cfg), handoff_stats, origin_traceparent
+            ranker.engine.core, port, HandoffSettings.of(cfg), handoff_stats, origin_traceparent
         )
     servicer.configure(instance_id, str(loaded.device))
     servicer.attach(ranker.engine)

@@ -191,8 +191,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         sender = dict(context.invocation_metadata() or ()).get(SENDER_KEY, "")
         model = engine.model
         intake = HandoffIntake(
-            engine.store, model.cfg, model.model_version, model.device, engine.computing,
-            receiving.stats, receiving.origin_of,
+            engine.core, model.cfg, model.model_version, model.device, receiving.stats,
+            receiving.origin_of,
         )  # fmt: skip
         receiving.streams += 1
         # Under the RPC's server span when the interceptor made one, else a trace of its own.
