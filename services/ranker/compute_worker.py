@@ -1,9 +1,12 @@
 """The service's one compute thread: runs what it is given, one call at a time, in order."""
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
+
+_log = logging.getLogger("services.ranker.compute")
 
 Done = Callable[[Any, BaseException | None, float], None]
 
@@ -59,7 +62,10 @@ class ComputeWorker:
                 error = err
             with self._lock:
                 self._pending -= 1
-            if done is not None:
-                done(result, error, seconds)
-            else:
-                self._on_idle()
+            try:
+                if done is not None:
+                    done(result, error, seconds)
+                else:
+                    self._on_idle()
+            except RuntimeError:  # its loop closed meanwhile: nobody waits for the result
+                _log.debug("a compute result came back after its event loop closed")

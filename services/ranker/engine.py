@@ -348,7 +348,7 @@ class RankerEngine:
     def _idle_from_worker(self) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._kick)
+            loop.call_soon_threadsafe(self._kick)  # closed meanwhile: the worker ignores it
 
     # -- compute ---------------------------------------------------------------------------
 
