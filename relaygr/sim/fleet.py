@@ -16,15 +16,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
+from relaygr.cost import TransferCost
 from relaygr.local.drive import NO_RANK, OK, RequestRecord
 from relaygr.room import RelayRoom
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
 from relaygr.sim.ranker import (
+    MODEL_VERSION,
     MemoryUse,
     PreInferReply,
     Ranker,
     RankReply,
+    SimFetch,
     SimRanker,
     Status,
     ranker_record,
@@ -32,8 +35,10 @@ from relaygr.sim.ranker import (
 from relaygr.sim.workload import Visit
 from relaygr.versions import VersionIndexer, choose_version
 from services.ranker.config import RankerConfig
-from services.ranker.engine import EngineSettings
-from services.ranker.scheduler import Priority
+from services.ranker.handoff import HandoffSettings, plan
+from services.ranker.handoff_order import Declined
+from services.ranker.kv_store import CacheKey
+from services.ranker.peers import fetch_peers
 from services.router.attempts import Next
 from services.router.config import RouterConfig
 from services.router.forward import Forwarder, RelayHint
@@ -68,15 +73,6 @@ class FleetSettings:
         )
         return cls(rankers=rankers, trigger=trigger, gap_s=gap_ms / 1e3, triggers=triggers)
 
-    def engine(self) -> EngineSettings:
-        r = self.ranker
-        return EngineSettings(
-            relay_enabled=r.relay_enabled,
-            relay_window_s=r.relay_window_ms / 1e3,
-            prefill_chunk_tokens=r.prefill_chunk_tokens,
-            max_relay_window_s=r.max_relay_window_ms / 1e3,
-        )
-
 
 @dataclass(slots=True)
 class FleetStats:
@@ -87,6 +83,9 @@ class FleetStats:
     dispatch_dropped: int = 0  # admitted relays the dispatcher queue could not take
     registrations: int = 0  # membership writes (a ranker joining)
     deregistrations: int = 0  # a ranker leaving (drain) or its lease lapsing (kill)
+    handed_off: int = 0  # prefixes a draining ranker's successors admitted
+    handoff_unsent: int = 0  # planned but past the time budget, or gone since the plan
+    handoff_declined: int = 0  # sent, not stored (held, computing, no room)
     peak_directory_entries: int = 0
     busy_s: dict[str, float] = field(default_factory=dict)  # compute per ranker, seconds
     # Per ranker, the most its tiers held at any observation tick (the trigger's interval).
@@ -104,16 +103,20 @@ MakeRanker = Callable[[str, "Fleet"], Ranker]
 
 
 def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
-    """A simulated ranker of the fleet's profile and ranker configuration."""
+    """A simulated ranker of the fleet's profile and ranker configuration (fetching missed
+    prefixes from its peers when `peer_fetch` is on, at the configured transfer cost)."""
     cfg = fleet.settings.ranker
+    fetch = None
+    if cfg.peer_fetch and cfg.relay_enabled:
+        fetch = SimFetch(fleet, TransferCost(cfg.transfer_fixed_ms, cfg.transfer_ms_per_mb))
     return SimRanker(
         instance,
         fleet.loop,
         fleet.profile,
-        fleet.settings.engine(),
-        {Priority.RANK: cfg.max_queued_ranks, Priority.BACKGROUND: cfg.max_queued_prefills},
+        cfg.core_settings(),
         cfg.dram_ttl_s,
         random.Random(fleet.rng.getrandbits(64)),
+        fetch,
     )
 
 
@@ -184,6 +187,7 @@ class Fleet:
         self._waiting: deque[_Relay] = deque()  # the trigger's dispatch queue
         self._sending = 0
         self._made = 0
+        self._changed_at = float("-inf")  # the membership last changed
         for _ in range(settings.rankers):
             self.add_ranker()
         self._observe_every(settings.trigger.observe_interval_ms / 1e3, self._trigger_observes)
@@ -199,6 +203,7 @@ class Fleet:
         record = ranker_record(instance, index, self.profile)
         run_now(self.cluster.register(record, self.settings.ranker.lease_ttl_s))
         self.stats.registrations += 1
+        self._changed_at = self.loop.now
         return instance
 
     def kill(self, instance: str) -> None:
@@ -207,15 +212,69 @@ class Fleet:
         self.loop.after(self.settings.ranker.lease_ttl_s, self._leave, instance)
 
     def drain(self, instance: str) -> None:
-        """The ranker deregisters and refuses pre-inference, serves what it has, then stops."""
-        ranker = self.rankers[instance]
-        ranker.draining = True
-        self._leave(instance)
+        """As `RankerServer.drain`: the ranker refuses pre-inference and lands what is in
+        flight; hands its most valuable prefixes to their next owners while still registered
+        (serving its users meanwhile); then leaves the membership and serves what it has."""
+        self.rankers[instance].drain(lambda: self._hand_off(instance))
+
+    def _hand_off(self, instance: str) -> None:
+        """The hand-off: entries in value order, over the shared bandwidth, each stored by its
+        receiver when through; what would not be through within the budget is not sent."""
+        cfg, sender = self.settings.ranker, self.rankers[instance]
+        if not cfg.handoff or not sender.alive:
+            self._leave(instance)
+            return
+        start, view = self.loop.now, self.cluster.view()
+        ordered = sender.handoff_order()
+        routes = plan(ordered, view, instance, MODEL_VERSION, cfg.handoff_max_entries)
+        self.stats.handoff_unsent += len(ordered) - sum(len(v) for v in routes.values())
+        owner = {c.key: t.instance_id for t, entries in routes.items() for c in entries}
+        marks = {t.instance_id: self.rankers[t.instance_id].use_mark() for t in routes}
+        free_at, end = start, start + HandoffSettings.of(cfg).within(cfg.drain_grace_s)
+        for c in ordered:
+            target = owner.get(c.key)
+            if target is None:
+                continue
+            through = free_at + c.nbytes / cfg.handoff_bytes_per_s
+            if through > end:  # a smaller one may still fit
+                self.stats.handoff_unsent += 1
+                continue
+            free_at = through
+            self.loop.at(through, self._deliver, instance, target, c.key, marks[target])
+        self.loop.at(free_at, self._leave, instance)
+
+    def _deliver(self, sender: str, target: str, key: CacheKey, mark: int) -> None:
+        entry = self.rankers[sender].held_for_peer(key)
+        receiver = self.rankers[target]
+        if entry is None or not receiver.alive:
+            self.stats.handoff_unsent += 1
+            return
+        admitted = receiver.receive(key, entry.kv, mark)
+        if isinstance(admitted, Declined):
+            self.stats.handoff_declined += 1
+        else:
+            self.stats.handed_off += 1
 
     def _leave(self, instance: str) -> None:
         if instance in self.cluster.view():
             run_now(self.cluster.deregister(instance))
             self.stats.deregistrations += 1
+            self._changed_at = self.loop.now
+
+    # -- the rankers' peer source (`ranker.PeerLookup`) -------------------------------------
+
+    def peers(self, key: CacheKey, asking: str) -> list[str]:
+        """Whom `asking` asks for `key`, as the service's peer source would."""
+        window = self.settings.ranker.peer_fetch_window_s
+        moved = self.loop.now - self._changed_at < window
+        holder = self.cluster.lookup(key.user_id, key.model_version)
+        return fetch_peers(
+            key.user_id, key.model_version, self.cluster.view(), asking, holder, moved
+        )
+
+    def ranker(self, instance: str) -> Ranker | None:
+        ranker = self.rankers.get(instance)
+        return ranker if ranker is not None and ranker.alive else None
 
     def live(self) -> list[str]:
         return list(self.cluster.view())

@@ -1,40 +1,48 @@
-"""One ranker on the virtual clock: the real KV store, the real scheduler's queues and the engine's
-own choices (`services.ranker.plan`), with each step taking the time the device profile says.
+"""One ranker on the virtual clock: the service's own `RankerCore` (services/ranker/core.py),
+driven with each step taking the time the device profile predicts and KV caches as sizes.
 
-The flow mirrors `services.ranker.engine.RankerEngine` request for request (single flight per
-cache key, PreInfer pins, a Rank hits, waits for and promotes, takes over, or computes), with
-callbacks where the engine awaits. tests/unit/sim/test_agreement.py replays one event sequence
-through both and checks that they decide alike.
+The driver decides nothing: PreInfer and Rank go to the core, whose actions it carries out on
+the loop (a step after its predicted time, spread by the profile's `compute_noise`; a peer fetch
+after its simulated transfer) and whose answers it turns into replies.
 """
 
 import random
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol, TypeVar
+from typing import Any, Protocol
 
 from relaygr.behaviours import UserId
 from relaygr.cluster import RankerRecord
-from relaygr.errors import DeadlineExceeded, RelayGRError, ResourceExhausted, Unavailable
+from relaygr.cost import TransferCost
+from relaygr.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from relaygr.room import RoomReport
 from relaygr.sim.events import EventLoop
 from relaygr.sim.profile import DeviceProfile
 from relaygr.sim.workload import Visit
-from services.ranker.digest import PrefixDigest
-from services.ranker.engine import EngineSettings
-from services.ranker.kv_store import CacheKey, KVStore, Tier
-from services.ranker.outcomes import CacheOutcome, PreInferOutcome
-from services.ranker.plan import (
-    PRE_INFER_OUTCOME,
-    RANK_OUTCOME,
-    Costed,
-    Held,
-    Source,
-    cheapest,
-    sooner,
+from services.ranker.core import RankerCore
+from services.ranker.core_types import (
+    Action,
+    Answer,
+    CoreSettings,
+    Extend,
+    FullForward,
+    Prefill,
+    PreInferAnswer,
+    RankAnswer,
+    Reload,
+    RequestId,
+    RunStep,
+    Score,
+    StartFetch,
+    history_tokens,
 )
-from services.ranker.prefix_kv import ModelVersion
-from services.ranker.scheduler import ComputeScheduler, Job, Priority
+from services.ranker.digest import ModelVersion, PrefixDigest
+from services.ranker.handoff_order import Candidate, Declined
+from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
+from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.plan import Held
+from services.ranker.queues import Job
 
 MODEL_VERSION = ModelVersion("sim")
 
@@ -64,6 +72,10 @@ class SimKV:
     num_tokens: int
     nbytes: int
     on_device: bool = True
+
+
+def held(kv: SimKV) -> Held:
+    return Held(kv.num_behaviours, kv.num_tokens, kv.nbytes, kv.on_device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +111,27 @@ class MemoryUse:
         )
 
 
-R = TypeVar("R")
-Landed = Callable[[SimKV | None, Exception | None], None]
+class SimPrefix:
+    """A visit's prefix as the core sees it. Histories only grow, so the long-term length
+    identifies a user's prefix, and a shorter one is always a head of a longer one."""
+
+    __slots__ = ("behaviours", "digest", "user_features", "user_id")
+
+    def __init__(self, visit: Visit) -> None:
+        self.user_id = UserId(visit.user)
+        self.digest = PrefixDigest(str(visit.behaviours))
+        self.user_features = visit.user_features
+        self.behaviours = visit.behaviours
+
+    def head_digest(self, behaviours: int) -> PrefixDigest:
+        return PrefixDigest(str(behaviours))
+
+
+@dataclass(frozen=True, slots=True)
+class SimRank:
+    prefix: SimPrefix
+    short_term: int
+    candidates: int
 
 
 class Ranker(Protocol):
@@ -108,8 +139,10 @@ class Ranker(Protocol):
 
     instance_id: str
     alive: bool
-    draining: bool
     busy_s: float
+
+    @property
+    def draining(self) -> bool: ...
 
     def room(self) -> RoomReport: ...
 
@@ -127,6 +160,18 @@ class Ranker(Protocol):
     def rank(
         self, visit: Visit, deadline: float | None, reply: Callable[[RankReply], None]
     ) -> None: ...
+
+    def drain(self, landed: Callable[[], None]) -> None:
+        """Refuse pre-inference from now on; `landed()` once nothing is in flight."""
+        ...
+
+    def handoff_order(self) -> list[Candidate]: ...
+
+    def held_for_peer(self, key: CacheKey) -> Entry[SimKV] | None: ...
+
+    def receive(self, key: CacheKey, kv: SimKV, idle_before: int) -> Tier | Declined: ...
+
+    def use_mark(self) -> int: ...
 
     def kill(self) -> None: ...
 
@@ -149,23 +194,29 @@ def ranker_record(instance_id: str, index: int, profile: DeviceProfile) -> Ranke
     )
 
 
-@dataclass(eq=False, slots=True)
-class _Flight:
-    job: Job
-    source: Source
-    computed_tokens: int
-    relay: bool
-    waiters: list[Landed] = field(default_factory=list)
-    taken_over: bool = False
+class PeerLookup(Protocol):
+    """The fleet as a ranker's peer source: whom to ask for a key, and those peers."""
+
+    def peers(self, key: CacheKey, asking: str) -> list[str]: ...
+
+    def ranker(self, instance: str) -> "Ranker | None": ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimFetch:
+    """Peer fetch on the virtual clock: `lookup` names the peers; a hit takes `transfer`'s time
+    for its bytes, a miss or a dead peer one fixed cost; none past the fallback's deadline."""
+
+    lookup: PeerLookup
+    transfer: TransferCost
+    max_peers: int = 2
 
 
 class SimRanker:
     """A ranker instance: PreInfer and Rank answered through callbacks on the loop's clock.
 
     `kill` ends it at once: every call it has not answered gets UNAVAILABLE, as a client of a
-    dead process sees; `drain` refuses new pre-inference. Work runs one step at a time on one
-    virtual worker, in the scheduler's order; a step takes its predicted time spread by the
-    profile's `compute_noise`.
+    dead process sees. Work runs one step at a time on one virtual worker, in the core's order.
     """
 
     def __init__(
@@ -173,49 +224,64 @@ class SimRanker:
         instance_id: str,
         loop: EventLoop,
         profile: DeviceProfile,
-        settings: EngineSettings,
-        max_queued: dict[Priority, int],
+        settings: CoreSettings,
         dram_ttl_s: float,
         rng: random.Random,
+        fetch: SimFetch | None = None,
+        record: Callable[[Action], None] | None = None,
     ) -> None:
+        """`record`: sees the core's every action (`RankerCore`)."""
         self.instance_id = instance_id
         self.loop = loop
         self.profile = profile
-        self.cost = profile.cost
-        self.settings = settings
         self.rng = rng
-        self.store: KVStore[SimKV] = KVStore(
+        self._fetch = fetch
+        store: KVStore[SimKV] = KVStore(
             profile.device_tier_bytes,
             profile.host_tier_bytes,
             dram_ttl_s,
             loop.clock,
             lambda kv: SimKV(kv.num_behaviours, kv.num_tokens, kv.nbytes, on_device=False),
         )
-        self.scheduler = ComputeScheduler(max_queued, clock=loop.clock)
+        self.core: RankerCore[SimKV] = RankerCore(
+            store,
+            profile.cost,
+            settings,
+            MODEL_VERSION,
+            profile.kv_bytes_per_token,
+            held,
+            loop.clock,
+            peers=None if fetch is None else _Peers(fetch, instance_id),
+            record=record,
+        )
         self.alive = True
-        self.draining = False
         self.busy_s = 0.0  # virtual seconds the worker computed
-        self._inflight: dict[CacheKey, _Flight] = {}
+        self._replies: dict[RequestId, Callable[[Answer], None]] = {}
         self._running: Job | None = None
-        self._unanswered: dict[int, Callable[[Status], None]] = {}
-        self._calls = 0
+        self._landed: Callable[[], None] | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
 
     # -- what it publishes ------------------------------------------------------------------
 
     def room(self) -> RoomReport:
         """What Describe reports of its relay room."""
-        usage = self.store.usage(Tier.HBM)
-        queued = self.scheduler.queued_background_ms()
+        stats = self.core.stats()
+        usage = stats.tiers[Tier.HBM]
         return RoomReport(
-            usage.pinned_bytes, usage.budget_bytes, queued, self.scheduler.queued_rank_ms()
-        )
+            usage.pinned_bytes, usage.budget_bytes, stats.queued_background_ms,
+            stats.queued_rank_ms,
+        )  # fmt: skip
 
     def memory(self) -> MemoryUse:
         """What its tiers hold now."""
-        device, host = self.store.usage(Tier.HBM), self.store.usage(Tier.DRAM)
+        tiers = self.core.stats().tiers
+        device, host = tiers[Tier.HBM], tiers[Tier.DRAM]
         return MemoryUse(device.used_bytes, device.pinned_bytes, host.used_bytes)
 
-    # -- PreInfer ---------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------
 
     def pre_infer(
         self,
@@ -228,51 +294,9 @@ class SimRanker:
         if not self.alive:  # a dead process: the caller's connection fails at once
             reply(PreInferReply(Status.UNAVAILABLE))
             return
-        call = self._call(lambda status: reply(PreInferReply(status)))
-        answer = self._answer(call, reply)
-        try:
-            if self.draining:
-                raise Unavailable("ranker is draining")
-            if not self.settings.relay_enabled:
-                raise Unavailable("relay is disabled on this ranker")
-            key = self._key(visit)
-            if self.store.get(key, Tier.HBM) is not None:
-                answer(self._pin(key, window_s, PreInferOutcome.ALREADY_RESIDENT))
-                return
-            flight = self._inflight.get(key)
-            if flight is None:
-                nbytes = visit.prefix_tokens * self.profile.kv_bytes_per_token
-                if not self.store.fits_device(nbytes):
-                    raise ResourceExhausted("the device tier has no room beside pinned relays")
-                due = self.loop.now + (rank_in_s or window_s)
-                flight = self._start(key, visit, Priority.BACKGROUND, deadline, window_s, due)
-                joined = False
-            else:
-                joined = True
-        except RelayGRError as err:
-            answer(PreInferReply(status_of(err)))
-            return
-
-        def landed(kv: SimKV | None, err: Exception | None) -> None:
-            if err is not None:
-                answer(PreInferReply(status_of(err)))
-                return
-            assert flight is not None
-            if joined or flight.taken_over:
-                outcome = PreInferOutcome.JOINED_INFLIGHT
-            else:
-                outcome = PRE_INFER_OUTCOME[flight.source]
-            answer(self._pin(key, window_s, outcome))
-
-        flight.waiters.append(landed)
-
-    def _pin(self, key: CacheKey, window_s: float, outcome: PreInferOutcome) -> PreInferReply:
-        kv = self.store.get(key, Tier.HBM)
-        if kv is None or not self.store.put_device(key, kv, pin_for=window_s):
-            return PreInferReply(Status.RESOURCE_EXHAUSTED)
-        return PreInferReply(Status.OK, outcome, kv.nbytes)
-
-    # -- Rank -------------------------------------------------------------------------------
+        rid, actions = self.core.pre_infer(SimPrefix(visit), window_s, deadline, rank_in_s)
+        self._replies[rid] = lambda a: reply(_pre_infer_reply(a))
+        self._apply(actions)
 
     def rank(
         self, visit: Visit, deadline: float | None, reply: Callable[[RankReply], None]
@@ -280,275 +304,159 @@ class SimRanker:
         if not self.alive:
             reply(RankReply(Status.UNAVAILABLE))
             return
-        call = self._call(lambda status: reply(RankReply(status)))
-        answer = self._answer(call, reply)
-        candidates = visit.candidates
-        try:
-            if not self.settings.relay_enabled:
-                full = self.cost.full_ms(visit.history_tokens, candidates)
-                computed = visit.history_tokens + candidates
-                self._run_rank(
-                    full, deadline, answer, RankReply(Status.OK, CacheOutcome.BYPASS, computed)
-                )
-                return
-            key = self._key(visit)
-            kv = self.store.get(key, Tier.HBM)
-            held = self.store.peek(key, Tier.HBM)
-            relayed = held is not None and held.pinned
-            computed = visit.short_term + candidates
-            if kv is not None:
-                self._score(
-                    key, kv, visit, deadline, answer, CacheOutcome.HBM_HIT, computed, relayed
-                )
-                return
-            flight = self._inflight.get(key)
-            if flight is not None and not self._take_over(key, flight, visit, deadline):
-                self.scheduler.promote(flight.job, deadline)
-                waited = flight
-
-                def after_wait(kv: SimKV | None, err: Exception | None) -> None:
-                    if kv is not None:
-                        self._score(
-                            key, kv, visit, deadline, answer,
-                            CacheOutcome.WAITED_INFLIGHT, computed, waited.relay,
-                        )  # fmt: skip
-                    elif isinstance(err, DeadlineExceeded):  # its pre-infer gave up: compute
-                        self._compute(key, visit, deadline, answer, computed)
-                    else:
-                        answer(RankReply(status_of(err or Unavailable("lost"))))
-
-                flight.waiters.append(after_wait)
-                return
-            if flight is not None:  # taken over: its job is now this Rank's computation
-                self._await_own(flight, key, visit, deadline, answer, computed)
-                return
-            self._compute(key, visit, deadline, answer, computed)
-        except RelayGRError as err:
-            answer(RankReply(status_of(err)))
-
-    def _compute(
-        self,
-        key: CacheKey,
-        visit: Visit,
-        deadline: float | None,
-        answer: Callable[[RankReply], None],
-        computed: int,
-    ) -> None:
-        try:
-            flight = self._start(key, visit, Priority.RANK, deadline, None)
-        except RelayGRError as err:
-            answer(RankReply(status_of(err)))
-            return
-        self._await_own(flight, key, visit, deadline, answer, computed)
-
-    def _await_own(
-        self,
-        flight: _Flight,
-        key: CacheKey,
-        visit: Visit,
-        deadline: float | None,
-        answer: Callable[[RankReply], None],
-        computed: int,
-    ) -> None:
-        def landed(kv: SimKV | None, err: Exception | None) -> None:
-            if kv is None:
-                answer(RankReply(status_of(err or Unavailable("lost"))))
-                return
-            outcome = RANK_OUTCOME[flight.source]
-            total = computed + flight.computed_tokens
-            self._score(key, kv, visit, deadline, answer, outcome, total, False)
-
-        flight.waiters.append(landed)
-
-    def _score(
-        self,
-        key: CacheKey,
-        kv: SimKV,
-        visit: Visit,
-        deadline: float | None,
-        answer: Callable[[RankReply], None],
-        outcome: CacheOutcome,
-        computed: int,
-        relayed: bool,
-    ) -> None:
-        ms = self.cost.rank_ms(kv.num_tokens, visit.short_term, visit.candidates)
-
-        def consumed() -> None:
-            self.store.consume(key)
-
-        self._run_rank(
-            ms, deadline, answer, RankReply(Status.OK, outcome, computed, relayed), consumed
-        )
-
-    def _run_rank(
-        self,
-        ms: float,
-        deadline: float | None,
-        answer: Callable[[RankReply], None],
-        ok: RankReply,
-        then: Callable[[], None] = lambda: None,
-    ) -> None:
-        try:
-            job = self.scheduler.submit(
-                "rank", _steps(1, None), Priority.RANK, deadline, step_ms=(ms,)
-            )
-        except RelayGRError as err:
-            answer(RankReply(status_of(err)))
-            return
-
-        def done(_: object) -> None:
-            err = job.future.exception()
-            if err is not None:
-                answer(RankReply(status_of(err)))
-                return
-            then()
-            answer(ok)
-
-        job.future.add_done_callback(done)
-        self._kick()
-
-    def _take_over(
-        self, key: CacheKey, flight: _Flight, visit: Visit, deadline: float | None
-    ) -> bool:
-        """The engine's `_take_over`: restart a queued background job as this Rank's one call
-        when that is predicted sooner than its remaining chunks."""
-        job = flight.job
-        if job.priority is not Priority.BACKGROUND:
-            return False
-        costed = self._costed(key, visit, None)
-        if not sooner(sum(costed.step_ms), job.remaining_ms):
-            return False
-        steps = _steps(len(costed.step_ms), self._result(visit))
-        if not self.scheduler.restart(job, steps, costed.step_ms, deadline):
-            return False
-        flight.source, flight.computed_tokens = costed.source, costed.computed_tokens
-        flight.relay, flight.taken_over = False, True
-        return True
+        request = SimRank(SimPrefix(visit), visit.short_term, visit.candidates)
+        rid, actions = self.core.rank(request, deadline)
+        self._replies[rid] = lambda a: reply(_rank_reply(a))
+        self._apply(actions)
 
     # -- lifecycle --------------------------------------------------------------------------
+
+    def drain(self, landed: Callable[[], None]) -> None:
+        self._landed = landed
+        self._apply(self.core.drain())
+
+    def handoff_order(self) -> list[Candidate]:
+        return self.core.handoff_order()
+
+    def held_for_peer(self, key: CacheKey) -> Entry[SimKV] | None:
+        return self.core.held_for_peer(key) if self.alive else None
+
+    def receive(self, key: CacheKey, kv: SimKV, idle_before: int) -> Tier | Declined:
+        return self.core.receive(key, kv, None, idle_before)
+
+    def use_mark(self) -> int:
+        return self.core.use_mark()
 
     def kill(self) -> None:
         """The process dies: nothing it held survives, every unanswered call fails."""
         self.alive = False
-        unanswered, self._unanswered = self._unanswered, {}
-        for fail in unanswered.values():
-            fail(Status.UNAVAILABLE)
-        self._inflight.clear()
+        replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            reply(Answer(RequestId(0), error=Unavailable("ranker is gone")))
         self._running = None
 
-    # -- internals --------------------------------------------------------------------------
+    # -- actions ----------------------------------------------------------------------------
 
-    def _call(self, fail: Callable[[Status], None]) -> int:
-        self._calls += 1
-        self._unanswered[self._calls] = fail
-        return self._calls
-
-    def _answer(self, call: int, reply: Callable[[R], None]) -> Callable[[R], None]:
-        """`reply`, once, unless the ranker died first (then the kill answered it)."""
-
-        def answer(value: R) -> None:
-            if self._unanswered.pop(call, None) is not None:
-                reply(value)
-
-        return answer
-
-    def _key(self, visit: Visit) -> CacheKey:
-        # Histories only grow, so the long-term length identifies a user's prefix.
-        return CacheKey(UserId(visit.user), MODEL_VERSION, PrefixDigest(str(visit.behaviours)))
-
-    def _extendable(self, key: CacheKey, visit: Visit) -> SimKV | None:
-        for old in self.store.user_keys(key.user_id, key.model_version):
-            tier = self.store.tier_of(old)
-            entry = self.store.peek(old, tier) if tier is not None else None
-            if entry is not None and entry.kv.num_behaviours < visit.behaviours:
-                return entry.kv
-        return None
-
-    def _costed(self, key: CacheKey, visit: Visit, chunk: int | None) -> Costed:
-        held = self.store.peek(key, Tier.DRAM)
-        base = self._extendable(key, visit)
-        return cheapest(
-            self.cost,
-            visit.user_features,
-            visit.behaviours,
-            None if held is None else _held(held.kv),
-            None if base is None else _held(base),
-            chunk,
-        )
-
-    def _result(self, visit: Visit) -> SimKV:
-        tokens = visit.prefix_tokens
-        return SimKV(visit.behaviours, tokens, tokens * self.profile.kv_bytes_per_token)
-
-    def _start(
-        self,
-        key: CacheKey,
-        visit: Visit,
-        priority: Priority,
-        deadline: float | None,
-        pin_for: float | None,
-        due: float | None = None,
-    ) -> _Flight:
-        chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
-        costed = self._costed(key, visit, chunk)
-        steps = _steps(len(costed.step_ms), self._result(visit))
-        job = self.scheduler.submit(
-            f"{costed.source}:{visit.user}",
-            steps,
-            priority,
-            deadline,
-            due=due,
-            step_ms=costed.step_ms,
-        )
-        flight = _Flight(job, costed.source, costed.computed_tokens, pin_for is not None)
-        self._inflight[key] = flight
-        job.future.add_done_callback(lambda _: self._land(key, flight, pin_for))
-        self._kick()
-        return flight
-
-    def _land(self, key: CacheKey, flight: _Flight, pin_for: float | None) -> None:
+    def _apply(self, actions: list[Action]) -> None:
         if not self.alive:
             return
-        err = flight.job.future.exception()
-        kv: SimKV | None = None
-        if err is None:
-            kv = flight.job.future.result()
-            assert kv is not None
-            self.store.put_device(key, kv, pin_for=pin_for)
-        if self._inflight.get(key) is flight:
-            del self._inflight[key]
-        for waiter in flight.waiters:
-            waiter(kv, err if isinstance(err, Exception) else None)
+        for action in actions:
+            if isinstance(action, Answer):
+                reply = self._replies.pop(action.request, None)
+                if reply is not None:
+                    reply(action)
+            elif isinstance(action, RunStep):
+                self._run(action.job)
+            elif isinstance(action, StartFetch):
+                self._start_fetch(action)
+        if self._running is None:
+            free = self.core.worker_free()
+            if free:
+                self._apply(free)
+        if self._landed is not None and not self.core.inflight():
+            landed, self._landed = self._landed, None
+            landed()
 
-    def _kick(self) -> None:
-        """Start the next step if the worker is idle."""
-        if self._running is not None or not self.alive:
-            return
-        job = self.scheduler.take()
-        if job is None:
-            return
+    def _run(self, job: Job) -> None:
         self._running = job
-        seconds = job.next_step_ms / 1e3
+        seconds = self._step_ms(job) / 1e3
         noise = self.profile.compute_noise
         if noise:
             seconds *= max(0.0, self.rng.gauss(1.0, noise))
         self.busy_s += seconds
-        self.loop.after(seconds, self._stepped, job)
+        self.loop.after(seconds, self._stepped, job, seconds)
 
-    def _stepped(self, job: Job) -> None:
+    def _step_ms(self, job: Job) -> float:
+        spec, cost = job.spec, self.profile.cost
+        if isinstance(spec, Score):
+            return cost.rank_ms(
+                spec.kv.num_tokens, spec.request.short_term, spec.request.candidates
+            )
+        if isinstance(spec, FullForward):
+            return cost.full_ms(history_tokens(spec.request), spec.request.candidates)
+        return job.next_step_ms
+
+    def _stepped(self, job: Job, seconds: float) -> None:
         if self._running is not job:
             return  # killed meanwhile
         self._running = None
-        self.scheduler.step(job)
-        self._kick()
+        self._apply(self.core.step_done(job, self._product(job), seconds))
+
+    def _product(self, job: Job) -> SimKV | None:
+        """What a step leaves: a prefix job its prefix's size (steps compute nothing), a scoring
+        job nothing."""
+        spec = job.spec
+        if isinstance(spec, Prefill | Extend):
+            prefix = spec.prefix
+            tokens = prefix.user_features + prefix.behaviours
+            return SimKV(prefix.behaviours, tokens, tokens * self.profile.kv_bytes_per_token)
+        return _on_device(spec.host) if isinstance(spec, Reload) else None
+
+    # -- peer fetch -------------------------------------------------------------------------
+
+    def _start_fetch(self, action: StartFetch) -> None:
+        self._try_fetch(action, 0)
+
+    def _try_fetch(self, action: StartFetch, index: int) -> None:
+        """Ask `action.peers[index]`; on a miss the next one; none left: computed instead."""
+        fetch = self._fetch
+        assert fetch is not None
+        key = action.key
+        if index >= len(action.peers):
+            self._apply(self.core.fetch_done(key, None))
+            return
+        deadline = self.core.fetch_deadline(key)
+        left = None if deadline is None else deadline - self.loop.now
+        peer = fetch.lookup.ranker(action.peers[index])
+        entry = None if peer is None else peer.held_for_peer(key)
+        ok = entry is not None and entry.nbytes == action.nbytes
+        seconds = fetch.transfer.ms(action.nbytes if ok else 0) / 1e3
+        if left is not None and seconds > left:  # timed out at the deadline
+            self.loop.after(max(left, 0.0), self._fetched, action, None, len(action.peers))
+            return
+        kv = None
+        if ok and entry is not None:
+            kv = _on_device(entry.kv)
+        self.loop.after(seconds, self._fetched, action, kv, index + 1)
+
+    def _fetched(self, action: StartFetch, kv: SimKV | None, next_index: int) -> None:
+        if not self.alive:
+            return
+        if kv is not None:
+            self._apply(self.core.fetch_done(action.key, kv))
+            return
+        self._try_fetch(action, next_index)
 
 
-def _held(kv: SimKV) -> Held:
-    return Held(kv.num_behaviours, kv.num_tokens, kv.nbytes, kv.on_device)
+class _Peers:
+    """A `core.PeerPlanner` over the fleet."""
+
+    def __init__(self, fetch: SimFetch, instance_id: str) -> None:
+        self._fetch = fetch
+        self._self = instance_id
+
+    def peers(self, key: CacheKey) -> list[Any]:
+        return self._fetch.lookup.peers(key, self._self)[: self._fetch.max_peers]
+
+    def transfer_ms(self, nbytes: int) -> float:
+        return self._fetch.transfer.ms(nbytes)
 
 
-def _steps(n: int, result: SimKV | None) -> Generator[None, None, SimKV | None]:
-    """A job of `n` steps that computes nothing and returns `result`."""
-    for _ in range(n - 1):
-        yield
-    return result
+def _on_device(kv: SimKV) -> SimKV:
+    return SimKV(kv.num_behaviours, kv.num_tokens, kv.nbytes)
+
+
+def _pre_infer_reply(answer: Answer) -> PreInferReply:
+    if answer.error is not None:
+        return PreInferReply(status_of(answer.error))
+    result = answer.result
+    assert isinstance(result, PreInferAnswer)
+    return PreInferReply(Status.OK, result.outcome, result.nbytes)
+
+
+def _rank_reply(answer: Answer) -> RankReply:
+    if answer.error is not None:
+        return RankReply(status_of(answer.error))
+    result = answer.result
+    assert isinstance(result, RankAnswer)
+    return RankReply(Status.OK, result.outcome, result.computed_tokens, result.relayed)

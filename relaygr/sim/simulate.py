@@ -173,6 +173,14 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
         help="background prefill chunk",
     )  # fmt: skip
+    fleet.add_argument(
+        "--handoff", action=argparse.BooleanOptionalAction, default=True,
+        help="a draining ranker hands its prefixes to their next owners (the ranker's handoff)",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--peer-fetch", action=argparse.BooleanOptionalAction, default=True,
+        help="a ranker that misses after a move fetches the prefix from a peer (peer_fetch)",
+    )  # fmt: skip
     return fleet
 
 
@@ -199,6 +207,8 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
             plaintext=True,
             relay_window_ms=args.relay_window_ms,
             prefill_chunk_tokens=args.chunk_tokens,
+            handoff=args.handoff,
+            peer_fetch=args.peer_fetch,
         ),
         router=RouterConfig(plaintext=True, relay_window_ms=args.relay_window_ms),
         trigger=TriggerConfig(

@@ -8,6 +8,7 @@ from relaygr.config import check_bounds, helped
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
+from services.ranker.core_types import CoreSettings
 from services.ranker.model_config import ModelPreset
 
 ENV_PREFIX = "RELAYGR_RANKER_"
@@ -218,6 +219,17 @@ class RankerConfig(ServiceOptions):
         # Last, so a field's own error is named first; no etcd endpoints: standalone.
         self.check_service("ranker", etcd_required=False)
 
+    def core_settings(self) -> CoreSettings:
+        """The ranker core's settings (services/ranker/core.py), for every driver of it."""
+        return CoreSettings(
+            relay_enabled=self.relay_enabled,
+            relay_window_s=self.relay_window_ms / 1e3,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+            max_relay_window_s=self.max_relay_window_ms / 1e3,
+            max_queued_ranks=self.max_queued_ranks,
+            max_queued_prefills=self.max_queued_prefills,
+        )
+
     @property
     def hbm_budget_bytes(self) -> int:
         return int(self.hbm_budget_mb * MIB)
@@ -229,8 +241,3 @@ class RankerConfig(ServiceOptions):
     @property
     def handoff_bytes_per_s(self) -> float:
         return self.handoff_bandwidth_mb_s * MIB
-
-    @property
-    def handoff_seconds(self) -> float:
-        """The hand-off's time budget: `handoff_budget_s`, within `drain_grace_s`."""
-        return min(self.handoff_budget_s, self.drain_grace_s)

@@ -7,6 +7,9 @@ import numpy as np
 
 from relaygr.behaviours import Behaviours, Int64Array
 
+# A model's content-derived version: one dimension of every cache key.
+ModelVersion = NewType("ModelVersion", str)
+
 PrefixDigest = NewType("PrefixDigest", str)
 
 

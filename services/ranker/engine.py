@@ -1,41 +1,71 @@
-"""The relay on one ranker: PreInfer builds and pins a prefix cache, Rank consumes it."""
+"""The ranker core's service driver: asyncio requests in, the model on one compute worker thread.
+
+Every decision is `RankerCore`'s (services/ranker/core.py); this driver feeds it the events,
+runs the actions (a model step on the worker, a peer fetch on the loop) and resolves each
+request's future with its answer.
+"""
 
 import asyncio
-import contextlib
+import contextvars
 import time
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from relaygr.behaviours import Prefix, RankInput
+from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cost import CostModel
-from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from services.ranker.digest import PrefixHasher
-from services.ranker.fetch import Peer, PeerFetch
-from services.ranker.kv_store import CacheKey, KVStore, Tier
+from services.ranker.compute_worker import ComputeWorker
+from services.ranker.core import RankerCore
+from services.ranker.core_types import (
+    Action,
+    Answer,
+    Computed,
+    CoreSettings,
+    CoreStats,
+    Extend,
+    FullForward,
+    JobEnd,
+    JobEnded,
+    Observation,
+    Prefill,
+    PreInferAnswer,
+    PreInferServed,
+    RankAnswer,
+    RankServed,
+    Reload,
+    RequestId,
+    RunStep,
+    Score,
+    StartFetch,
+    Waited,
+)
+from services.ranker.digest import PrefixDigest, PrefixHasher
+from services.ranker.fetch import PeerFetch
+from services.ranker.kv_store import CacheKey, KVStore
 from services.ranker.model import RankingModel
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
-from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, cheapest, sooner
+from services.ranker.plan import Held
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import ComputeScheduler, Job, Priority, Steps
+from services.ranker.queues import ComputeQueues, Job
 from services.ranker.validation import validate_prefix, validate_rank_input
 
-_WORK = {
-    Source.RELOAD: Work.RELOAD,
-    Source.EXTEND: Work.EXTEND,
-    Source.PREFILL: Work.PREFILL,
-}  # a fetch is no compute job: it lands as one of these when it falls back
+__all__ = [
+    "CacheOutcome",
+    "EngineSettings",
+    "Executor",
+    "PreInferOutcome",
+    "PreInferResult",
+    "RankResult",
+    "RankerEngine",
+]
 
+EngineSettings = CoreSettings  # the core's settings, by the name the service knew them
 
-@dataclass(frozen=True, slots=True)
-class EngineSettings:
-    relay_enabled: bool
-    relay_window_s: float
-    prefill_chunk_tokens: int
-    max_relay_window_s: float = 60.0  # a longer pin asked for is refused: it would hold memory
+# How the worker runs one step of a job (`step` computes it): tests advance a virtual clock.
+Executor = Callable[[Job, Callable[[], Any]], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,95 +86,162 @@ class RankResult:
     relayed: bool = False
 
 
-@dataclass(slots=True)
-class _Fallback:
-    """How a peer fetch's key is computed if the fetch fails: a Rank that joins the fetch lifts
-    it to rank priority, under the earliest deadline."""
+class ServicePrefix:
+    """A `Prefix` as the core sees it (`core_types.PrefixRef`): its digest and its heads'."""
 
-    priority: Priority
-    deadline: float | None
+    __slots__ = ("_heads", "digest", "prefix")
 
+    def __init__(self, prefix: Prefix) -> None:
+        self.prefix = prefix
+        self.digest: PrefixDigest = (
+            PrefixHasher.start(prefix.user_features).absorb(prefix.long_term).digest()
+        )
+        self._heads: dict[int, PrefixHasher] = {}
 
-@dataclass(eq=False, slots=True)
-class _Inflight:
-    job: Job | None  # None while a peer fetch runs (nothing submitted to compute yet)
-    task: asyncio.Task[PrefixKV]
-    source: Source
-    computed_tokens: int  # prefix tokens this job computes (0 for a reload or a fetch)
-    relay: bool  # started by a PreInfer (its entry lands pinned for a relay window)
-    # What the landed entry records as its origin: the requester, except that a Rank's reload
-    # of a host copy keeps the copy's producer (the content is the same).
-    origin: Origin | None = None
-    # A Rank restarted this PreInfer's job as its own computation (it was predicted sooner).
-    taken_over: bool = False
-    fallback: _Fallback | None = None  # a peer fetch's, while it runs
+    @property
+    def user_id(self) -> UserId:
+        return UserId(self.prefix.user_id)
+
+    @property
+    def user_features(self) -> int:
+        return len(self.prefix.user_features)
+
+    @property
+    def behaviours(self) -> int:
+        return len(self.prefix.long_term)
+
+    def head_hasher(self, behaviours: int) -> PrefixHasher:
+        hasher = self._heads.get(behaviours)
+        if hasher is None:
+            head = self.prefix.long_term.slice(0, behaviours)
+            hasher = self._heads[behaviours] = PrefixHasher.start(self.prefix.user_features).absorb(
+                head
+            )
+        return hasher
+
+    def head_digest(self, behaviours: int) -> PrefixDigest:
+        return self.head_hasher(behaviours).digest()
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
-    """How to make a prefix device-resident: the job's steps and each step's predicted time."""
+class ServiceRank:
+    """A `RankInput` as the core sees it (`core_types.RankRef`)."""
 
-    source: Source
-    steps: Steps | None  # None for a peer fetch: it runs on the event loop, not the worker
-    computed_tokens: int  # prefix tokens it computes (0 for a reload or a fetch)
-    step_ms: tuple[float, ...]
+    prefix: ServicePrefix
+    request: RankInput
+
+    @property
+    def short_term(self) -> int:
+        return len(self.request.short_term)
+
+    @property
+    def candidates(self) -> int:
+        return len(self.request.candidates)
+
+
+def _direct(job: Job, step: Callable[[], Any]) -> Any:
+    return step()
 
 
 class RankerEngine:
-    """Serves PreInfer and Rank against one model, one KV store and one compute scheduler.
+    """Serves PreInfer and Rank against one model through one `RankerCore`.
 
-    Runs on one asyncio loop; the store and the in-flight table are touched only from it, the
-    model only from the scheduler's worker. Per cache key at most one computation or reload is
-    in flight (single flight): a PreInfer or Rank that finds one joins it. Background prefill is
-    ordered by when its Rank is expected. A Rank that finds background work for its prefix
-    either waits for it, promoting it to rank priority, or restarts it as its own one-call
-    computation, whichever the cost model predicts finishes first. A finished prefix is stored
-    before it leaves the in-flight table, so no request ever sees neither. A miss is served by
-    full inference, computed as prefill + rank (the same work), which leaves the prefix cached
-    for return visits. Waits, jobs and the origin of each cache go to the observer; what it does
-    changes nothing.
-
-    With `peer_fetch` (None: never), a missing prefix that a peer may hold is fetched from it
-    when the transfer is predicted sooner than every local way (`plan.cheapest`). The fetch is
-    the key's one in-flight entry: requests for the key join it (a Rank waits, lifting the
-    fallback to rank priority), and when no peer delivers a checked entry in time, the same
-    entry goes on to compute the prefix exactly as it would have, so a fetch never fails a
-    request.
+    Runs on one asyncio loop: the core is fed only from it. The model runs only on the compute
+    worker, one step at a time: the core's next step is asked for whenever the worker is idle,
+    and a step's result comes back to the loop as an event. Observations go to `observer`, in
+    the context (trace) of the request that caused them.
     """
 
     def __init__(
         self,
         model: RankingModel,
         store: KVStore[PrefixKV],
-        scheduler: ComputeScheduler,
         cost_model: CostModel,
-        settings: EngineSettings,
+        settings: CoreSettings,
         observer: EngineObserver | None = None,
         peer_fetch: PeerFetch | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        executor: Executor = _direct,
+        record: Callable[[Action], None] | None = None,
     ) -> None:
-        """`observer` None: nothing observed (a no-op observer); `peer_fetch` None: a miss is
-        never fetched from a peer."""
+        """`observer` None: nothing observed; `peer_fetch` None: a miss is never fetched;
+        `record`: sees the core's every action (`RankerCore`)."""
         self.model = model
-        self.store = store
-        self.scheduler = scheduler
-        self.cost_model = cost_model
         self.settings = settings
-        self._observer: EngineObserver = observer or NoopObserver()
-        self._inflight: dict[CacheKey, _Inflight] = {}
-        self.draining = False
         self.peer_fetch = peer_fetch
+        self._observer: EngineObserver = observer or NoopObserver()
+        device = model.device
+        self.core: RankerCore[PrefixKV] = RankerCore(
+            store,
+            cost_model,
+            settings,
+            model.model_version,
+            model.cfg.cache_bytes_per_token,
+            lambda kv: Held(kv.num_behaviours, kv.num_tokens, kv.nbytes, kv.device == device),
+            clock,
+            self._observe,
+            peer_fetch,
+            time.time_ns,
+            record,
+        )
+        self.worker = ComputeWorker(on_idle=self._idle_from_worker)
+        self._executor = executor
+        self._answers: dict[RequestId, asyncio.Future[Any]] = {}
+        self._waits: dict[RequestId, asyncio.Future[None]] = {}
+        self._contexts: dict[Job, contextvars.Context] = {}
+        self._stepping = False
+        self._quiet: list[asyncio.Future[None]] = []
+        self._fetches: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def store(self) -> KVStore[PrefixKV]:
+        return self.core.store
+
+    @property
+    def queues(self) -> ComputeQueues:
+        return self.core.queues
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self.core.cost_model
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
 
     def inflight(self) -> int:
-        """Prefix computations and reloads in flight."""
-        return len(self._inflight)
-
-    # -- hand-off hook (services/ranker/handoff_intake.py) ---------------------------------
+        """Prefix computations, reloads and fetches in flight."""
+        return self.core.inflight()
 
     def computing(self, key: CacheKey) -> bool:
-        """Whether the prefix `key` is being computed or reloaded here now."""
-        return key in self._inflight
+        """Whether the prefix `key` is being computed, reloaded or fetched here now."""
+        return self.core.computing(key)
 
-    # -- PreInfer --------------------------------------------------------------------------
+    def held_for_peer(self, key: CacheKey) -> tuple[PrefixKV, Origin | None] | None:
+        """The entry held under exactly `key` (HBM first, else its host copy) and its origin,
+        for a peer that missed it; None when neither tier holds it (a peek)."""
+        entry = self.core.held_for_peer(key)
+        return None if entry is None else (entry.kv, entry.origin)
+
+    def stats(self) -> CoreStats:
+        """The core's typed snapshot (`RankerCore.stats`)."""
+        return self.core.stats()
+
+    def tick(self) -> None:
+        """Time passed: relays past their window and stale host copies go (`RankerCore.tick`)."""
+        self._apply(self.core.tick())
+
+    def key(self, prefix: Prefix) -> CacheKey:
+        """The cache key of `prefix` on this ranker."""
+        return self.core.key(ServicePrefix(prefix))
+
+    def cost_model_refitted(self, model: CostModel) -> None:
+        self.core.cost_model_refitted(model)
+
+    # -- requests --------------------------------------------------------------------------
 
     async def pre_infer(
         self,
@@ -156,497 +253,230 @@ class RankerEngine:
         """`rank_expected_in_s`: when its Rank is expected, from now (None: unknown, assume the
         end of the relay window); background prefill runs earliest expected Rank first."""
         validate_prefix(prefix, self.model.cfg)
-        if self.draining:
-            raise Unavailable("ranker is draining: send pre-inference elsewhere")
-        if not self.settings.relay_enabled:
-            raise Unavailable("relay is disabled on this ranker (bypass): nothing to pre-infer")
-        window = relay_window_s or self.settings.relay_window_s
-        if window > self.settings.max_relay_window_s:
-            raise InvalidInput(
-                f"relay window {window * 1e3:.0f} ms is over this ranker's limit of "
-                f"{self.settings.max_relay_window_s * 1e3:.0f} ms (max_relay_window_ms)"
-            )
-        key = self._key(prefix)
+        self._enter()
         origin = self._observer.origin(Operation.PRE_INFER)
-        if self.store.get(key, Tier.HBM) is not None:
-            outcome = PreInferOutcome.ALREADY_RESIDENT
-        elif key in self._inflight:
-            with self._observer.waiting_inflight():
-                await asyncio.shield(self._inflight[key].task)
-            outcome = PreInferOutcome.JOINED_INFLIGHT
-        else:
-            nbytes = self._expected_bytes(prefix.num_tokens)
-            if not self.store.fits_device(nbytes):
-                raise ResourceExhausted(
-                    f"prefix of {prefix.num_tokens} tokens needs {nbytes} bytes; the device "
-                    f"tier has {self._free_for_pins()} bytes not pinned by other relays"
-                )
-            due = self.scheduler.clock() + (rank_expected_in_s or window)
-            inflight = self._start(key, prefix, Priority.BACKGROUND, deadline, window, origin, due)
-            await asyncio.shield(inflight.task)
-            outcome = (
-                PreInferOutcome.JOINED_INFLIGHT  # the computation became the Rank's
-                if inflight.taken_over
-                else PRE_INFER_OUTCOME[inflight.source]
-            )
-        kv = self.store.get(key, Tier.HBM)
-        if kv is None or not self.store.put_device(key, kv, pin_for=window, origin=origin):
-            raise ResourceExhausted("the device tier cannot hold this prefix beside pinned relays")
-        self._observer.pre_infer_served(prefix, outcome, kv, window)
-        return PreInferResult(outcome, key, kv.num_tokens, kv.nbytes)
-
-    # -- Rank ------------------------------------------------------------------------------
+        rid, actions = self.core.pre_infer(
+            ServicePrefix(prefix), relay_window_s, deadline, rank_expected_in_s, origin,
+            contextvars.copy_context(),
+        )  # fmt: skip
+        answer: PreInferAnswer = await self._outcome(rid, actions)
+        return PreInferResult(answer.outcome, answer.key, answer.tokens, answer.nbytes)
 
     async def rank(self, request: RankInput, deadline: float | None) -> RankResult:
         validate_rank_input(request, self.model.cfg)
-        candidates = len(request.candidates)
-        if not self.settings.relay_enabled:
-            scores = await self._run(
-                "full",
-                Work.FULL_FORWARD,
-                self._timed(
-                    self._once(lambda: self.model.full_forward(request)),
-                    Work.FULL_FORWARD,
-                    request.history_tokens,
-                    None,
-                    candidates,
-                ),
-                deadline,
-            )
-            computed = request.history_tokens + candidates
-            self._observer.rank_served(request, CacheOutcome.BYPASS, computed, None)
-            return RankResult(scores, CacheOutcome.BYPASS, computed)
-        key = self._key(request.prefix)
-        kv = self.store.get(key, Tier.HBM)
-        held = self.store.peek(key, Tier.HBM)
-        relayed = held is not None and held.pinned
-        own = self._observer.origin(Operation.RANK)
-        consumed = self._entry_origin(key, Tier.HBM) if kv is not None else None
-        computed = len(request.short_term) + candidates
-        outcome = CacheOutcome.HBM_HIT
-        mine: _Inflight | None = None  # the computation of the prefix this Rank made
-        if kv is None and key in self._inflight:
-            inflight = self._inflight[key]
-            if self._take_over(key, inflight, request.prefix, deadline, own):
-                mine = inflight
-                kv = await asyncio.shield(inflight.task)
-            else:
-                self._hasten(inflight, deadline)
-                outcome = CacheOutcome.WAITED_INFLIGHT
-                consumed = inflight.origin
-                relayed = inflight.relay
-                with (
-                    self._observer.waiting_inflight(),
-                    contextlib.suppress(DeadlineExceeded),  # its pre-infer gave up: compute below
-                ):
-                    kv = await asyncio.shield(inflight.task)
-        if kv is None:
-            mine = self._start(key, request.prefix, Priority.RANK, deadline, None, own)
-            kv = await asyncio.shield(mine.task)
-        if mine is not None:
-            outcome = RANK_OUTCOME[mine.source]
-            computed += mine.computed_tokens
-            relayed = False
-            # a reload's or a fetch's content was produced elsewhere: link to its producer
-            consumed = mine.origin if mine.source in (Source.RELOAD, Source.FETCH) else None
-        scores = await self._run(
-            "rank",
-            Work.RANK,
-            self._timed(
-                self._once(
-                    lambda: self.model.rank(
-                        kv, request.short_term, request.candidates, request.request_ts
-                    )
-                ),
-                Work.RANK,
-                request.history_tokens,
-                kv.num_tokens,
-                candidates,
-            ),
-            deadline,
-        )
-        self.store.consume(key)
-        self._observer.rank_served(
-            request, outcome, computed, consumed if consumed != own else None
-        )
-        return RankResult(scores, outcome, computed, relayed)
-
-    # -- a peer's fetch ----------------------------------------------------------------------
-
-    def held_for_peer(self, key: CacheKey) -> tuple[PrefixKV, Origin | None] | None:
-        """The entry held under exactly `key` (HBM first, else its host copy) and its origin,
-        for a peer that missed it; None when neither tier holds it. A peek: the entry keeps its
-        place in the LRU order and its pin, and a host copy is not brought to the device."""
-        entry = self.store.peek_any(key)
-        return None if entry is None else (entry.kv, entry.origin)
+        self._enter()
+        origin = self._observer.origin(Operation.RANK)
+        ref = ServiceRank(ServicePrefix(request.prefix), request)
+        rid, actions = self.core.rank(ref, deadline, origin, contextvars.copy_context())
+        answer: RankAnswer = await self._outcome(rid, actions)
+        return RankResult(answer.scores, answer.outcome, answer.computed_tokens, answer.relayed)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def drain(self) -> None:
         """Refuse new pre-inference and wait for every in-flight prefix to land."""
-        self.draining = True
-        while self._inflight:
-            await asyncio.gather(
-                *(asyncio.shield(i.task) for i in self._inflight.values()),
-                return_exceptions=True,
+        self._enter()
+        self._apply(self.core.drain())
+        await self._until(lambda: not self.core.inflight())
+
+    async def close(self) -> None:
+        """Finish every queued job, then end the worker."""
+        self._enter()
+        await self._until(lambda: not self._busy())
+        await asyncio.to_thread(self.worker.stop)
+
+    def stop(self) -> None:
+        """End the worker (no loop: whatever is queued is dropped)."""
+        self.worker.stop()
+
+    # -- feeding the core ------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def _outcome(self, rid: RequestId, actions: list[Action]) -> Any:
+        assert self._loop is not None
+        answer = self._answers[rid] = self._loop.create_future()
+        waited = self._waits[rid] = self._loop.create_future()
+        self._apply(actions)
+        try:
+            if self.core.waiting(rid):
+                with self._observer.waiting_inflight():
+                    await waited
+            return await answer
+        except asyncio.CancelledError:
+            self._apply(self.core.cancel(rid))
+            raise
+        finally:
+            self._answers.pop(rid, None)
+            self._waits.pop(rid, None)
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Answer):
+                future = self._answers.get(action.request)
+                waited = self._waits.get(action.request)
+                if waited is not None and not waited.done():
+                    waited.set_result(None)
+                if future is None or future.done():
+                    continue
+                if action.error is not None:
+                    future.set_exception(action.error)
+                else:
+                    future.set_result(action.result)
+            elif isinstance(action, Waited):
+                waited = self._waits.get(action.request)
+                if waited is not None and not waited.done():
+                    waited.set_result(None)
+            elif isinstance(action, RunStep):
+                self._dispatch(action.job)
+            elif isinstance(action, StartFetch):
+                assert self._loop is not None
+                task = self._loop.create_task(self._fetch(action))
+                self._fetches.add(task)
+                task.add_done_callback(self._fetches.discard)
+        self._kick()
+        if self._quiet:
+            self._check_quiet()
+
+    def _kick(self) -> None:
+        if not self._stepping and self.worker.idle:
+            actions = self.core.worker_free()
+            if actions:
+                self._apply(actions)
+
+    def _idle_from_worker(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._kick)  # closed meanwhile: the worker ignores it
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def _dispatch(self, job: Job) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        self._stepping = True
+        context = job.tag if isinstance(job.tag, contextvars.Context) else None
+
+        def done(result: Any, error: BaseException | None, seconds: float) -> None:
+            loop.call_soon_threadsafe(self._stepped, job, result, error, seconds, context=context)
+
+        self.worker.run(lambda: self._timed_step(job), done)
+
+    def _timed_step(self, job: Job) -> tuple[Any, float]:
+        start = time.perf_counter()
+        result = self._executor(job, lambda: self._step(job))
+        if self.model.device.type == "cuda":
+            # A GPU runs kernels asynchronously: wait for them, or the time is the launch's.
+            torch.cuda.synchronize(self.model.device)
+        return result, time.perf_counter() - start
+
+    def _stepped(self, job: Job, result: Any, error: BaseException | None, seconds: float) -> None:
+        self._stepping = False
+        if error is not None:
+            self._apply(self.core.step_failed(job, error))
+        else:
+            self._apply(self.core.step_done(job, result, seconds))
+
+    def _step(self, job: Job) -> Any:
+        """One step of `job`, on the worker: what the spec says, nothing decided here."""
+        spec, i, model = job.spec, job.steps_run, self.model
+        if isinstance(spec, Prefill):
+            prefix = spec.prefix
+            assert isinstance(prefix, ServicePrefix)
+            p = prefix.prefix
+            first = max(spec.chunk - len(p.user_features), 0)
+            if i == 0:
+                return model.prefill(
+                    Prefix(p.user_id, p.user_features, p.long_term.slice(0, first))
+                )
+            begin = first + (i - 1) * spec.chunk
+            return model.extend(job.partial, p.long_term.slice(begin, begin + spec.chunk))
+        if isinstance(spec, Extend):
+            prefix = spec.prefix
+            assert isinstance(prefix, ServicePrefix)
+            if i == 0:  # a host-tier base is brought over first; its content's hasher with it
+                base: PrefixKV = spec.base.to(model.device)
+                return replace(base, hasher=prefix.head_hasher(spec.base_behaviours))
+            begin = spec.base_behaviours + (i - 1) * spec.chunk
+            return model.extend(
+                job.partial, prefix.prefix.long_term.slice(begin, begin + spec.chunk)
             )
+        if isinstance(spec, Reload):
+            host: PrefixKV = spec.host
+            return host.to(model.device)
+        if isinstance(spec, Score):
+            rank = spec.request
+            assert isinstance(rank, ServiceRank)
+            r = rank.request
+            return model.rank(spec.kv, r.short_term, r.candidates, r.request_ts)
+        assert isinstance(spec, FullForward) and isinstance(spec.request, ServiceRank)
+        return model.full_forward(spec.request.request)
 
-    # -- internals -------------------------------------------------------------------------
+    # -- fetch -----------------------------------------------------------------------------
 
-    def _key(self, prefix: Prefix) -> CacheKey:
-        digest = PrefixHasher.start(prefix.user_features).absorb(prefix.long_term).digest()
-        return CacheKey(prefix.user_id, self.model.model_version, digest)
+    async def _fetch(self, action: StartFetch) -> None:
+        assert self.peer_fetch is not None
+        key, core = action.key, self.core
 
-    def _expected_bytes(self, tokens: int) -> int:
-        return tokens * self.model.cfg.cache_bytes_per_token
+        def remaining() -> float | None:
+            deadline = core.fetch_deadline(key)
+            return None if deadline is None else deadline - core.clock()
 
-    def _free_for_pins(self) -> int:
-        usage = self.store.usage(Tier.HBM)
-        return usage.budget_bytes - usage.pinned_bytes
-
-    def _start(
-        self,
-        key: CacheKey,
-        prefix: Prefix,
-        priority: Priority,
-        deadline: float | None,
-        pin_for: float | None,
-        origin: Origin | None = None,
-        due: float | None = None,
-    ) -> _Inflight:
-        """Submit the cheapest way to make `key` device-resident, as the one in-flight job.
-
-        `pin_for` is the relay window of a PreInfer (None: a Rank's); `origin` the requester's;
-        `due` when the result is wanted (orders background work). Background work runs in
-        chunks, so that ranks overtake it; rank work in one call (rank jobs run first-in
-        first-out and a started one resumes first, so chunks would only add calls).
-        """
-        chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
-        peers = self._fetch_peers(key)
-        plan = self._plan(key, prefix, chunk, peers)
-        if plan.steps is None:  # a peer fetch
-            fallback = _Fallback(priority, deadline)
-            fetch = self._fetch_then_land(key, prefix, peers, pin_for, due)
-            return self._enter(key, None, fetch, plan, pin_for, origin, fallback)
-        if plan.source is Source.RELOAD and pin_for is None:
-            origin = self._reload_origin(key, origin)
-        job = self._submit(key, plan, priority, deadline, due)
-        return self._enter(key, job, self._land(key, job, pin_for), plan, pin_for, origin)
-
-    def _submit(
-        self,
-        key: CacheKey,
-        plan: _Plan,
-        priority: Priority,
-        deadline: float | None,
-        due: float | None,
-    ) -> Job:
-        assert plan.steps is not None
-        return self.scheduler.submit(
-            f"{plan.source}:{key.user_id}",
-            plan.steps,
-            priority,
-            deadline,
-            due=due,
-            step_ms=plan.step_ms,
-        )
-
-    def _enter(
-        self,
-        key: CacheKey,
-        job: Job | None,
-        landing: Coroutine[Any, Any, PrefixKV],
-        plan: _Plan,
-        pin_for: float | None,
-        origin: Origin | None,
-        fallback: _Fallback | None = None,
-    ) -> _Inflight:
-        """Run `landing` as the key's one in-flight entry."""
-        # `landing` first runs on the loop's next turn, when the entry below is in the table.
-        task = asyncio.get_running_loop().create_task(landing)
-        # Its waiters may all be gone (deadline, disconnect): the outcome is then nobody's.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        inflight = _Inflight(
-            job, task, plan.source, plan.computed_tokens, pin_for is not None, origin
-        )
-        inflight.fallback = fallback
-        self._inflight[key] = inflight
-        return inflight
-
-    def _take_over(
-        self,
-        key: CacheKey,
-        inflight: _Inflight,
-        prefix: Prefix,
-        deadline: float | None,
-        origin: Origin | None,
-    ) -> bool:
-        """Whether a Rank computes its prefix itself rather than wait for its in-flight job.
-
-        Waiting promotes the job, so its remaining chunks run next; computing takes one call in
-        the same place. Rank work is waited for; background work is restarted as the Rank's
-        one call when the cost model predicts that call finishes sooner than the job's
-        remaining chunks (each chunk pays a call's fixed cost), so one computation per key
-        still holds. The job's current chunk cannot be stopped: a job on the worker is waited
-        for.
-        """
-        job = inflight.job
-        if job is None or job.priority is not Priority.BACKGROUND:
-            return False
-        plan = self._plan(key, prefix, None)
-        assert plan.steps is not None  # no peers given: never a fetch
-        if not sooner(sum(plan.step_ms), job.remaining_ms) or not self.scheduler.restart(
-            job, plan.steps, plan.step_ms, deadline
-        ):
-            plan.steps.close()
-            return False
-        inflight.source, inflight.computed_tokens = plan.source, plan.computed_tokens
-        inflight.relay, inflight.taken_over = False, True
-        if plan.source is Source.RELOAD:
-            inflight.origin = self._reload_origin(key, origin)
-        return True
-
-    def _reload_origin(self, key: CacheKey, origin: Origin | None) -> Origin | None:
-        """A reload's content is its host copy's: it keeps the copy's producer when known."""
-        held = self._entry_origin(key, Tier.DRAM)
-        return held if held is not None else origin
-
-    # -- peer fetch ------------------------------------------------------------------------
-
-    def _fetch_peers(self, key: CacheKey) -> list[Peer]:
-        """The peers to fetch `key` from: none without peer fetch, or when a host copy of it is
-        here (reloading it is this ranker's own business)."""
-        if self.peer_fetch is None or self.store.peek(key, Tier.DRAM) is not None:
-            return []
-        return self.peer_fetch.peers(key)
-
-    def _hasten(self, inflight: _Inflight, deadline: float | None) -> None:
-        """A Rank waits for `inflight`: its job runs next, at rank priority (`promote`); a
-        running peer fetch's fallback, should the fetch fail, computes at rank priority, by the
-        earliest deadline of those waiting."""
-        if inflight.job is not None:
-            self.scheduler.promote(inflight.job, deadline)
-            return
-        fallback = inflight.fallback
-        if fallback is None:
-            return
-        fallback.priority = Priority.RANK
-        if deadline is not None:
-            fallback.deadline = (
-                deadline if fallback.deadline is None else min(fallback.deadline, deadline)
-            )
-
-    async def _fetch_then_land(
-        self,
-        key: CacheKey,
-        prefix: Prefix,
-        peers: list[Peer],
-        pin_for: float | None,
-        due: float | None,
-    ) -> PrefixKV:
-        """The in-flight entry of a fetch: land the fetched prefix; or, when no peer delivers
-        it, compute it as `_start` would have without peers (the same entry goes on)."""
-        inflight = self._inflight[key]
-        assert self.peer_fetch is not None and inflight.fallback is not None
-        landing = False
+        kv: PrefixKV | None = None
+        producer = None
         try:
             fetched, attempts = await self.peer_fetch.fetch(
-                key,
-                peers,
-                self._expected_bytes(prefix.num_tokens),
-                len(prefix.user_features),
-                lambda: self._remaining_s(inflight),
+                key, list(action.peers), action.nbytes, action.user_tokens, remaining
             )
-            producer = None
             for attempt in attempts:
                 producer = self._observer.remote_origin(attempt.origin_traceparent)
                 self._observer.fetched(
                     attempt.peer.instance_id, attempt.result, attempt.nbytes,
                     attempt.seconds, attempt.start_ns, producer,
                 )  # fmt: skip
-            if fetched is not None:
-                if pin_for is None and producer is not None:
-                    inflight.origin = producer  # a Rank's: the content is its producer's
-                kv = fetched.kv
-                # may not fit; the waiters still use it
-                self.store.put_device(key, kv, pin_for=pin_for, origin=inflight.origin)
-                return kv
-            fallback, inflight.fallback = inflight.fallback, None
-            chunk = (
-                self.settings.prefill_chunk_tokens
-                if fallback.priority is Priority.BACKGROUND
-                else None
+            kv = None if fetched is None else fetched.kv
+        finally:  # a fetch never fails a request: without an entry, the core computes it
+            self._apply(core.fetch_done(key, kv, producer if kv is not None else None))
+
+    # -- observation -----------------------------------------------------------------------
+
+    def _observe(self, event: Observation) -> None:
+        observer = self._observer
+        if isinstance(event, JobEnded):
+            if event.work in (Work.RANK, Work.FULL_FORWARD):
+                observer.ranked(event.job, event.work)
+            elif event.end is JobEnd.DONE and event.kv is not None:
+                observer.prefix_landed(event.job, event.work, event.computed_tokens, event.kv)
+            else:
+                observer.prefix_failed(event.job, event.work)
+        elif isinstance(event, Computed):
+            observer.computed(
+                event.work, event.tokens, event.cached_tokens, event.candidates, event.seconds
             )
-            plan = self._plan(key, prefix, chunk)
-            if plan.source is Source.RELOAD and pin_for is None:
-                inflight.origin = self._reload_origin(key, inflight.origin)
-            job = self._submit(key, plan, fallback.priority, fallback.deadline, due)
-            inflight.job, inflight.source = job, plan.source
-            inflight.computed_tokens = plan.computed_tokens
-            landing = True
-            return await self._land(key, job, pin_for)
-        finally:
-            if not landing:
-                del self._inflight[key]
+        elif isinstance(event, PreInferServed):
+            prefix = event.prefix
+            assert isinstance(prefix, ServicePrefix)
+            observer.pre_infer_served(prefix.prefix, event.outcome, event.kv, event.window_s)
+        elif isinstance(event, RankServed):
+            rank = event.request
+            assert isinstance(rank, ServiceRank)
+            observer.rank_served(rank.request, event.outcome, event.computed_tokens, event.consumed)
 
-    def _remaining_s(self, inflight: _Inflight) -> float | None:
-        """Time left before the deadline a fetch's fallback must meet (None: none)."""
-        deadline = None if inflight.fallback is None else inflight.fallback.deadline
-        return None if deadline is None else deadline - self.scheduler.clock()
+    # -- waiting for quiet -----------------------------------------------------------------
 
-    # -- landing ---------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.core.inflight() or self._stepping or self.core.queued())
 
-    async def _land(self, key: CacheKey, job: Job, pin_for: float | None) -> PrefixKV:
-        inflight = self._inflight[key]  # its source may change while queued (a Rank's take-over)
-        try:
-            kv: PrefixKV = await asyncio.wrap_future(job.future)
-            # may not fit; the waiters still use it
-            self.store.put_device(key, kv, pin_for=pin_for, origin=inflight.origin)
-            self._observer.prefix_landed(job, _WORK[inflight.source], inflight.computed_tokens, kv)
-            return kv
-        except BaseException:
-            self._observer.prefix_failed(job, _WORK[inflight.source])
-            raise
-        finally:
-            del self._inflight[key]
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        assert self._loop is not None
+        while not condition():
+            quiet = self._loop.create_future()
+            self._quiet.append(quiet)
+            await quiet
 
-    def _plan(
-        self, key: CacheKey, prefix: Prefix, chunk: int | None, peers: list[Peer] | None = None
-    ) -> _Plan:
-        """The cheapest way to make `key` device-resident (`plan.cheapest`) and its steps:
-        computing in `chunk`-token steps (None: one call). With `peers` (that may hold it),
-        fetching from them is a candidate, at the transfer cost in use."""
-        device = self.model.device
-        held = self.store.peek(key, Tier.DRAM)
-        base = self._extendable(key, prefix)
-        fetch_ms = None
-        if peers and self.peer_fetch is not None:
-            fetch_ms = self.peer_fetch.transfer.ms(self._expected_bytes(prefix.num_tokens))
-        costed = cheapest(
-            self.cost_model,
-            len(prefix.user_features),
-            len(prefix.long_term),
-            None if held is None else _held(held.kv, device),
-            None if base is None else _held(base, device),
-            chunk,
-            fetch_ms,
-        )
-        if costed.source is Source.FETCH:
-            return _Plan(costed.source, None, 0, costed.step_ms)
-        size = chunk if chunk is not None else max(prefix.num_tokens, 1)
-        steps: Generator[None, None, Any]
-        if costed.source is Source.RELOAD:
-            assert held is not None
-            host = held.kv
-            steps = self._once(lambda: host.to(device))
-        elif costed.source is Source.EXTEND:
-            assert base is not None
-            steps = self._timed(
-                self._extend_steps(base, prefix, size),
-                Work.EXTEND,
-                prefix.num_tokens,
-                base.num_tokens,
-                0,
-            )
-        else:
-            steps = self._timed(
-                self._prefill_steps(prefix, size), Work.PREFILL, prefix.num_tokens, None, 0
-            )
-        return _Plan(costed.source, steps, costed.computed_tokens, costed.step_ms)
-
-    def _extendable(self, key: CacheKey, prefix: Prefix) -> PrefixKV | None:
-        """The user's newest cached prefix that is a strict prefix of `prefix`, if any, with
-        the hasher of its content (a prefix received from a peer came with its digest only)."""
-        for old in self.store.user_keys(key.user_id, key.model_version):
-            tier = self.store.tier_of(old)
-            entry = self.store.peek(old, tier) if tier is not None else None
-            if entry is None or entry.kv.num_behaviours >= len(prefix.long_term):
-                continue
-            head = prefix.long_term.slice(0, entry.kv.num_behaviours)
-            hasher = PrefixHasher.start(prefix.user_features).absorb(head)
-            if hasher.digest() == old.digest:
-                return replace(entry.kv, hasher=hasher)
-        return None
-
-    def _prefill_steps(self, prefix: Prefix, chunk: int) -> Generator[None, None, PrefixKV]:
-        """Chunked prefill: the first chunk prefills, the rest extend (the same operation)."""
-        first = max(chunk - len(prefix.user_features), 0)
-        head = Prefix(prefix.user_id, prefix.user_features, prefix.long_term.slice(0, first))
-        kv = self.model.prefill(head)
-        yield
-        return (yield from self._extend_from(kv, prefix, first, chunk))
-
-    def _extend_steps(
-        self, base: PrefixKV, prefix: Prefix, chunk: int
-    ) -> Generator[None, None, PrefixKV]:
-        kv = base.to(self.model.device)  # a host-tier base is brought over first
-        yield
-        return (yield from self._extend_from(kv, prefix, base.num_behaviours, chunk))
-
-    def _extend_from(
-        self, kv: PrefixKV, prefix: Prefix, start: int, chunk: int
-    ) -> Generator[None, None, PrefixKV]:
-        for begin in range(start, len(prefix.long_term), chunk):
-            kv = self.model.extend(kv, prefix.long_term.slice(begin, begin + chunk))
-            yield
-        return kv
-
-    def _timed(
-        self,
-        steps: Generator[None, None, Any],
-        work: Work,
-        tokens: int,
-        cached_tokens: int | None,
-        candidates: int,
-    ) -> Generator[None, None, Any]:
-        """`steps`, reporting their compute time once they complete (`EngineObserver.computed`).
-
-        Only the steps themselves are timed, on the worker: not the queue before them nor other
-        jobs run between them, so the cost model learns compute, not load.
-        """
-        seconds = 0.0
-        try:
-            while True:
-                start = time.perf_counter()
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    self._sync()
-                    seconds += time.perf_counter() - start
-                    self._observer.computed(work, tokens, cached_tokens, candidates, seconds)
-                    return done.value
-                self._sync()
-                seconds += time.perf_counter() - start
-                yield
-        finally:
-            steps.close()  # a job cancelled between steps: its generator ends with it
-
-    def _sync(self) -> None:
-        # A GPU runs kernels asynchronously: wait for them, or the time is the launch's.
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-
-    @staticmethod
-    def _once(fn: Callable[[], Any]) -> Generator[None, None, Any]:
-        return fn()
-        yield  # a one-step job
-
-    async def _run(
-        self, name: str, work: Work, steps: Generator[None, None, Any], deadline: float | None
-    ) -> Any:
-        job = self.scheduler.submit(name, steps, Priority.RANK, deadline)
-        try:
-            return await asyncio.wrap_future(job.future)
-        except asyncio.CancelledError:
-            job.future.cancel()  # not started yet: never run it
-            raise
-        finally:
-            self._observer.ranked(job, work)
-
-    def _entry_origin(self, key: CacheKey, tier: Tier) -> Origin | None:
-        entry = self.store.peek(key, tier)
-        return None if entry is None else entry.origin
-
-
-def _held(kv: PrefixKV, device: torch.device) -> Held:
-    return Held(kv.num_behaviours, kv.num_tokens, kv.nbytes, kv.device == device)
+    def _check_quiet(self) -> None:
+        quiet, self._quiet = self._quiet, []
+        for future in quiet:
+            if not future.done():
+                future.set_result(None)

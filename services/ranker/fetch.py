@@ -117,6 +117,10 @@ class PeerFetch:
     def peers(self, key: CacheKey) -> list[Peer]:
         return list(self.source.peers(key))[: self.settings.max_peers]
 
+    def transfer_ms(self, nbytes: int) -> float:
+        """The predicted time to fetch `nbytes` (the transfer cost in use)."""
+        return self.transfer.ms(nbytes)
+
     async def fetch(
         self,
         key: CacheKey,

@@ -17,7 +17,7 @@ from services.ranker.fetch import Fetched, Peer
 from services.ranker.kv_store import CacheKey
 from services.ranker.model_config import ModelConfig
 from services.ranker.outcomes import FetchResult
-from services.ranker.peers import successor
+from services.ranker.peers import fetch_peers
 from services.ranker.transfer import EntryHeader, Receiver, Refusal
 from services.ranker.transfer_wire import header_from_proto
 
@@ -64,22 +64,11 @@ class GrpcPeerSource:
 
     def peers(self, key: CacheKey) -> list[Peer]:
         view = self._view()
-        ids: list[str] = []
         holder = None
         if self._directory is not None:
             holder = self._directory.lookup(key.user_id, key.model_version)
-        record = None if holder is None else view.get(holder)
-        if (
-            holder is not None
-            and holder != self._self_id
-            and record is not None
-            and record.model_version == key.model_version
-        ):
-            ids.append(holder)
         moved = self._clock() - self._changed_at() < self._window_s
-        previous = successor(key.user_id, view, self._self_id, key.model_version) if moved else None
-        if previous is not None and previous not in ids:
-            ids.append(previous)
+        ids = fetch_peers(key.user_id, key.model_version, view, self._self_id, holder, moved)
         return [Peer(i, view[i].address) for i in ids]
 
     async def fetch(self, key: CacheKey, peer: Peer, timeout_s: float) -> Fetched | FetchResult:

@@ -8,16 +8,18 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from relaygr.cluster import RankerRecord
-from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
+from services.ranker.config import RankerConfig
+from services.ranker.handoff_order import Candidate, PrefixHolder
+from services.ranker.kv_store import CacheKey, Tier
 from services.ranker.observer import Origin
 from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.transfer import EntryHeader, Refusal, chunks, encode
+from services.ranker.transfer import CHUNK_BYTES, EntryHeader, Refusal, chunks, encode
 
 _log = logging.getLogger("services.ranker.handoff")
 
@@ -43,48 +45,6 @@ class HandoffStats:
     receive_seconds: float = 0.0  # summed over received streams
     # streams taken, by sending ranker (its certificate's instance under mutual TLS)
     received_from: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A held prefix as the plan sees it (a snapshot of its store entry)."""
-
-    key: CacheKey
-    tier: Tier
-    nbytes: int
-    pinned_until: float | None
-    last_use: int  # the store's use number in its tier
-
-
-def value_rank(c: Candidate) -> tuple[int, float]:
-    """Sort key, most valuable first: HBM entries pinned for a relay (their Rank is due) by
-    earliest pin end; then unpinned HBM entries, most recently used first; then DRAM entries,
-    most recently used first. Use numbers are compared only within a tier."""
-    if c.tier is Tier.HBM and c.pinned_until is not None:
-        return (0, c.pinned_until)
-    return (1 if c.tier is Tier.HBM else 2, -c.last_use)
-
-
-def value_order(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The candidates most valuable first (`value_rank`), one per key (its HBM copy wins)."""
-    ordered = sorted(candidates, key=value_rank)
-    seen: set[CacheKey] = set()
-    unique = []
-    for c in ordered:
-        if c.key not in seen:
-            seen.add(c.key)
-            unique.append(c)
-    return unique
-
-
-def candidates(store: KVStore[PrefixKV]) -> list[Candidate]:
-    """Every prefix the store holds, in both tiers."""
-    store.expire()
-
-    def of(entry: Entry[PrefixKV], tier: Tier) -> Candidate:
-        return Candidate(entry.key, tier, entry.nbytes, entry.pinned_until, entry.last_use)
-
-    return [of(e, tier) for tier in Tier for e in store.entries(tier)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +127,21 @@ class TargetOutcome:
 
 @dataclass(frozen=True, slots=True)
 class HandoffSettings:
-    budget_s: float
+    budget_s: float  # the configured budget; a drain's grace may cut it (`within`)
     bytes_per_s: float
     max_entries: int
     chunk_bytes: int
+
+    @classmethod
+    def of(cls, cfg: RankerConfig) -> "HandoffSettings":
+        """A ranker configuration's hand-off settings (the server's and the simulator's)."""
+        return cls(cfg.handoff_budget_s, cfg.handoff_bytes_per_s, cfg.handoff_max_entries,
+                   CHUNK_BYTES)  # fmt: skip
+
+    def within(self, grace_s: float | None) -> float:
+        """The hand-off's time budget in a drain of `grace_s` (None: no limit): the one place
+        the budget meets the grace."""
+        return self.budget_s if grace_s is None else min(grace_s, self.budget_s)
 
 
 class HandoffSender:
@@ -185,7 +156,7 @@ class HandoffSender:
 
     def __init__(
         self,
-        store: KVStore[PrefixKV],
+        holder: PrefixHolder[PrefixKV],
         port: HandoffPort,
         settings: HandoffSettings,
         stats: HandoffStats,
@@ -194,7 +165,7 @@ class HandoffSender:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         encode_in_thread: bool = True,
     ) -> None:
-        self._store = store
+        self._holder = holder
         self._port = port
         self._settings = settings
         self.stats = stats
@@ -213,11 +184,9 @@ class HandoffSender:
         """Hand the held prefixes to their successors in `view`, within `budget_s` (None: the
         configured budget)."""
         start = self._clock()
-        budget = (
-            self._settings.budget_s if budget_s is None else min(budget_s, self._settings.budget_s)
-        )
+        budget = self._settings.within(budget_s)
         deadline = start + budget
-        ordered = value_order(candidates(self._store))
+        ordered = self._holder.handoff_order()
         routes = plan(ordered, view, self_id, model_version, self._settings.max_entries)
         self.stats.unsent_entries += len(ordered) - sum(len(v) for v in routes.values())
         bandwidth = Bandwidth(self._settings.bytes_per_s, self._clock)
@@ -262,7 +231,7 @@ class HandoffSender:
         return TargetOutcome(target, sent[0], sent[1], receipt)
 
     def _read(self, c: Candidate) -> tuple[CacheKey, PrefixKV, Origin | None] | None:
-        entry = self._store.peek_any(c.key)
+        entry = self._holder.held_for_peer(c.key)
         return None if entry is None else (entry.key, entry.kv, entry.origin)
 
     async def _encode(

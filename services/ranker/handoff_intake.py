@@ -11,7 +11,7 @@ import torch
 
 from relaygr.behaviours import UserId
 from services.ranker.handoff import HandoffStats
-from services.ranker.kv_store import CacheKey, KVStore
+from services.ranker.handoff_order import Declined, PrefixHolder
 from services.ranker.model_config import ModelConfig
 from services.ranker.observer import Origin
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
@@ -45,25 +45,23 @@ class HandoffIntake:
 
     def __init__(
         self,
-        store: KVStore[PrefixKV],
+        holder: PrefixHolder[PrefixKV],
         cfg: ModelConfig,
         model_version: ModelVersion,
         device: torch.device,
-        computing: Callable[[CacheKey], bool],
         stats: HandoffStats,
         origin_of: Callable[[str], Origin | None] = lambda _: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._store = store
+        self._holder = holder
         self._receiver = Receiver(cfg, model_version, device)
         self._header_refused = False  # the current entry was refused (and counted) at its header
         self._stray = False  # data came with no entry to belong to (counted once per run)
-        self._computing = computing
         self._stats = stats
         self._origin_of = origin_of
         self._clock = clock
         self._started = clock()
-        self._mark = store.use_mark()
+        self._mark = holder.use_mark()
         self.report = IntakeReport()
         stats.received_streams += 1
 
@@ -109,19 +107,10 @@ class HandoffIntake:
                 self._refuse(header, got)
             return
         key = header.key
-        tier = self._store.tier_of(key)
-        if tier is None:
-            if self._computing(key):
-                self._refuse(header, Refusal.COMPUTING)
-                return
-            if self._store.user_keys(key.user_id, key.model_version):
-                self._refuse(header, Refusal.HELD)
-                return
-            tier = self._store.put_received(
-                key, got, self._origin_of(header.origin_traceparent), self._mark
-            )
-        if tier is None:
-            self._refuse(header, Refusal.NO_ROOM)
+        origin = self._origin_of(header.origin_traceparent)
+        tier = self._holder.receive(key, got, origin, self._mark)
+        if isinstance(tier, Declined):
+            self._refuse(header, Refusal(tier.value))
             return
         self.report.admitted += 1
         self.report.admitted_bytes += header.nbytes

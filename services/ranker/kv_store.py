@@ -8,10 +8,9 @@ from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
 from relaygr.behaviours import UserId
-from services.ranker.digest import PrefixDigest
+from services.ranker.digest import ModelVersion, PrefixDigest
 from services.ranker.keyed_heap import KeyedHeap
-from services.ranker.observer import Origin
-from services.ranker.prefix_kv import ModelVersion
+from services.ranker.outcomes import Origin
 
 
 @dataclass(frozen=True, slots=True)

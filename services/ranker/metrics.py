@@ -11,7 +11,6 @@ from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
 from services.ranker.handoff import HandoffStats
 from services.ranker.kv_store import Drop, Tier
 from services.ranker.outcomes import FetchResult
-from services.ranker.scheduler import Priority
 from services.ranker.transfer import Refusal
 
 # Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
@@ -131,8 +130,8 @@ class RankerMetrics:
                 if total
             },
         )
-        engine.store.expire()  # pins past their window and stale host copies count now
-        usage = {tier: engine.store.usage(tier) for tier in Tier}
+        core = engine.stats()  # as of the last event: the ranker's tick expires relays
+        usage = core.tiers
         yield gauge(
             "relaygr_ranker_kv_used_bytes",
             "Bytes of prefix KV caches held in the tier",
@@ -157,7 +156,7 @@ class RankerMetrics:
             ["tier"],
             {(t.value,): u.entries for t, u in usage.items()},
         )
-        stats = engine.store.stats
+        stats = core.kv
         yield counter(
             "relaygr_ranker_kv_drops",
             "Prefix caches that left a tier, by reason (demoted: evicted from HBM with a DRAM "
@@ -198,9 +197,9 @@ class RankerMetrics:
             "relaygr_ranker_queue_depth",
             "Compute jobs waiting for the worker, by priority",
             ["priority"],
-            {(p.name.lower(),): engine.scheduler.depth(p) for p in Priority},
+            {(p.name.lower(),): n for p, n in core.queue_depth.items()},
         )
-        cost = engine.cost_model
+        cost = core.cost_model
         yield gauge(
             "relaygr_ranker_cost_model_error",
             "Median |predicted - measured| / measured compute time of the cost model in use, over"
@@ -219,7 +218,7 @@ class RankerMetrics:
             "Predicted compute time of the background prefill queued or running (the cost "
             "model's), which a PreInfer admitted now would wait behind if its Rank is due later",
             [],
-            {(): engine.scheduler.queued_background_ms() / 1e3},
+            {(): core.queued_background_ms / 1e3},
         )
         if engine.peer_fetch is not None:
             yield counter(
@@ -240,7 +239,7 @@ class RankerMetrics:
             "relaygr_ranker_inflight_prefixes",
             "Prefix computations and reloads in flight",
             [],
-            {(): engine.inflight()},
+            {(): core.inflight},
         )
 
 

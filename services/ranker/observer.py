@@ -2,36 +2,19 @@
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from enum import StrEnum
-from typing import NewType, Protocol
+from typing import Protocol
 
 from relaygr.behaviours import Prefix, RankInput
-from services.ranker.outcomes import CacheOutcome, FetchResult, PreInferOutcome
+from services.ranker.outcomes import (
+    CacheOutcome,
+    FetchResult,
+    Operation,
+    Origin,
+    PreInferOutcome,
+    Work,
+)
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import Job
-
-# Who produced or last relayed a prefix cache, as the observer that made it sees it: opaque to the
-# engine and the KV store, which only carry it from the producing request to the consuming Rank
-# (and compare two for equality: the same producer gives equal origins).
-Origin = NewType("Origin", object)
-
-
-class Operation(StrEnum):
-    """The request that produces a prefix: the `operation` of its origin."""
-
-    PRE_INFER = "pre_infer"
-    RANK = "rank"
-    PEER = "peer"  # a request on a peer ranker, the prefix fetched from it (which one: unknown)
-
-
-class Work(StrEnum):
-    """A job the engine runs on the compute scheduler."""
-
-    PREFILL = "prefill"
-    EXTEND = "extend"
-    RELOAD = "reload"  # a host (DRAM) copy brought back to the device
-    RANK = "rank"  # scoring against a device-resident prefix
-    FULL_FORWARD = "full_forward"  # a bypass Rank: full inference, nothing cached
+from services.ranker.queues import Job
 
 
 class EngineObserver(Protocol):
@@ -110,7 +93,7 @@ class EngineObserver(Protocol):
         excluded. `tokens`: history tokens it covers; `cached_tokens`: those it found cached
         (None: it started from nothing, a prefill or full inference); `candidates`: scored.
 
-        Called on the compute worker thread, not the event loop: keep it short and thread-safe.
+        Called on the event loop once the job's last step is back from the compute worker.
         """
         ...
 

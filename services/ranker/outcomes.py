@@ -1,7 +1,8 @@
-"""What a PreInfer or a Rank found in the prefix cache, and what a peer fetch came to: the
-engine's outcomes."""
+"""What a PreInfer or a Rank found in the prefix cache, what a peer fetch came to, the jobs the
+ranker runs and who produced a prefix: the ranker core's vocabulary (no torch, no I/O)."""
 
 from enum import StrEnum
+from typing import NewType
 
 
 class PreInferOutcome(StrEnum):
@@ -31,3 +32,27 @@ class FetchResult(StrEnum):
     TIMEOUT = "timeout"  # no complete entry within the fetch's time
     REFUSED = "refused"  # an entry that failed a check on receipt (corrupt, wrong shape)
     ERROR = "error"  # the peer could not be reached or broke off (gone, overloaded)
+
+
+# Who produced or last relayed a prefix cache, as the observer that made it sees it: opaque to the
+# engine and the KV store, which only carry it from the producing request to the consuming Rank
+# (and compare two for equality: the same producer gives equal origins).
+Origin = NewType("Origin", object)
+
+
+class Operation(StrEnum):
+    """The request that produces a prefix: the `operation` of its origin."""
+
+    PRE_INFER = "pre_infer"
+    RANK = "rank"
+    PEER = "peer"  # a request on a peer ranker, the prefix fetched from it (which one: unknown)
+
+
+class Work(StrEnum):
+    """A job the engine runs on the compute scheduler."""
+
+    PREFILL = "prefill"
+    EXTEND = "extend"
+    RELOAD = "reload"  # a host (DRAM) copy brought back to the device
+    RANK = "rank"  # scoring against a device-resident prefix
+    FULL_FORWARD = "full_forward"  # a bypass Rank: full inference, nothing cached

@@ -23,3 +23,25 @@ def successor(
     ]
     order = ranking(user, others)
     return order[0] if order else None
+
+
+def fetch_peers(
+    user: str,
+    model_version: str,
+    view: Mapping[str, RankerRecord],
+    self_id: str,
+    holder: str | None,
+    moved: bool,
+) -> list[str]:
+    """Whom a ranker that misses `user`'s prefix asks for it, most likely first: the directory's
+    `holder` (where the prefix was placed, when that is another member serving the version),
+    then, when the membership changed lately (`moved`), the user's owner before this ranker
+    (`successor`). The service's peer source and the simulator both ask here."""
+    ids: list[str] = []
+    record = None if holder is None else view.get(holder)
+    if holder is not None and holder != self_id and record is not None:
+        ids += [holder] if record.model_version == model_version else []
+    previous = successor(user, view, self_id, model_version) if moved else None
+    if previous is not None and previous not in ids:
+        ids.append(previous)
+    return ids

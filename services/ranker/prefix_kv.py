@@ -1,13 +1,10 @@
 """PrefixKV: per-layer K/V of a user's prefix, the baton the relay hands from PreInfer to Rank."""
 
 from dataclasses import dataclass, replace
-from typing import NewType
 
 import torch
 
-from services.ranker.digest import PrefixDigest, PrefixHasher
-
-ModelVersion = NewType("ModelVersion", str)
+from services.ranker.digest import ModelVersion, PrefixDigest, PrefixHasher
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from services.ranker.config import ENV_PREFIX, RankerConfig
 from services.ranker.cost_fit import Sample, fit_cost_model
 from services.ranker.cost_learner import CostLearner, Republisher
 from services.ranker.cost_model import measure, reload_ms_per_mb
-from services.ranker.engine import EngineSettings, RankerEngine
+from services.ranker.engine import RankerEngine
 from services.ranker.fetch import FetchSettings, PeerFetch
 from services.ranker.fetch_client import GrpcPeerSource
 from services.ranker.handoff import HandoffSender, HandoffSettings, HandoffStats
@@ -44,17 +44,16 @@ from services.ranker.model_config import PRESETS, ModelConfig
 from services.ranker.observer import ComputeSink, EngineObserver, NoopObserver, Work
 from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import ComputeScheduler, Priority
 from services.ranker.service import SERVICE_NAME, RankerServicer
 from services.ranker.tracing_observer import (
     engine_observer,
     origin_from_traceparent,
     origin_traceparent,
 )
-from services.ranker.transfer import CHUNK_BYTES
 
 _log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
+TICK_S = 1.0  # how often the ranker's core hears that time passed (expiry of pins and copies)
 
 
 def load_model(cfg: RankerConfig) -> RankingModel:
@@ -86,8 +85,9 @@ def build_engine(
     cost_model: CostModel,
     clock: Callable[[], float] = time.monotonic,
     observer: EngineObserver | None = None,
+    peer_fetch: PeerFetch | None = None,
 ) -> RankerEngine:
-    """`observer` None: nothing observed."""
+    """`observer` None: nothing observed; `peer_fetch` None: misses are never fetched."""
     observer = observer or NoopObserver()
     pin = model.device.type != "cpu"
 
@@ -96,18 +96,9 @@ def build_engine(
             return kv.to("cpu", pin_memory=pin)
 
     store = KVStore(cfg.hbm_budget_bytes, cfg.dram_budget_bytes, cfg.dram_ttl_s, clock, to_host)
-    scheduler = ComputeScheduler(
-        {Priority.RANK: cfg.max_queued_ranks, Priority.BACKGROUND: cfg.max_queued_prefills},
-        clock=clock,
+    return RankerEngine(
+        model, store, cost_model, cfg.core_settings(), observer, peer_fetch, clock=clock
     )
-    scheduler.start()
-    settings = EngineSettings(
-        relay_enabled=cfg.relay_enabled,
-        relay_window_s=cfg.relay_window_ms / 1e3,
-        prefill_chunk_tokens=cfg.prefill_chunk_tokens,
-        max_relay_window_s=cfg.max_relay_window_ms / 1e3,
-    )
-    return RankerEngine(model, store, scheduler, cost_model, settings, observer)
 
 
 def ranker_record(
@@ -185,11 +176,19 @@ async def keep_learning(
         model = await asyncio.to_thread(learner.refit)
         if model is None or ranker.engine is None:
             continue
-        ranker.engine.cost_model = model
+        ranker.engine.cost_model_refitted(model)
         if ranker.mesh is not None and republisher.offer(model, clock()):
             _log.info("republishing the cost model refitted to served work: %s", model)
             with contextlib.suppress(Unavailable):  # etcd down: the next change goes
                 await ranker.mesh.cluster.register(record(model), cfg.lease_ttl_s)
+
+
+async def keep_ticking(engine: RankerEngine, interval_s: float = TICK_S) -> None:
+    """Tell the engine time passed every `interval_s`: relays past their window are released
+    and stale host copies dropped even while no request comes (the metrics then read them)."""
+    while True:
+        await asyncio.sleep(interval_s)  # a period, not a synchronisation
+        engine.tick()
 
 
 def peer_fetch(
@@ -231,6 +230,7 @@ class RankerServer:
     mesh: MeshLink | None = None
     metrics_server: MetricsServer | None = None
     learning: "asyncio.Task[None] | None" = None  # refits the cost model from served work
+    ticking: "asyncio.Task[None] | None" = None  # the engine's clock tick (expiry)
     peer_pool: RankerPool | None = None  # channels to the peers this ranker fetches from
     handoff: HandoffSender | None = None  # None: a drain hands nothing off
 
@@ -252,11 +252,12 @@ class RankerServer:
         Landing and the final compute are not bounded by `grace_s`: queued compute is
         finished, then the server's stop bounds the RPCs still waiting on it.
         """
-        if self.learning is not None:
-            self.learning.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.learning
-            self.learning = None
+        for task in (self.learning, self.ticking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.learning = self.ticking = None
         if self.engine is not None:
             await self.engine.drain()  # no new PreInfer from here on; Ranks are still served
             if self.handoff is not None and self.mesh is not None:
@@ -268,7 +269,7 @@ class RankerServer:
             self.mesh = None
         if self.engine is not None:
             await self.engine.drain()
-            await asyncio.to_thread(self.engine.scheduler.stop)
+            await self.engine.close()
 
     async def _hand_off(self, engine: RankerEngine, mesh: MeshLink, grace_s: float) -> None:
         assert self.handoff is not None
@@ -289,6 +290,11 @@ class RankerServer:
             )  # fmt: skip
 
     async def close(self) -> None:
+        if self.ticking is not None:  # stopped without a drain
+            self.ticking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.ticking
+            self.ticking = None
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
@@ -357,10 +363,20 @@ async def start_ranker(
     else:
         loaded = model if model is not None else await asyncio.to_thread(load_model, cfg)
     timings = None if learner is None else timing_sink(learner)
+    fetch = None
+    if cfg.etcd_endpoints:  # nothing is dialled before the registration below
+        mesh = ranker.mesh = connect_mesh(cfg)
+        if cfg.peer_fetch and cfg.relay_enabled:
+            pool = ranker.peer_pool = RankerPool(
+                cfg.server_options().channel_args()[:2], cfg, telemetry.client_interceptors()
+            )
+            fetch = peer_fetch(cfg, mesh, pool, instance_id, loaded, learner is not None, metrics)
     ranker.engine = build_engine(
-        cfg, loaded, cost_model, observer=engine_observer(telemetry.tracer, timings)
-    )
+        cfg, loaded, cost_model, observer=engine_observer(telemetry.tracer, timings),
+        peer_fetch=fetch,
+    )  # fmt: skip
     metrics.engine = ranker.engine
+    ranker.ticking = asyncio.create_task(keep_ticking(ranker.engine))
     handoff_stats = metrics.handoff = HandoffStats()
     servicer.handoff = HandoffReceiving(
         handoff_stats,
@@ -377,17 +393,14 @@ async def start_ranker(
             telemetry.client_interceptors(),
             telemetry.tracer,
         )
-        settings = HandoffSettings(
-            cfg.handoff_seconds, cfg.handoff_bytes_per_s, cfg.handoff_max_entries, CHUNK_BYTES
-        )
         ranker.handoff = HandoffSender(
-            ranker.engine.store, port, settings, handoff_stats, origin_traceparent
+            ranker.engine.core, port, HandoffSettings.of(cfg), handoff_stats, origin_traceparent
         )
     servicer.configure(instance_id, str(loaded.device))
     servicer.attach(ranker.engine)
     await server.set_serving(True)
-    if cfg.etcd_endpoints:
-        mesh = ranker.mesh = connect_mesh(cfg)
+    if ranker.mesh is not None:
+        mesh = ranker.mesh
         metrics.etcd_connected = lambda: ranker.mesh is not None and ranker.mesh.etcd.connected
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         await mesh.cluster.register(
@@ -395,13 +408,6 @@ async def start_ranker(
         )
         # The peers' view: where a draining ranker hands its prefixes, whom a miss fetches from.
         await mesh.cluster.start()
-        if cfg.peer_fetch and cfg.relay_enabled:
-            pool = ranker.peer_pool = RankerPool(
-                cfg.server_options().channel_args()[:2], cfg, telemetry.client_interceptors()
-            )
-            ranker.engine.peer_fetch = peer_fetch(
-                cfg, mesh, pool, instance_id, loaded, learner is not None, metrics
-            )
     if learner is not None:
         address = cfg.advertise_address or f"127.0.0.1:{server.port}"
         ranker.learning = asyncio.create_task(

@@ -199,8 +199,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         receiving.stats.received_from[sender] += 1
         model = engine.model
         intake = HandoffIntake(
-            engine.store, model.cfg, model.model_version, model.device, engine.computing,
-            receiving.stats, receiving.origin_of,
+            engine.core, model.cfg, model.model_version, model.device, receiving.stats,
+            receiving.origin_of,
         )  # fmt: skip
         receiving.streams += 1
         # Under the RPC's server span when the interceptor made one, else a trace of its own.
@@ -247,10 +247,11 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
     ) -> ranker_pb2.RankerInfo:
         engine = self.engine
         cfg = engine.model.cfg
-        cost = engine.cost_model
+        core = engine.stats()
+        cost = core.cost_model
 
         def usage(tier: Tier) -> ranker_pb2.TierUsage:
-            u = engine.store.usage(tier)
+            u = core.tiers[tier]
             return ranker_pb2.TierUsage(
                 budget_bytes=u.budget_bytes,
                 used_bytes=u.used_bytes,
@@ -296,8 +297,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             ),
             relay_enabled=engine.settings.relay_enabled,
             intra_op_threads=torch.get_num_threads(),
-            queued_prefill_ms=engine.scheduler.queued_background_ms(),
-            queued_rank_ms=engine.scheduler.queued_rank_ms(),
+            queued_prefill_ms=core.queued_background_ms,
+            queued_rank_ms=core.queued_rank_ms,
         )
 
     @staticmethod

@@ -30,7 +30,7 @@ from services.ranker.observer import (
 )
 from services.ranker.outcomes import CacheOutcome, FetchResult, PreInferOutcome
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import Job
+from services.ranker.queues import Job
 
 
 @dataclass(frozen=True, slots=True)

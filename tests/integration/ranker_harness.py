@@ -12,7 +12,6 @@ from relaygr.cost import CostModel
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 from services.ranker.config import RankerConfig
 from services.ranker.model import RankingModel
-from services.ranker.scheduler import Priority
 from services.ranker.server import RankerServer, start_ranker
 from tests.polling import eventually
 from tests.unit.ranker.factories import tiny_config
@@ -96,13 +95,11 @@ class Gate:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-        def hold():  # type: ignore[no-untyped-def]
+        def hold() -> None:
             self.entered.set()
             self.release.wait(30)
-            return None
-            yield
 
-        ranker.engine.scheduler.submit("gate", hold(), Priority.RANK)
+        ranker.engine.worker.run(hold)
 
     async def wait_entered(self) -> None:
         await poll(self.entered.is_set)

@@ -246,7 +246,7 @@ async def _hard_stop(ranker: RankerServer) -> None:
         await ranker.mesh.close()
         ranker.mesh = None
     if ranker.engine is not None:
-        await asyncio.to_thread(ranker.engine.scheduler.stop)
+        await ranker.engine.close()
     await ranker.close()
 
 

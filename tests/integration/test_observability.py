@@ -224,7 +224,9 @@ async def test_metrics_move_with_a_known_sequence(
     longs = [prefix(rng, LONG, user_id=f"long{i}") for i in range(2)]
     short = prefix(rng, SHORT, user_id="short0")
 
-    async with observed_mesh(etcd_server.endpoint, {}, serve_metrics=True, **SLO) as mesh:
+    # Only what is at risk is relayed (no spare-room relay of the short one).
+    at_risk_only = {**SLO, "relay_spare_share": 0.0}
+    async with observed_mesh(etcd_server.endpoint, {}, serve_metrics=True, **at_risk_only) as mesh:
         before = await _samples(mesh.rankers["r0"].metrics_port)
         assert (
             _value(before, "relaygr_ranker_rank_latency_seconds_count", cache_outcome="miss") == 0

@@ -12,7 +12,7 @@ from relaygr.behaviours import RankInput
 from relaygr.v1 import common_pb2, ranker_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
-from services.ranker.scheduler import Priority
+from services.ranker.queues import Priority
 from tests.integration.ranker_harness import (
     COST,
     NO_CALL_COST,
@@ -58,9 +58,9 @@ async def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.
         gate = Gate(r)
         await gate.wait_entered()
         pre = asyncio.ensure_future(r.stub.PreInfer(pre_infer_request_to_proto(f.prefix)))
-        await poll(lambda: r.engine._key(f.prefix) in r.engine._inflight)
+        await poll(lambda: r.engine.computing(r.engine.key(f.prefix)))
         ranked = asyncio.ensure_future(rank(f))
-        await poll(lambda: any(e.kind == "promoted" for e in r.engine.scheduler.events))
+        await poll(lambda: any(e.kind == "promoted" for e in r.engine.queues.events))
         gate.open()
         assert await ranked == Outcome.CACHE_OUTCOME_WAITED_INFLIGHT
         assert (await pre).outcome == common_pb2.PRE_INFER_OUTCOME_COMPUTED
@@ -75,7 +75,7 @@ async def test_every_cache_outcome_returns_full_inference_scores(rng: np.random.
         for user in ("c", "d"):
             p = prefix(rng, 300, n_user=5, user_id=user)
             await r.stub.PreInfer(pre_infer_request_to_proto(p))
-        assert r.engine.store.tier_of(r.engine._key(b.prefix)) is Tier.DRAM
+        assert r.engine.store.tier_of(r.engine.key(b.prefix)) is Tier.DRAM
         assert await rank(b) == Outcome.CACHE_OUTCOME_DRAM_HIT
     # RankReply.relayed: only what a PreInfer produced for this visit counts as relayed.
     assert relayed == [
@@ -122,7 +122,7 @@ async def test_concurrent_requests_for_one_user_cause_one_prefill(rng: np.random
         order = rng.permutation(len(calls))
         replies = await asyncio.gather(*(calls[i] for i in order))
         prefills = [
-            e for e in r.engine.scheduler.events if e.kind == "submitted" and "prefill" in e.job
+            e for e in r.engine.queues.events if e.kind == "submitted" and "prefill" in e.job
         ]
         assert len(prefills) == 1
         expected = _expected(model, request)
@@ -141,7 +141,7 @@ async def test_a_rank_waits_at_most_one_chunk_behind_a_long_prefill(
         await r.stub.PreInfer(pre_infer_request_to_proto(warm.prefix))
         long = prefix(rng, 4096, user_id="long")
         pre = asyncio.ensure_future(r.stub.PreInfer(pre_infer_request_to_proto(long)))
-        events = r.engine.scheduler.events
+        events = r.engine.queues.events
         await poll(lambda: any(e.kind == "step" and "long" in e.job for e in events))
         reply = await r.stub.Rank(rank_request_to_proto(warm))
         assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
@@ -324,7 +324,7 @@ async def test_deadlines_and_overload_shed_with_clear_statuses(rng: np.random.Ge
             await r.stub.Rank(requests[0], timeout=0.2)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         queued = asyncio.ensure_future(r.stub.Rank(requests[1]))
-        await poll(lambda: r.engine.scheduler.depth(Priority.RANK) >= 2)
+        await poll(lambda: r.engine.queues.depth(Priority.RANK) >= 2)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await r.stub.Rank(requests[2])
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -332,7 +332,7 @@ async def test_deadlines_and_overload_shed_with_clear_statuses(rng: np.random.Ge
         gate.open()
         assert len((await queued).scores) == 2
         # The expired job was dropped unrun; the server serves the shed request now.
-        assert any(e.kind == "expired" for e in r.engine.scheduler.events)
+        assert any(e.kind == "expired" for e in r.engine.queues.events)
         assert len((await r.stub.Rank(requests[2])).scores) == 2
 
 
@@ -372,7 +372,7 @@ async def test_a_client_sizes_a_prefix_from_describe_as_the_ranker_does(
         reply = await r.stub.PreInfer(pre_infer_request_to_proto(p))
         assert reply.prefix_tokens == 305
         assert reply.kv_bytes == 305 * dims.cache_bytes_per_token
-        entry = r.engine.store.peek(r.engine._key(p), Tier.HBM)
+        entry = r.engine.store.peek(r.engine.key(p), Tier.HBM)
         assert entry is not None and entry.kv.nbytes == reply.kv_bytes  # the tensors held
         assert r.engine.store.usage(Tier.HBM).used_bytes == reply.kv_bytes
         # The deprecated fields keep their released values.
@@ -391,7 +391,7 @@ async def test_health_is_not_serving_until_calibrated_then_drain_refuses_pre_inf
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         assert r.engine.cost_model.full_ms(64, 8) > 0  # fitted on this machine at start-up
         request = rank_input(rng, prefix(rng, 40))
-        r.engine.draining = True
+        await r.engine.drain()  # nothing in flight: refuses pre-inference from now
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -420,7 +420,7 @@ async def test_a_rank_outlives_the_deadline_of_the_pre_infer_it_waits_for(
         pre = asyncio.ensure_future(
             r.stub.PreInfer(pre_infer_request_to_proto(request.prefix), timeout=0.3)
         )
-        await poll(lambda: r.engine._key(request.prefix) in r.engine._inflight)
+        await poll(lambda: r.engine.computing(r.engine.key(request.prefix)))
         ranked = asyncio.ensure_future(r.stub.Rank(rank_request_to_proto(request)))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pre  # its caller gives up while the worker is held
@@ -444,7 +444,7 @@ async def test_describe_reports_queued_prefill_time_and_pre_infer_sets_its_due(
         sent = time.monotonic()
         pre = asyncio.ensure_future(r.stub.PreInfer(msg))
         await poll(lambda: r.engine.inflight() == 1)
-        [inflight] = r.engine._inflight.values()
+        [inflight] = r.engine.core.flights.values()
         assert inflight.job.due is not None
         assert sent + 5.0 <= inflight.job.due <= time.monotonic() + 5.0
         info = await r.stub.Describe(ranker_pb2.DescribeRequest())

@@ -14,7 +14,7 @@ from relaygr.wire import (
     pre_infer_request_to_proto,
     rank_request_to_proto,
 )
-from services.ranker.scheduler import Priority
+from services.ranker.queues import Priority
 from services.router.forward import RouterStats
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import running_mesh
@@ -119,7 +119,7 @@ async def test_past_max_concurrent_rpcs_the_ranker_sheds_at_once_then_serves(
         gate = Gate(r)  # the compute worker is held: Ranks stay in progress
         await gate.wait_entered()
         in_progress = [asyncio.ensure_future(r.stub.Rank(q)) for q in requests[:2]]
-        await poll(lambda: r.engine.scheduler.depth(Priority.RANK) == 2)
+        await poll(lambda: r.engine.queues.depth(Priority.RANK) == 2)
         err = await _refused(r.stub.Rank, requests[2])
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "concurrent" in (err.details() or "").lower(), err.details()
@@ -147,7 +147,7 @@ async def test_max_concurrent_streams_holds_a_connections_extra_rpcs_until_one_e
         try:
             gate = Gate(r)
             await gate.wait_entered()
-            events = r.engine.scheduler.events
+            events = r.engine.queues.events
 
             def arrived(user: str) -> bool:  # its job reached the held compute worker
                 return any(e.kind == "submitted" and e.job.endswith(f":{user}") for e in events)

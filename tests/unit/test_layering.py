@@ -22,6 +22,12 @@ ENTRY_POINT = "relaygr.cli"
 # services' own cores).
 TOOLING = ("relaygr.local", "relaygr.sim")
 CORES = (
+    "services.ranker.core",
+    "services.ranker.core_types",
+    "services.ranker.flight",
+    "services.ranker.planner",
+    "services.ranker.queues",
+    "services.ranker.handoff_order",
     "services.ranker.engine",
     "services.ranker.kv_store",
     "services.ranker.scheduler",
@@ -150,6 +156,29 @@ def test_cores_reach_no_transport_or_tracing(core: str) -> None:
         target
         for target in reach(core)
         if any(within(target, lib) for lib in FORBIDDEN_IN_CORES) or target.startswith("relaygr.v1")
+    )
+    assert reached == [], f"{core} reaches {reached}"
+
+
+# The synchronous cores own no thread and never await; they run the model through their drivers.
+SYNC_CORES = (
+    "services.ranker.core",
+    "services.ranker.core_types",
+    "services.ranker.flight",
+    "services.ranker.planner",
+    "services.ranker.flight",
+    "services.ranker.planner",
+    "services.ranker.queues",
+    "services.ranker.handoff_order",
+)
+FORBIDDEN_IN_SYNC_CORES = ("asyncio", "threading", "concurrent", "torch")
+
+
+@pytest.mark.parametrize("core", SYNC_CORES)
+def test_sync_cores_reach_no_threads_loops_or_torch(core: str) -> None:
+    assert core in MODULES, f"{core} moved: update SYNC_CORES"
+    reached = sorted(
+        t for t in reach(core) | {core} if any(within(t, lib) for lib in FORBIDDEN_IN_SYNC_CORES)
     )
     assert reached == [], f"{core} reaches {reached}"
 

@@ -20,7 +20,6 @@ from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.model import RankingModel
 from services.ranker.observer import NoopObserver, Work
-from services.ranker.scheduler import ComputeScheduler, Priority
 from services.ranker.server import RankerServer, keep_learning
 from tests.polling import eventually
 
@@ -191,14 +190,15 @@ class Timings(NoopObserver):
 def test_engine_reports_the_compute_of_each_job(rng: np.random.Generator) -> None:
     clock = Clock()
     store = KVStore(1 << 30, 1 << 30, dram_ttl=600.0, clock=clock, to_host=lambda kv: kv.to("cpu"))
-    scheduler = ComputeScheduler({Priority.RANK: 8, Priority.BACKGROUND: 8}, clock=clock)
-    settings = EngineSettings(True, relay_window_s=30.0, prefill_chunk_tokens=64)
+    settings = EngineSettings(
+        True, relay_window_s=30.0, prefill_chunk_tokens=64, max_queued_ranks=8,
+        max_queued_prefills=8,
+    )  # fmt: skip
     observer = Timings()
     first = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
     again = rank_input(rng, longer(rng, first.prefix, 40))
-    scheduler.start()
+    engine = RankerEngine(MODEL, store, TRUTH, settings, observer, clock=clock)
     try:
-        engine = RankerEngine(MODEL, store, scheduler, TRUTH, settings, observer)
 
         async def scenario() -> None:
             await engine.rank(first, None)  # a miss: prefill (chunked), then rank
@@ -206,7 +206,7 @@ def test_engine_reports_the_compute_of_each_job(rng: np.random.Generator) -> Non
 
         asyncio.run(scenario())
     finally:
-        scheduler.stop()
+        engine.stop()
     p1, p2 = first.prefix.num_tokens, again.prefix.num_tokens
     assert [s[:4] for s in observer.seen] == [
         (Work.PREFILL, p1, None, 0),

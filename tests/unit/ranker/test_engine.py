@@ -19,6 +19,7 @@ from relaygr.errors import Unavailable
 from services.ranker.engine import (
     CacheOutcome,
     EngineSettings,
+    Executor,
     PreInferOutcome,
     PreInferResult,
     RankerEngine,
@@ -28,7 +29,7 @@ from services.ranker.kv_store import KVStore, Tier
 from services.ranker.model import RankingModel
 from services.ranker.observer import NoopObserver, Work
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import ComputeScheduler, Job, Priority
+from services.ranker.queues import Job
 from tests.polling import eventually
 from tests.unit.ranker.factories import longer, prefix, rank_input, tiny_config
 
@@ -78,13 +79,13 @@ class Counting(NoopObserver):
         self.scored.append(work)
 
 
-def virtual_time(clock: Clock) -> Callable[[Job], None]:
+def virtual_time(clock: Clock) -> Executor:
     """An executor on which each step takes exactly its predicted time on `clock` (and
     unpredicted work none): what the cost model foresees is what happens."""
 
-    def run(job: Job) -> None:
+    def run(job: Job, step: Callable[[], Any]) -> Any:
         clock.now += job.next_step_ms / 1e3
-        next(job.steps)
+        return step()
 
     return run
 
@@ -94,39 +95,36 @@ def running_engine(
     hbm_prefixes: float = 4.0,
     relay_enabled: bool = True,
     cost: CostModel = CHEAP_RELOAD,
-    executor: Callable[[Clock], Callable[[Job], None]] | None = None,
+    executor: Callable[[Clock], Executor] | None = None,
 ) -> Iterator[tuple[RankerEngine, Counting]]:
     """An engine whose device tier holds `hbm_prefixes` prefixes of TOKENS behaviours;
-    `executor` (of the clock): how the scheduler's worker runs a step."""
+    `executor` (of the clock): how the compute worker runs a step."""
     clock = Clock()
     store = KVStore(
         int(hbm_prefixes * KV_BYTES), 8 * KV_BYTES, dram_ttl=600.0, clock=clock,
         to_host=lambda kv: kv.to("cpu"),
     )  # fmt: skip
     run = {} if executor is None else {"executor": executor(clock)}
-    scheduler = ComputeScheduler({Priority.RANK: 64, Priority.BACKGROUND: 64}, clock=clock, **run)
     settings = EngineSettings(relay_enabled, relay_window_s=30.0, prefill_chunk_tokens=64)
     observer = Counting()
-    scheduler.start()
+    engine = RankerEngine(MODEL, store, cost, settings, observer, clock=clock, **run)
     try:
-        yield RankerEngine(MODEL, store, scheduler, cost, settings, observer), observer
+        yield engine, observer
     finally:
-        scheduler.stop()
+        engine.stop()
 
 
 class Gate:
     """Holds the compute worker on a job until opened: what is submitted meanwhile stays queued."""
 
-    def __init__(self, scheduler: ComputeScheduler) -> None:
+    def __init__(self, engine: RankerEngine) -> None:
         self.entered, self.release = threading.Event(), threading.Event()
 
-        def hold():  # type: ignore[no-untyped-def]
+        def hold() -> None:
             self.entered.set()
             self.release.wait(30)
-            return None
-            yield
 
-        scheduler.submit("gate", hold(), Priority.RANK)
+        engine.worker.run(hold)
 
     async def wait_entered(self) -> None:
         await eventually(self.entered.is_set, "the gate holds the worker")
@@ -198,13 +196,13 @@ def test_a_rank_behind_its_queued_pre_infer_waits_for_it(rng: np.random.Generato
     with running_engine(cost=NO_CALL_COST) as (engine, observer):
 
         async def scenario() -> tuple[PreInferResult, RankResult]:
-            gate = Gate(engine.scheduler)
+            gate = Gate(engine)
             await gate.wait_entered()
             pre = asyncio.create_task(engine.pre_infer(request.prefix, None, None))
             await eventually(lambda: engine.inflight() == 1, "the PreInfer is in flight")
             ranked = asyncio.create_task(engine.rank(request, None))
             await eventually(
-                lambda: any(e.kind == "promoted" for e in engine.scheduler.events),
+                lambda: any(e.kind == "promoted" for e in engine.queues.events),
                 "the Rank joined the PreInfer's job, lifting it to rank priority",
             )
             gate.open()
@@ -333,7 +331,7 @@ def test_concurrent_requests_for_one_prefix_compute_it_once(rng: np.random.Gener
     with running_engine() as (engine, observer):
 
         async def scenario() -> list[PreInferResult | RankResult]:
-            gate = Gate(engine.scheduler)  # everyone arrives while the computation is queued
+            gate = Gate(engine)  # everyone arrives while the computation is queued
             await gate.wait_entered()
             calls: list[Coroutine[Any, Any, PreInferResult | RankResult]] = [
                 engine.pre_infer(request.prefix, None, None) for _ in range(8)

@@ -3,13 +3,20 @@ compute time, and waited for by a Rank only when that is predicted sooner than c
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine, RankResult
+from services.ranker.engine import (
+    CacheOutcome,
+    Executor,
+    PreInferOutcome,
+    RankerEngine,
+    RankResult,
+)
 from services.ranker.observer import Work
-from services.ranker.scheduler import Job, Priority
+from services.ranker.queues import Job, Priority
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input
 from tests.unit.ranker.test_engine import (
@@ -32,7 +39,7 @@ COST = CHEAP_RELOAD  # 1 ms per model call, 0.01 ms per token
 
 def first_steps(engine: RankerEngine) -> list[str]:
     """The prefill jobs in the order the worker first took them."""
-    taken = [e.job for e in engine.scheduler.events if e.kind == "step"]
+    taken = [e.job for e in engine.queues.events if e.kind == "step"]
     return [
         job for i, job in enumerate(taken) if job.startswith("prefill:") and job not in taken[:i]
     ]
@@ -40,7 +47,7 @@ def first_steps(engine: RankerEngine) -> list[str]:
 
 def finished_at(engine: RankerEngine, job: str) -> float:
     """When (the injected clock) the last job named `job` finished."""
-    return [e.at for e in engine.scheduler.events if e.kind == "done" and e.job == job][-1]
+    return [e.at for e in engine.queues.events if e.kind == "done" and e.job == job][-1]
 
 
 def test_background_prefill_runs_in_the_order_its_ranks_are_expected(
@@ -50,7 +57,7 @@ def test_background_prefill_runs_in_the_order_its_ranks_are_expected(
     with running_engine() as (engine, _):
 
         async def scenario() -> dict[str, float | None]:
-            gate = Gate(engine.scheduler)
+            gate = Gate(engine)
             await gate.wait_entered()
             calls = [
                 asyncio.create_task(
@@ -59,7 +66,7 @@ def test_background_prefill_runs_in_the_order_its_ranks_are_expected(
                 for user, wait in expected_in.items()
             ]
             await eventually(lambda: engine.inflight() == 4, "every PreInfer is queued")
-            dues = {i.job.name: i.job.due for i in engine._inflight.values()}
+            dues = {i.job.name: i.job.due for i in engine.core.flights.values()}
             gate.open()
             await asyncio.gather(*calls)
             return dues
@@ -88,18 +95,18 @@ def test_queued_prefill_time_rises_with_pre_infers_and_returns_to_zero(
     with running_engine(cost=COST) as (engine, _):
 
         async def scenario() -> list[float]:
-            gate = Gate(engine.scheduler)
+            gate = Gate(engine)
             await gate.wait_entered()
-            seen = [engine.scheduler.queued_background_ms()]
+            seen = [engine.queues.queued_background_ms()]
             calls = []
             for n, user in enumerate(("a", "b"), start=1):
                 p = prefix(rng, TOKENS, user_id=user)
                 calls.append(asyncio.create_task(engine.pre_infer(p, None, None)))
                 await eventually(lambda n=n: engine.inflight() == n, "queued")  # type: ignore[misc]
-                seen.append(engine.scheduler.queued_background_ms())
+                seen.append(engine.queues.queued_background_ms())
             gate.open()
             await asyncio.gather(*calls)
-            seen.append(engine.scheduler.queued_background_ms())
+            seen.append(engine.queues.queued_background_ms())
             return seen
 
         seen = asyncio.run(scenario())
@@ -112,13 +119,14 @@ def pausing(holder: dict[str, Gate], engine: Callable[[], RankerEngine], job: st
     """A virtual-time executor that holds the worker (a Gate) once `job` has run `after` steps:
     the job is then queued, part computed."""
 
-    def make(clock: Clock) -> Callable[[Job], None]:
+    def make(clock: Clock) -> Executor:
         run = virtual_time(clock)
 
-        def step(j: Job) -> None:
-            run(j)
+        def step(j: Job, compute: Callable[[], Any]) -> Any:
+            result = run(j, compute)
             if j.name == job and j.steps_run + 1 == after and "gate" not in holder:
-                holder["gate"] = Gate(engine().scheduler)
+                holder["gate"] = Gate(engine())
+            return result
 
         return step
 
@@ -139,8 +147,8 @@ def test_a_rank_waits_for_a_half_computed_prefix_when_that_is_sooner(
             pre = asyncio.create_task(engine.pre_infer(request.prefix, None, None))
             await eventually(lambda: "gate" in holder, "three of five chunks ran")
             await holder["gate"].wait_entered()
-            [inflight] = engine._inflight.values()
-            arrived, remaining = engine.scheduler.clock(), inflight.job.remaining_ms
+            [inflight] = engine.core.flights.values()
+            arrived, remaining = engine.core.clock(), inflight.job.remaining_ms
             ranked = asyncio.create_task(engine.rank(request, None))
             await eventually(
                 lambda: inflight.job.priority is Priority.RANK, "the Rank promoted the job"
@@ -157,7 +165,7 @@ def test_a_rank_waits_for_a_half_computed_prefix_when_that_is_sooner(
         )
         assert pre is PreInferOutcome.COMPUTED
         assert observer.landed == [(Work.PREFILL, LONG_TOKENS)]  # computed once
-        assert [e.kind for e in engine.scheduler.events].count("restarted") == 0
+        assert [e.kind for e in engine.queues.events].count("restarted") == 0
     in_full = COST.prefill_ms(LONG_TOKENS) / 1e3  # one call, from the Rank's arrival
     assert done - arrived == pytest.approx(remaining / 1e3)  # the last two chunks
     assert done - arrived < in_full
@@ -172,18 +180,18 @@ def test_a_rank_computes_a_far_behind_queued_prefix_itself_when_that_is_sooner(
     with running_engine(hbm_prefixes=12, cost=COST, executor=virtual_time) as (engine, observer):
 
         async def scenario() -> tuple[float, float, RankResult, list[PreInferOutcome]]:
-            gate = Gate(engine.scheduler)
+            gate = Gate(engine)
             await gate.wait_entered()
             pres = [  # other users' Ranks are due sooner: a's prefill is queued behind theirs
                 asyncio.create_task(engine.pre_infer(o.prefix, None, None, 0.001)) for o in others
             ]
             pres.append(asyncio.create_task(engine.pre_infer(request.prefix, None, None, 5.0)))
             await eventually(lambda: engine.inflight() == 3, "every PreInfer is queued")
-            arrived = engine.scheduler.clock()
-            chunked = engine._inflight[engine._key(request.prefix)].job.remaining_ms
+            arrived = engine.core.clock()
+            chunked = engine.core.flights[engine.key(request.prefix)].job.remaining_ms
             ranked = asyncio.create_task(engine.rank(request, None))
             await eventually(
-                lambda: any(e.kind == "restarted" for e in engine.scheduler.events),
+                lambda: any(e.kind == "restarted" for e in engine.queues.events),
                 "the Rank took a's prefill over",
             )
             gate.open()
@@ -218,7 +226,7 @@ def test_every_request_for_a_queued_prefix_gets_exact_scores(rng: np.random.Gene
     with running_engine(hbm_prefixes=12, cost=COST) as (engine, observer):
 
         async def scenario() -> list[RankResult]:
-            gate = Gate(engine.scheduler)
+            gate = Gate(engine)
             await gate.wait_entered()
             pre = asyncio.create_task(engine.pre_infer(request.prefix, None, None))
             await eventually(lambda: engine.inflight() == 1, "the PreInfer is queued")
@@ -226,7 +234,7 @@ def test_every_request_for_a_queued_prefix_gets_exact_scores(rng: np.random.Gene
             # over (not started: five calls are dearer than one), the others wait for it.
             ranks = [asyncio.create_task(engine.rank(request, None)) for _ in range(4)]
             await eventually(
-                lambda: any(e.kind == "restarted" for e in engine.scheduler.events),
+                lambda: any(e.kind == "restarted" for e in engine.queues.events),
                 "a Rank took it over",
             )
             gate.open()
@@ -261,14 +269,14 @@ def test_a_hit_is_scored_before_the_remaining_chunks_of_a_background_prefill(
             await holder["gate"].wait_entered()
             ranked = asyncio.create_task(engine.rank(hit, None))
             await eventually(
-                lambda: any(e.job == "rank" for e in engine.scheduler.events),
+                lambda: any(e.job == "rank" for e in engine.queues.events),
                 "the hit's scoring step is queued",
             )
             holder["gate"].open()
             return await ranked, (await pre).outcome
 
         ranked, pre = asyncio.run(scenario())
-        events = engine.scheduler.events
+        events = engine.queues.events
     assert (ranked.outcome, pre) == (CacheOutcome.HBM_HIT, PreInferOutcome.COMPUTED)
     scored = next(e.seq for e in events if e.job == "rank" and e.kind == "done")
     chunks = [e.seq for e in events if e.job == "prefill:b" and e.kind == "step"]

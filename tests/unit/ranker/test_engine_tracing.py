@@ -17,10 +17,10 @@ from opentelemetry.trace import Tracer
 from relaygr.cost import CostModel
 from services.ranker.config import MIB, RankerConfig
 from services.ranker.engine import CacheOutcome, RankerEngine
+from services.ranker.fetch import PeerFetch
 from services.ranker.kv_store import Tier
 from services.ranker.model import RankingModel
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.scheduler import Priority
 from services.ranker.server import build_engine
 from services.ranker.tracing_observer import TracingObserver
 from tests.polling import eventually
@@ -56,7 +56,9 @@ def traced() -> Traced:
     return Traced()
 
 
-def _engine(tracer: Tracer | None, hbm_entries: float) -> Iterator[RankerEngine]:
+def _engine(
+    tracer: Tracer | None, hbm_entries: float, peer_fetch: PeerFetch | None = None
+) -> Iterator[RankerEngine]:
     """The engine as the ranker server builds it (its host copies traced as tier moves), observed
     through OpenTelemetry when there is a tracer."""
     mib = (TOKENS + 4) * MODEL.cfg.cache_bytes_per_token / MIB
@@ -65,11 +67,11 @@ def _engine(tracer: Tracer | None, hbm_entries: float) -> Iterator[RankerEngine]
         relay_window_ms=60_000, prefill_chunk_tokens=64,
     )  # fmt: skip
     observer = None if tracer is None else TracingObserver(tracer)
-    engine = build_engine(cfg, MODEL, COST, observer=observer)
+    engine = build_engine(cfg, MODEL, COST, observer=observer, peer_fetch=peer_fetch)
     try:
         yield engine
     finally:
-        engine.scheduler.stop()
+        engine.stop()
 
 
 @pytest.fixture
@@ -130,7 +132,7 @@ async def test_dram_reload_keeps_the_producer_and_traces_the_tier_moves(
         await engine.rank(a, None)  # consumed: a may now leave HBM
     with traced.tracer.start_as_current_span("PreInfer b"):
         await engine.pre_infer(b.prefix, None, None)  # demotes a to DRAM
-    assert engine.store.tier_of(engine._key(a.prefix)) is Tier.DRAM
+    assert engine.store.tier_of(engine.key(a.prefix)) is Tier.DRAM
     with traced.tracer.start_as_current_span("Rank a again"):
         outcome = (await engine.rank(a, None)).outcome
     assert outcome is CacheOutcome.DRAM_HIT
@@ -153,13 +155,11 @@ async def test_a_rank_waiting_for_its_pre_infer_links_to_it(
     request = rank_input(rng, prefix(rng, TOKENS, user_id="a"))
     entered, release = threading.Event(), threading.Event()
 
-    def hold():  # type: ignore[no-untyped-def]
+    def hold() -> None:
         entered.set()
         release.wait(30)
-        return None
-        yield
 
-    engine.scheduler.submit("gate", hold(), Priority.RANK)
+    engine.worker.run(hold)
     await asyncio.to_thread(entered.wait, 30)
 
     async def pre_infer() -> None:
@@ -173,7 +173,7 @@ async def test_a_rank_waiting_for_its_pre_infer_links_to_it(
     pre = asyncio.create_task(pre_infer())
     await eventually(lambda: engine.inflight() == 1, "PreInfer queued behind the gate")
     ranked = asyncio.create_task(rank())
-    promoted = lambda: any(e.kind == "promoted" for e in engine.scheduler.events)  # noqa: E731
+    promoted = lambda: any(e.kind == "promoted" for e in engine.queues.events)  # noqa: E731
     await eventually(promoted, "the Rank joined the PreInfer's job")
     release.set()
     await pre
@@ -212,7 +212,7 @@ async def test_without_a_tracer_nothing_is_recorded_and_nothing_changes(
         with traced.tracer.start_as_current_span("Rank"):
             outcome = (await engine.rank(request, None)).outcome
         assert outcome is CacheOutcome.HBM_HIT
-        entry = engine.store.peek(engine._key(request.prefix), Tier.HBM)
+        entry = engine.store.peek(engine.key(request.prefix), Tier.HBM)
         assert entry is not None and entry.origin is None
         assert isinstance(entry.kv, PrefixKV)
     assert sorted(s.name for s in traced.exporter.get_finished_spans()) == ["PreInfer", "Rank"]

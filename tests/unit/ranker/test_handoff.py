@@ -12,7 +12,6 @@ from relaygr.placement import ranking
 from services.ranker.engine import CacheOutcome
 from services.ranker.handoff import (
     Bandwidth,
-    Candidate,
     HandoffFailed,
     HandoffSender,
     HandoffSettings,
@@ -21,9 +20,9 @@ from services.ranker.handoff import (
     Receipt,
     Target,
     plan,
-    value_order,
 )
 from services.ranker.handoff_intake import HandoffIntake
+from services.ranker.handoff_order import Candidate, StoreHolder, value_order
 from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.model import RankingModel
 from services.ranker.prefix_kv import PrefixKV
@@ -59,7 +58,9 @@ def _prefill(rng: np.random.Generator, user: str, model: RankingModel = MODEL) -
 
 
 def _intake(store: KVStore[PrefixKV], stats: HandoffStats, computing=lambda _: False):  # type: ignore[no-untyped-def]
-    return HandoffIntake(store, MODEL.cfg, MODEL.model_version, MODEL.device, computing, stats)
+    return HandoffIntake(
+        StoreHolder(store, computing), MODEL.cfg, MODEL.model_version, MODEL.device, stats
+    )
 
 
 def _feed(intake: HandoffIntake, header: EntryHeader, payload: bytes) -> None:
@@ -150,7 +151,13 @@ def _sender(
 
     settings = HandoffSettings(budget_s, rate, max_entries=1000, chunk_bytes=KV_BYTES // 4 + 1)
     return HandoffSender(
-        store, port, settings, HandoffStats(), clock=clock, sleep=sleep, encode_in_thread=False
+        StoreHolder(store),
+        port,
+        settings,
+        HandoffStats(),
+        clock=clock,
+        sleep=sleep,
+        encode_in_thread=False,
     )
 
 
@@ -288,9 +295,7 @@ async def test_a_corrupt_or_foreign_entry_is_refused_and_its_user_misses_with_ex
     f_header, f_payload = encode(*foreign_entry)
     with running_engine(hbm_prefixes=8) as (engine, _):
         stats = HandoffStats()
-        intake = HandoffIntake(
-            engine.store, MODEL.cfg, MODEL.model_version, MODEL.device, engine.computing, stats
-        )
+        intake = HandoffIntake(engine.core, MODEL.cfg, MODEL.model_version, MODEL.device, stats)
         _feed(intake, header, bytes(flipped))
         _feed(intake, f_header, f_payload)
         # Truncated: the stream breaks mid-entry.

@@ -26,7 +26,7 @@ from services.ranker.kv_store import CacheKey, KVStore, Tier
 from services.ranker.observer import Origin, Work
 from services.ranker.outcomes import FetchResult
 from services.ranker.plan import Costed, Held, Source, cheapest
-from services.ranker.scheduler import ComputeScheduler, Priority
+from services.ranker.queues import Priority
 from services.ranker.transfer import Receiver, encode
 from services.ranker.transfer_cost import TransferLearner, TransferSample, fit_transfer_cost
 from tests.unit.ranker.factories import prefix, rank_input
@@ -71,7 +71,7 @@ class FakePeers:
     fetch until it is set."""
 
     held: dict[CacheKey, Fetched] = field(default_factory=dict)
-    mode: str = "serve"  # serve, not_found, stall, raise, corrupt
+    mode: str = "serve"  # serve, not_found, stall, raise, corrupt, impostor
     peers_of: list[Peer] = field(default_factory=lambda: [PEER])
     calls: list[CacheKey] = field(default_factory=list)
     release: asyncio.Event | None = None
@@ -87,7 +87,7 @@ class FakePeers:
             await asyncio.Event().wait()  # never answers: the fetch's own timeout ends it
         if self.mode == "raise":
             raise ConnectionResetError("peer went away mid-fetch")
-        if self.mode == "corrupt":  # a well-formed entry of another prefix
+        if self.mode in ("corrupt", "impostor"):  # a well-formed entry of another prefix
             other = next(iter(self.held.values()))
             return Fetched(other.kv.to("cpu"), "")
         got = self.held.get(key)
@@ -127,15 +127,14 @@ def fetching_engine(
         int(hbm_prefixes * KV_BYTES), 8 * KV_BYTES, dram_ttl=600.0, clock=clock,
         to_host=lambda kv: kv.to("cpu"),
     )  # fmt: skip
-    scheduler = ComputeScheduler({Priority.RANK: 64, Priority.BACKGROUND: 64}, clock=clock)
     settings = EngineSettings(True, relay_window_s=30.0, prefill_chunk_tokens=64)
     observer = Observed()
     fetch = PeerFetch(peers, FetchSettings(cap_s=0.05), transfer, learn=False)
-    scheduler.start()
+    engine = RankerEngine(MODEL, store, cost, settings, observer, fetch, clock=clock)
     try:
-        yield RankerEngine(MODEL, store, scheduler, cost, settings, observer, fetch), observer
+        yield engine, observer
     finally:
-        scheduler.stop()
+        engine.stop()
 
 
 # -- the decision (pure) --------------------------------------------------------------------
@@ -263,13 +262,16 @@ def test_a_host_copy_is_reloaded_not_fetched(rng: np.random.Generator) -> None:
         ("stall", FetchResult.TIMEOUT),
         ("raise", FetchResult.ERROR),
         ("corrupt", FetchResult.REFUSED),
+        ("impostor", FetchResult.REFUSED),  # another prefix of the very same size
     ],
 )
 def test_a_failed_fetch_computes_the_prefix_exactly(
     rng: np.random.Generator, mode: str, result: FetchResult
 ) -> None:
     request = rank_input(rng, prefix(rng, TOKENS, user_id="moved"))
-    other = prefix(rng, TOKENS + 8, user_id="other")  # what a corrupt peer sends instead
+    # What a corrupt peer sends instead: another size, or (an impostor) the same size, which
+    # only the digest tells apart.
+    other = prefix(rng, TOKENS + (0 if mode == "impostor" else 8), user_id="other")
     other_key, other_entry = produced(other)
     peers = FakePeers({other_key: other_entry}, mode=mode, peers_of=[PEER, Peer("p2", "x:2")])
     with fetching_engine(peers) as (engine, observer):
@@ -340,7 +342,7 @@ def test_ranks_joining_a_failing_fetch_compute_once_at_rank_priority(
     with fetching_engine(peers) as (engine, observer):
 
         async def scenario() -> list[object]:
-            gate = Gate(engine.scheduler)  # the fallback stays queued until the gate opens
+            gate = Gate(engine)  # the fallback stays queued until the gate opens
             await gate.wait_entered()
             peers.release = asyncio.Event()
             pre = asyncio.create_task(engine.pre_infer(request.prefix, None, None))
@@ -350,7 +352,7 @@ def test_ranks_joining_a_failing_fetch_compute_once_at_rank_priority(
             for _ in range(10):
                 await asyncio.sleep(0)
             peers.release.set()
-            while not engine.scheduler.depth(Priority.RANK):
+            while not engine.queues.depth(Priority.RANK):
                 await asyncio.sleep(0)  # the fallback was lifted: a Rank waits on it
             gate.open()
             return [await pre, *await asyncio.gather(*ranks)]

@@ -48,10 +48,10 @@ def traced() -> Traced:
 @pytest.fixture
 def pair(traced: Traced) -> Iterator[tuple[RankerEngine, RankerEngine]]:
     for holder in _engine(traced.tracer, hbm_entries=4):
-        for fetcher in _engine(traced.tracer, hbm_entries=4):
-            fetcher.peer_fetch = PeerFetch(
-                EnginePeer(holder), FetchSettings(cap_s=1.0), TransferCost(0.0, 0.0), learn=False
-            )
+        fetch = PeerFetch(
+            EnginePeer(holder), FetchSettings(cap_s=1.0), TransferCost(0.0, 0.0), learn=False
+        )
+        for fetcher in _engine(traced.tracer, hbm_entries=4, peer_fetch=fetch):
             yield holder, fetcher
 
 

@@ -1,18 +1,21 @@
-"""One event sequence through the services' engine and through the simulator decides alike.
+"""The service's driver and the simulator's driver of the one ranker core act alike.
 
 The fleet's wiring (the real `AdmissionPolicy` and `Forwarder`) runs the same trace twice: once
-with the simulator's rankers, once with real `RankerEngine`s (a tiny model computing real
-prefixes, the real store and scheduler on a virtual clock) behind an adapter. Visits are spaced so
-that each request finishes before the next event: what may differ is only how long things take,
-never what is decided. Admission reasons, PreInfer placements and outcomes, and each Rank's cache
-outcome and ranker must be identical.
+with the simulator's rankers (`SimRanker`: sizes, profile times), once with real `RankerEngine`s
+(a tiny model computing real prefixes on a compute thread, on a virtual clock) behind an adapter.
+Visits are spaced so that each request finishes before the next event: what may differ is only
+how long things take. Each ranker's core records every action it asks of its driver; the two
+runs' action logs (the steps run, in order and at what priority; fetches; waits; every answer)
+must be identical, and so must the admission reasons, placements and outcomes. The drivers share
+the core, so this can only fail if a driver feeds it differently: it cannot drift.
 """
 
 import asyncio
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,13 +26,29 @@ from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_ar
 from relaygr.room import RoomReport
 from relaygr.sim.fleet import Fleet, FleetSettings, run_visits
 from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.ranker import MemoryUse, PreInferReply, RankReply, Status, status_of
+from relaygr.sim.ranker import (
+    MemoryUse,
+    PreInferReply,
+    RankReply,
+    SimRanker,
+    Status,
+    status_of,
+)
 from relaygr.sim.workload import Visit, visits_of
 from services.ranker.config import RankerConfig
-from services.ranker.engine import RankerEngine
+from services.ranker.core_types import (
+    Action,
+    Answer,
+    PreInferAnswer,
+    RankAnswer,
+    RunStep,
+    StartFetch,
+    Waited,
+)
+from services.ranker.engine import Executor, RankerEngine
 from services.ranker.kv_store import KVStore, Tier
 from services.ranker.model import RankingModel
-from services.ranker.scheduler import ComputeScheduler, Job, Priority
+from services.ranker.queues import Job
 from services.trigger.config import Mode, TriggerConfig
 from tests.unit.ranker.factories import tiny_config
 
@@ -76,12 +95,31 @@ class Clock:
         self.now = max(self.now, now)
 
 
-def virtual_steps(clock: Clock) -> Callable[[Job], None]:
-    def run(job: Job) -> None:
+def virtual_steps(clock: Clock) -> Executor:
+    def run(job: Job, step: Callable[[], Any]) -> Any:
         clock.now += job.next_step_ms / 1e3
-        next(job.steps)
+        return step()
 
     return run
+
+
+def normal(action: Action) -> tuple[object, ...]:
+    """An action as both drivers' cores must have asked it (payloads and digests aside)."""
+    if isinstance(action, RunStep):
+        job = action.job
+        return ("step", job.name, job.steps_run, job.priority.name, type(job.spec).__name__)
+    if isinstance(action, StartFetch):
+        return ("fetch", action.key.user_id, action.peers, action.nbytes)
+    if isinstance(action, Waited):
+        return ("waited", action.request)
+    assert isinstance(action, Answer)
+    if action.error is not None:
+        return ("answer", action.request, type(action.error).__name__)
+    result = action.result
+    if isinstance(result, PreInferAnswer):
+        return ("answer", action.request, result.outcome, result.tokens, result.nbytes)
+    assert isinstance(result, RankAnswer)
+    return ("answer", action.request, result.outcome, result.computed_tokens, result.relayed)
 
 
 @dataclass(eq=False)
@@ -96,23 +134,22 @@ class EngineRanker:
     draining: bool = False
     busy_s: float = 0.0
 
+    log: list[tuple[object, ...]] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         self.clock = Clock()
         store = KVStore(
             PROFILE.device_tier_bytes, PROFILE.host_tier_bytes, 600.0, self.clock,
             lambda kv: kv.to("cpu"),
         )  # fmt: skip
-        scheduler = ComputeScheduler(
-            {Priority.RANK: 64, Priority.BACKGROUND: 256},
-            clock=self.clock,
-            executor=virtual_steps(self.clock),
-        )
-        scheduler.start()
-        self.engine = RankerEngine(MODEL, store, scheduler, COST, self.fleet.settings.engine())
+        self.engine = RankerEngine(
+            MODEL, store, COST, self.fleet.settings.ranker.core_settings(), clock=self.clock,
+            executor=virtual_steps(self.clock), record=lambda a: self.log.append(normal(a)),
+        )  # fmt: skip
 
     def room(self) -> RoomReport:
         usage = self.engine.store.usage(Tier.HBM)
-        queued = self.engine.scheduler.queued_background_ms()
+        queued = self.engine.queues.queued_background_ms()
         return RoomReport(usage.pinned_bytes, usage.budget_bytes, queued)
 
     def memory(self) -> MemoryUse:
@@ -156,7 +193,7 @@ class EngineRanker:
         self.alive = False
 
     def stop(self) -> None:
-        self.engine.scheduler.stop()
+        self.engine.stop()
 
 
 @pytest.fixture
@@ -199,7 +236,16 @@ def test_engine_and_simulator_decide_alike(variant: str, trace: list[Arrival]) -
     mode, relay_enabled = VARIANTS[variant]
     visits = visits_of(trace)
     cfg = settings(mode, relay_enabled)
-    sim_records, sim_fleet = run_visits(PROFILE, cfg, visits, seed=1)
+    sim_logs: dict[str, list[tuple[object, ...]]] = {}
+
+    def make_sim(instance: str, fleet: Fleet) -> SimRanker:
+        log = sim_logs.setdefault(instance, [])
+        return SimRanker(
+            instance, fleet.loop, PROFILE, cfg.ranker.core_settings(), cfg.ranker.dram_ttl_s,
+            random.Random(0), record=lambda a: log.append(normal(a)),
+        )  # fmt: skip
+
+    sim_records, sim_fleet = run_visits(PROFILE, cfg, visits, seed=1, make_ranker=make_sim)
     requests = dict(zip(visits, trace, strict=True))
     aio = asyncio.new_event_loop()
     engines: list[EngineRanker] = []
@@ -215,6 +261,11 @@ def test_engine_and_simulator_decide_alike(variant: str, trace: list[Arrival]) -
             engine.stop()
         aio.close()
 
+    for engine in engines:
+        simulated_log = sim_logs[engine.instance_id]
+        for i, (s, r) in enumerate(zip(simulated_log, engine.log, strict=True)):
+            assert s == r, f"{engine.instance_id} action {i}: simulator {s} vs engine {r}"
+    assert sum(len(e.log) for e in engines) > len(visits)  # the cores did act
     simulated, real = decisions(sim_fleet, sim_records), decisions(real_fleet, real_records)
     for index, (s, r) in enumerate(zip(simulated, real, strict=True)):
         assert s == r, f"arrival {index}: simulator {s} vs engine {r}"

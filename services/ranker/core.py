@@ -1,0 +1,634 @@
+"""The ranker's decisions, synchronous: PreInfer builds and pins a prefix cache, Rank consumes it.
+
+Events in (a request arrived, a step or a fetch ended, the worker is free, drain began, a tick),
+actions out (`core_types`: run this step, start this fetch, stop waiting, answer). No I/O, no
+clock read: the service (services/ranker/engine.py) and the simulator (relaygr/sim/ranker.py)
+drive this one copy.
+"""
+
+from collections.abc import Callable
+from typing import Any, Generic
+
+from relaygr.cost import CostModel
+from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
+from services.ranker.core_types import (
+    KV,
+    Action,
+    Answer,
+    CoreSettings,
+    CoreStats,
+    FullForward,
+    JobEnd,
+    JobEnded,
+    Observation,
+    PrefixRef,
+    PreInferAnswer,
+    PreInferServed,
+    RankAnswer,
+    RankRef,
+    RankServed,
+    RequestId,
+    RunStep,
+    Score,
+    Spec,
+    StartFetch,
+    Waited,
+    computed_of,
+    history_tokens,
+    work_of,
+)
+from services.ranker.digest import ModelVersion
+from services.ranker.flight import Flight, FlightState, Pending, Role
+from services.ranker.handoff_order import Candidate, Declined, admit_received, held_candidates
+from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
+from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
+from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, sooner
+from services.ranker.planner import PeerPlanner, Planner
+from services.ranker.queues import ComputeQueues, Job, Overloaded, Priority
+
+_WORK = {Source.RELOAD: Work.RELOAD, Source.EXTEND: Work.EXTEND, Source.PREFILL: Work.PREFILL}
+
+
+Observer = Callable[[Observation], None]
+
+
+class RankerCore(Generic[KV]):
+    """One ranker's request flow over one KV store and one set of compute queues.
+
+    Per cache key at most one computation, reload or fetch is in flight (single flight): a
+    PreInfer or Rank that finds one joins it. Background prefill is ordered by when its Rank is
+    expected. A Rank that finds background work for its prefix either waits for it, promoting it
+    to rank priority, or restarts it as its own one-call computation, whichever the cost model
+    predicts finishes first. A finished prefix is stored before it leaves the in-flight table,
+    so no request ever sees neither. A miss is served by full inference, computed as prefill +
+    rank (the same work), which leaves the prefix cached for return visits. With `peers`, a
+    missing prefix a peer may hold is fetched when that is predicted sooner than every local
+    way; when no peer delivers it, the same flight computes it, so a fetch never fails a request.
+
+    The driver runs one step at a time: it asks `worker_free` for the next when its worker is
+    idle. Observations go to `observe`, in the order they happen; nothing it does changes a
+    decision.
+    """
+
+    def __init__(
+        self,
+        store: KVStore[KV],
+        cost_model: CostModel,
+        settings: CoreSettings,
+        model_version: ModelVersion,
+        kv_bytes_per_token: int,
+        held_of: Callable[[KV], Held],
+        clock: Callable[[], float],
+        observe: Observer | None = None,
+        peers: PeerPlanner | None = None,
+        wall_ns: Callable[[], int] = lambda: 0,
+        record: Callable[[Action], None] | None = None,
+    ) -> None:
+        """`kv_bytes_per_token`: what a prefix token holds; `held_of`: a cached prefix's sizes
+        and whether it is on the device; `wall_ns`: the wall clock, for tracing times only;
+        `record`: sees every action, in order (a log that tests compare across drivers)."""
+        self.store = store
+        self.settings = settings
+        self.model_version = model_version
+        self._planner = Planner(store, cost_model, kv_bytes_per_token, held_of, peers)
+        self.queues = ComputeQueues(settings.max_queued(), clock)
+        self.clock = clock
+        self._held_of = held_of
+        self._observe = observe or (lambda _: None)
+        self._wall_ns = wall_ns
+        self.flights: dict[CacheKey, Flight] = {}
+        self._requests: dict[RequestId, Pending] = {}
+        self._owner: dict[Job, CacheKey | RequestId] = {}  # a job's flight key or Rank
+        self._next_id = 0
+        self._running: Job | None = None
+        self.draining = False
+        self._actions: list[Action] = []
+        self._record = record
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def inflight(self) -> int:
+        """Prefix computations, reloads and fetches in flight."""
+        return len(self.flights)
+
+    def computing(self, key: CacheKey) -> bool:
+        return key in self.flights
+
+    def waiting(self, rid: RequestId) -> bool:
+        """Whether request `rid` waits for another request's in-flight prefix now."""
+        request = self._requests.get(rid)
+        return request is not None and request.role in (Role.JOINED, Role.WAITING)
+
+    def queued(self) -> int:
+        """Jobs queued or running."""
+        running = 0 if self._running is None else 1
+        return running + sum(self.queues.depth(p) for p in Priority)
+
+    def stats(self) -> CoreStats:
+        """A snapshot for the metrics and Describe (reading changes nothing)."""
+        return CoreStats(
+            {tier: self.store.usage(tier) for tier in Tier},
+            self.store.stats,
+            {p: self.queues.depth(p) for p in Priority},
+            self.queues.queued_background_ms(),
+            len(self.flights),
+            self.cost_model,
+            self.queues.queued_rank_ms(),
+        )
+
+    def key(self, prefix: PrefixRef) -> CacheKey:
+        return CacheKey(prefix.user_id, self.model_version, prefix.digest)
+
+    def fetch_deadline(self, key: CacheKey) -> float | None:
+        """The deadline a running fetch's fallback must meet (None: none)."""
+        flight = self.flights.get(key)
+        return None if flight is None else flight.fallback_deadline
+
+    def held_for_peer(self, key: CacheKey) -> Entry[KV] | None:
+        """The entry held under exactly `key` (HBM first, else its host copy), for a peer that
+        missed it or a hand-off; a peek: its LRU place, pin and tier stay."""
+        return self.store.peek_any(key)
+
+    def use_mark(self) -> int:
+        """The store's use count now: `receive` displaces only entries idle since a mark."""
+        return self.store.use_mark()
+
+    def receive(
+        self, key: CacheKey, kv: KV, origin: Origin | None, idle_before: int
+    ) -> Tier | Declined:
+        """A prefix handed off by a draining peer: stored unpinned, or why not
+        (`handoff_order.admit_received`)."""
+        return admit_received(self.store, key, kv, origin, idle_before, self.computing)
+
+    def handoff_order(self) -> list[Candidate]:
+        """Every held prefix, most valuable first (`handoff_order.value_order`), for a drain."""
+        return held_candidates(self.store)
+
+    # -- events: requests ------------------------------------------------------------------
+
+    def pre_infer(
+        self,
+        prefix: PrefixRef,
+        relay_window_s: float | None,
+        deadline: float | None,
+        rank_expected_in_s: float | None = None,
+        origin: Origin | None = None,
+        tag: Any = None,
+    ) -> tuple[RequestId, list[Action]]:
+        """A PreInfer arrived; `rank_expected_in_s`: when its Rank is expected, from now (None:
+        the end of the relay window); `tag`: the driver's, carried by the jobs it causes."""
+        rid = self._new_id()
+        request = Pending(rid, Role.STARTED, None, prefix, deadline, tag=tag)
+        try:
+            self._pre_infer(request, relay_window_s, rank_expected_in_s, origin)
+        except (Unavailable, InvalidInput, ResourceExhausted) as err:
+            self._answer(rid, error=err)
+        return rid, self._flush()
+
+    def rank(
+        self,
+        request: RankRef,
+        deadline: float | None,
+        origin: Origin | None = None,
+        tag: Any = None,
+    ) -> tuple[RequestId, list[Action]]:
+        """A Rank arrived; `origin`: the request as the producer of what it computes."""
+        rid = self._new_id()
+        r = Pending(rid, Role.SCORING, None, request.prefix, deadline, rank=request, own=origin,
+                     tag=tag)  # fmt: skip
+        self._requests[rid] = r
+        try:
+            self._rank(r)
+        except ResourceExhausted as err:
+            self._answer(rid, error=err)
+        return rid, self._flush()
+
+    def cancel(self, rid: RequestId) -> list[Action]:
+        """The caller of `rid` left: its scoring job, not started yet, never runs; a flight it
+        waited for goes on for the others."""
+        request = self._requests.pop(rid, None)
+        if request is not None:
+            if request.job is not None and not request.job.started:
+                request.job.cancelled = True
+            flight = None if request.key is None else self.flights.get(request.key)
+            if flight is not None and rid in flight.waiters:
+                flight.waiters.remove(rid)
+        return self._flush()
+
+    # -- events: compute -------------------------------------------------------------------
+
+    def worker_free(self) -> list[Action]:
+        """The worker is idle: its next step, if any (jobs that must not start are settled)."""
+        assert self._running is None, "one step at a time"
+        job, dropped = self.queues.take()
+        for gone in dropped:
+            self._ended(gone, JobEnd.CANCELLED if gone.cancelled else JobEnd.EXPIRED)
+        if job is not None:
+            if not job.started_ns:
+                job.started_ns = self._wall_ns()
+            self._running = job
+            self._actions.append(RunStep(job))
+        return self._flush()
+
+    def step_done(self, job: Job, result: Any, seconds: float = 0.0) -> list[Action]:
+        """`job`'s step ran for `seconds` and produced `result` (its product so far)."""
+        assert self._running is job
+        self._running = None
+        job.seconds += seconds
+        ms = job.next_step_ms
+        if job.steps_run + 1 < len(job.step_ms):  # one prediction per step; a scoring job one
+            job.partial = result
+            self.queues.stepped(job, ms)
+            return self._flush()
+        job.steps_run += 1
+        job.finished_ns = self._wall_ns()
+        job.partial = None
+        self.queues.end(job, "done")
+        computed = computed_of(job, self._held_of)
+        if computed is not None:
+            self._observe(computed)
+        self._ended(job, JobEnd.DONE, result)
+        return self._flush()
+
+    def step_failed(self, job: Job, error: BaseException) -> list[Action]:
+        """`job`'s step raised `error`: the job fails, and with it what waits for it."""
+        assert self._running is job
+        self._running = None
+        job.finished_ns = self._wall_ns()
+        self.queues.end(job, "failed")
+        self._ended(job, JobEnd.FAILED, error=error)
+        return self._flush()
+
+    # -- events: fetch ---------------------------------------------------------------------
+
+    def fetch_done(
+        self, key: CacheKey, kv: KV | None, producer: Origin | None = None
+    ) -> list[Action]:
+        """The fetch of `key` ended: `kv` checked on receipt (None: no peer delivered it in
+        time: it is computed instead), made by `producer`."""
+        flight = self.flights[key]
+        assert flight.state is FlightState.FETCHING
+        if kv is not None:
+            if not flight.relay and producer is not None:
+                flight.origin = producer  # a Rank's: the content is its producer's
+            # may not fit; the waiters still use it
+            self.store.put_device(key, kv, pin_for=flight.pin_for, origin=flight.origin)
+            del self.flights[key]
+            self._landed(flight, kv)
+            return self._flush()
+        chunk = (
+            self.settings.prefill_chunk_tokens
+            if flight.fallback_priority is Priority.BACKGROUND
+            else None
+        )
+        source, spec, computed, step_ms = self._planner.plan(key, flight.prefix, chunk)
+        if source is Source.RELOAD and not flight.relay:
+            flight.origin = self._planner.reload_origin(key, flight.origin)
+        try:
+            job = self._submit(key, source, spec, step_ms, flight.fallback_priority,
+                               flight.fallback_deadline, flight.due, flight.tag)  # fmt: skip
+        except ResourceExhausted as err:
+            del self.flights[key]
+            self._failed(flight, err)
+            return self._flush()
+        flight.state, flight.job, flight.source = FlightState.COMPUTING, job, source
+        flight.computed_tokens = computed
+        self._owner[job] = key
+        return self._flush()
+
+    # -- events: lifecycle -----------------------------------------------------------------
+
+    def drain(self) -> list[Action]:
+        """Refuse new pre-inference from now on; Ranks are still served."""
+        self.draining = True
+        return self._flush()
+
+    def tick(self) -> list[Action]:
+        """Time passed: pins past their window and stale host copies go."""
+        self.store.expire()
+        return self._flush()
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The compute cost model decisions use now."""
+        return self._planner.cost_model
+
+    def cost_model_refitted(self, model: CostModel) -> None:
+        """Decide with `model` from now on (the cost learner's refit)."""
+        self._planner.cost_model = model
+
+    # -- PreInfer --------------------------------------------------------------------------
+
+    def _pre_infer(
+        self,
+        request: Pending,
+        relay_window_s: float | None,
+        rank_expected_in_s: float | None,
+        origin: Origin | None,
+    ) -> None:
+        if self.draining:
+            raise Unavailable("ranker is draining: send pre-inference elsewhere")
+        if not self.settings.relay_enabled:
+            raise Unavailable("relay is disabled on this ranker (bypass): nothing to pre-infer")
+        window = relay_window_s or self.settings.relay_window_s
+        if window > self.settings.max_relay_window_s:
+            raise InvalidInput(
+                f"relay window {window * 1e3:.0f} ms is over this ranker's limit of "
+                f"{self.settings.max_relay_window_s * 1e3:.0f} ms (max_relay_window_ms)"
+            )
+        prefix = request.prefix
+        key = request.key = self.key(prefix)
+        request.window_s, request.own = window, origin
+        self._requests[request.rid] = request
+        if self.store.get(key, Tier.HBM) is not None:
+            self._pin(request, PreInferOutcome.ALREADY_RESIDENT)
+            return
+        flight = self.flights.get(key)
+        if flight is not None:
+            request.role = Role.JOINED
+            flight.waiters.append(request.rid)
+            return
+        nbytes = self._planner.nbytes(prefix)
+        if not self.store.fits_device(nbytes):
+            del self._requests[request.rid]
+            usage = self.store.usage(Tier.HBM)
+            raise ResourceExhausted(
+                f"prefix of {prefix.user_features + prefix.behaviours} tokens needs {nbytes} "
+                f"bytes; the device tier has {usage.budget_bytes - usage.pinned_bytes} bytes not "
+                "pinned by other relays"
+            )
+        due = self.clock() + (rank_expected_in_s or window)
+        try:
+            flight = self._start(key, prefix, Priority.BACKGROUND, request.deadline, window,
+                                 origin, due, request.tag)  # fmt: skip
+        except ResourceExhausted:
+            del self._requests[request.rid]
+            raise
+        flight.waiters.append(request.rid)
+
+    def _pin(self, request: Pending, outcome: PreInferOutcome) -> None:
+        assert request.key is not None
+        kv = self.store.get(request.key, Tier.HBM)
+        if kv is None or not self.store.put_device(
+            request.key, kv, pin_for=request.window_s, origin=request.own
+        ):
+            self._answer(request.rid, error=ResourceExhausted(
+                "the device tier cannot hold this prefix beside pinned relays"))  # fmt: skip
+            return
+        self._observe(PreInferServed(request.prefix, outcome, kv, request.window_s))
+        held = self._held_of(kv)
+        self._answer(
+            request.rid, PreInferAnswer(outcome, request.key, held.num_tokens, held.nbytes)
+        )
+
+    # -- Rank ------------------------------------------------------------------------------
+
+    def _rank(self, r: Pending) -> None:
+        assert r.rank is not None
+        request = r.rank
+        if not self.settings.relay_enabled:
+            r.outcome = CacheOutcome.BYPASS
+            r.computed = history_tokens(request) + request.candidates
+            self._score(r, FullForward(request), "full", ())
+            return
+        key = r.key = self.key(request.prefix)
+        kv = self.store.get(key, Tier.HBM)
+        held = self.store.peek(key, Tier.HBM)
+        r.relayed = held is not None and held.pinned
+        r.consumed = held.origin if kv is not None and held is not None else None
+        r.computed = request.short_term + request.candidates
+        if kv is not None:
+            self._score_prefix(r, kv)
+            return
+        flight = self.flights.get(key)
+        if flight is not None:
+            if self._take_over(key, flight, r.prefix, r.deadline, r.own):
+                r.role = Role.OWN
+            else:
+                self._hasten(flight, r.deadline)
+                r.role, r.outcome = Role.WAITING, CacheOutcome.WAITED_INFLIGHT
+                r.consumed, r.relayed = flight.origin, flight.relay
+            flight.waiters.append(r.rid)
+            return
+        self._compute_own(r)
+
+    def _compute_own(self, r: Pending) -> None:
+        assert r.key is not None
+        flight = self._start(r.key, r.prefix, Priority.RANK, r.deadline, None, r.own, tag=r.tag)
+        r.role = Role.OWN
+        flight.waiters.append(r.rid)
+
+    def _score_prefix(self, r: Pending, kv: KV) -> None:
+        assert r.rank is not None
+        self._score(r, Score(r.rank, kv), "rank", ())
+
+    def _score(self, r: Pending, spec: Spec, name: str, step_ms: tuple[float, ...]) -> None:
+        r.role = Role.SCORING
+        job = self._queue(name, spec, Priority.RANK, r.deadline, None, step_ms, r.tag)
+        r.job = job
+        self._owner[job] = r.rid
+
+    def _scored(self, r: Pending, scores: Any) -> None:
+        assert r.rank is not None
+        if r.key is not None:
+            self.store.consume(r.key)
+        consumed = r.consumed if r.consumed != r.own else None
+        self._observe(RankServed(r.rank, r.outcome, r.computed, consumed))
+        self._answer(r.rid, RankAnswer(r.outcome, r.computed, r.relayed, scores))
+
+    # -- flights ---------------------------------------------------------------------------
+
+    def _start(
+        self,
+        key: CacheKey,
+        prefix: PrefixRef,
+        priority: Priority,
+        deadline: float | None,
+        pin_for: float | None,
+        origin: Origin | None,
+        due: float | None = None,
+        tag: Any = None,
+    ) -> Flight:
+        """The cheapest way to make `key` device-resident, as the key's one flight. Background
+        work runs in chunks, so that ranks overtake it; rank work in one call."""
+        chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
+        peers = self._planner.fetch_peers(key)
+        source, spec, computed, step_ms = self._planner.plan(key, prefix, chunk, peers)
+        if source is Source.FETCH:
+            flight = Flight(key, prefix, FlightState.FETCHING, source, 0, pin_for, due, origin)
+            flight.tag = tag
+            flight.fallback_priority, flight.fallback_deadline = priority, deadline
+            self.flights[key] = flight
+            nbytes = self._planner.nbytes(prefix)
+            self._actions.append(StartFetch(key, tuple(peers), nbytes, prefix.user_features))
+            return flight
+        if source is Source.RELOAD and pin_for is None:
+            origin = self._planner.reload_origin(key, origin)
+        job = self._submit(key, source, spec, step_ms, priority, deadline, due, tag)
+        flight = Flight(key, prefix, FlightState.COMPUTING, source, computed, pin_for, due,
+                        origin, job, tag=tag)  # fmt: skip
+        self.flights[key] = flight
+        self._owner[job] = key
+        return flight
+
+    def _submit(
+        self,
+        key: CacheKey,
+        source: Source,
+        spec: Spec | None,
+        step_ms: tuple[float, ...],
+        priority: Priority,
+        deadline: float | None,
+        due: float | None,
+        tag: Any,
+    ) -> Job:
+        return self._queue(f"{source}:{key.user_id}", spec, priority, deadline, due, step_ms, tag)
+
+    def _queue(
+        self,
+        name: str,
+        spec: Spec | None,
+        priority: Priority,
+        deadline: float | None,
+        due: float | None,
+        step_ms: tuple[float, ...],
+        tag: Any = None,
+    ) -> Job:
+        try:
+            job = self.queues.submit(name, spec, priority, deadline, due=due, step_ms=step_ms,
+                                     submitted_ns=self._wall_ns())  # fmt: skip
+        except Overloaded as err:
+            raise ResourceExhausted(str(err)) from err
+        job.tag = tag
+        return job
+
+    def _take_over(
+        self,
+        key: CacheKey,
+        flight: Flight,
+        prefix: PrefixRef,
+        deadline: float | None,
+        origin: Origin | None,
+    ) -> bool:
+        """Whether a Rank computes its prefix itself rather than wait for its in-flight job:
+        background work still queued is restarted as the Rank's one call when the cost model
+        predicts that sooner than the job's remaining chunks (each chunk pays a call's fixed
+        cost). Rank work, a taken job and a fetch are waited for."""
+        job = flight.job
+        if job is None or job.priority is not Priority.BACKGROUND:
+            return False
+        source, spec, computed, step_ms = self._planner.plan(key, prefix, None)
+        if not sooner(sum(step_ms), job.remaining_ms) or not self.queues.restart(
+            job, spec, step_ms, deadline
+        ):
+            return False
+        flight.source, flight.computed_tokens = source, computed
+        flight.pin_for, flight.taken_over = None, True
+        if source is Source.RELOAD:
+            flight.origin = self._planner.reload_origin(key, origin)
+        return True
+
+    def _hasten(self, flight: Flight, deadline: float | None) -> None:
+        """A Rank waits for `flight`: its job runs next, at rank priority; a running fetch's
+        fallback, should the fetch fail, computes at rank priority by the earliest deadline."""
+        if flight.job is not None:
+            self.queues.promote(flight.job, deadline)
+            return
+        flight.fallback_priority = Priority.RANK
+        if deadline is not None:
+            old = flight.fallback_deadline
+            flight.fallback_deadline = deadline if old is None else min(old, deadline)
+
+    # -- endings ---------------------------------------------------------------------------
+
+    def _ended(
+        self, job: Job, end: JobEnd, result: Any = None, error: BaseException | None = None
+    ) -> None:
+        owner = self._owner.pop(job, None)
+        if end is JobEnd.EXPIRED:
+            error = DeadlineExceeded(f"{job.name}: deadline passed while queued")
+        if isinstance(owner, CacheKey):
+            flight = self.flights.pop(owner)
+            work = _WORK[flight.source]
+            if end is JobEnd.DONE:
+                self.store.put_device(owner, result, pin_for=flight.pin_for, origin=flight.origin)
+                self._observe(JobEnded(job, work, end, flight.computed_tokens, result))
+                self._landed(flight, result)
+            else:
+                self._observe(JobEnded(job, work, end))
+                self._failed(flight, error)
+            return
+        self._observe(JobEnded(job, work_of(job.spec), end))
+        r = None if owner is None else self._requests.get(owner)
+        if r is None:
+            return  # its caller left
+        if end is JobEnd.DONE:
+            self._scored(r, result)
+        elif end is not JobEnd.CANCELLED:
+            self._answer(r.rid, error=error)
+
+    def _landed(self, flight: Flight, kv: KV) -> None:
+        for rid in flight.waiters:
+            r = self._requests.get(rid)
+            if r is None:
+                continue
+            if r.role is Role.STARTED:
+                taken = flight.taken_over
+                self._pin(r, PreInferOutcome.JOINED_INFLIGHT if taken
+                          else PRE_INFER_OUTCOME[flight.source])  # fmt: skip
+            elif r.role is Role.JOINED:
+                self._actions.append(Waited(rid))
+                self._pin(r, PreInferOutcome.JOINED_INFLIGHT)
+            else:
+                if r.role is Role.WAITING:
+                    self._actions.append(Waited(rid))
+                else:
+                    self._own_landed(r, flight)
+                try:
+                    self._score_prefix(r, kv)
+                except ResourceExhausted as err:
+                    self._answer(rid, error=err)
+
+    def _own_landed(self, r: Pending, flight: Flight) -> None:
+        r.outcome = RANK_OUTCOME[flight.source]
+        r.computed += flight.computed_tokens
+        r.relayed = False
+        # a reload's or a fetch's content was produced elsewhere: link to its producer
+        r.consumed = flight.origin if flight.source in (Source.RELOAD, Source.FETCH) else None
+
+    def _failed(self, flight: Flight, error: BaseException | None) -> None:
+        for rid in flight.waiters:
+            r = self._requests.get(rid)
+            if r is None:
+                continue
+            if r.role in (Role.JOINED, Role.WAITING):
+                self._actions.append(Waited(rid))
+            if r.role is Role.WAITING and isinstance(error, DeadlineExceeded):
+                try:  # its pre-infer gave up: compute it
+                    self._compute_own(r)
+                except ResourceExhausted as err:
+                    self._answer(rid, error=err)
+                continue
+            self._answer(rid, error=error)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _new_id(self) -> RequestId:
+        self._next_id += 1
+        return RequestId(self._next_id)
+
+    def _answer(
+        self,
+        rid: RequestId,
+        result: PreInferAnswer | RankAnswer | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        self._requests.pop(rid, None)
+        self._actions.append(Answer(rid, result, error))
+
+    def _flush(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        if self._record is not None:
+            for action in actions:
+                self._record(action)
+        return actions

@@ -1,0 +1,274 @@
+"""What flows in and out of the ranker core (services/ranker/core.py): the requests as it sees
+them, the jobs it schedules (data), the actions it asks of its driver and what it reports."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Generic, NewType, Protocol, TypeVar
+
+from relaygr.behaviours import UserId
+from relaygr.cost import CostModel
+from services.ranker.digest import PrefixDigest
+from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
+from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
+from services.ranker.plan import Held
+from services.ranker.queues import Job, Priority
+
+KV = TypeVar("KV", bound=Cached)
+RequestId = NewType("RequestId", int)
+
+
+class PrefixRef(Protocol):
+    """A request's prefix as the core sees it: sizes and digests, the content the driver's."""
+
+    @property
+    def user_id(self) -> UserId: ...
+
+    @property
+    def digest(self) -> PrefixDigest: ...
+
+    @property
+    def user_features(self) -> int: ...
+
+    @property
+    def behaviours(self) -> int: ...
+
+    def head_digest(self, behaviours: int) -> PrefixDigest:
+        """The digest of this prefix cut after its first `behaviours` behaviours."""
+        ...
+
+
+class RankRef(Protocol):
+    """A Rank request as the core sees it."""
+
+    @property
+    def prefix(self) -> PrefixRef: ...
+
+    @property
+    def short_term(self) -> int: ...
+
+    @property
+    def candidates(self) -> int: ...
+
+
+def history_tokens(request: RankRef) -> int:
+    return request.prefix.user_features + request.prefix.behaviours + request.short_term
+
+
+# -- jobs: what to compute (the driver runs each step) -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """Compute `prefix` from nothing in `chunk`-token steps (`chunks.prefill_spans`)."""
+
+    prefix: PrefixRef
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extend(Generic[KV]):
+    """Bring `base` (a cached strict prefix of `prefix`, of `base_behaviours` behaviours) to the
+    device, then extend it `chunk` behaviours a step (`chunks.extension_spans`)."""
+
+    prefix: PrefixRef
+    base: KV
+    base_behaviours: int
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reload(Generic[KV]):
+    """Bring the host copy `host` back to the device (one step)."""
+
+    host: KV
+
+
+@dataclass(frozen=True, slots=True)
+class Score(Generic[KV]):
+    """Score `request`'s candidates against the device-resident prefix `kv` (one step)."""
+
+    request: RankRef
+    kv: KV
+
+
+@dataclass(frozen=True, slots=True)
+class FullForward:
+    """Full inference of `request`, nothing cached (one step)."""
+
+    request: RankRef
+
+
+Spec = Prefill | Extend[Any] | Reload[Any] | Score[Any] | FullForward
+
+
+def work_of(spec: Spec) -> Work:
+    if isinstance(spec, Prefill):
+        return Work.PREFILL
+    if isinstance(spec, Extend):
+        return Work.EXTEND
+    if isinstance(spec, Reload):
+        return Work.RELOAD
+    return Work.RANK if isinstance(spec, Score) else Work.FULL_FORWARD
+
+
+# -- actions: what the driver does -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep:
+    """Run the next step of `job` (`job.steps_run` steps done, `job.partial` their product) on
+    the compute worker; report `step_done` or `step_failed`."""
+
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class StartFetch:
+    """Fetch `key` (`nbytes`, `user_tokens` user tokens) from `peers` in turn, giving up at the
+    deadline that `RankerCore.fetch_deadline(key)` says then; report `fetch_done`."""
+
+    key: CacheKey
+    peers: tuple[Any, ...]
+    nbytes: int
+    user_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """`request`, which waited for another request's in-flight prefix, stops waiting."""
+
+    request: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class PreInferAnswer:
+    outcome: PreInferOutcome
+    key: CacheKey
+    tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankAnswer:
+    outcome: CacheOutcome
+    computed_tokens: int
+    relayed: bool
+    scores: Any  # what the scoring step returned
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """`request` is over: `result`, or `error` (a RelayGRError, or what a step raised)."""
+
+    request: RequestId
+    result: PreInferAnswer | RankAnswer | None = None
+    error: BaseException | None = None
+
+
+Action = RunStep | StartFetch | Waited | Answer
+
+
+# -- observations: what the core reports (tracing, metrics and the cost learner subscribe) ---
+
+
+class JobEnd(StrEnum):
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnded(Generic[KV]):
+    """A job ended; a prefix job that ended DONE made `kv` device-resident, `computed_tokens` of
+    its tokens computed (0 for a reload). One per computation, however many requests waited."""
+
+    job: Job
+    work: Work
+    end: JobEnd
+    computed_tokens: int = 0
+    kv: KV | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """A PREFILL, EXTEND, RANK or FULL_FORWARD job completed after `seconds` of compute (its own
+    steps, as the driver timed them); `tokens` of history, `cached_tokens` found cached (None:
+    from nothing), `candidates` scored."""
+
+    work: Work
+    tokens: int
+    cached_tokens: int | None
+    candidates: int
+    seconds: float
+
+
+def computed_of(job: Job, held_of: Callable[[Any], Held]) -> Computed | None:
+    """What a finished job computed, for the cost learner (None: a reload computes nothing)."""
+    spec, seconds = job.spec, job.seconds
+    if isinstance(spec, Prefill | Extend):
+        prefix = spec.prefix
+        tokens = prefix.user_features + prefix.behaviours
+        if isinstance(spec, Prefill):
+            return Computed(Work.PREFILL, tokens, None, 0, seconds)
+        cached = prefix.user_features + spec.base_behaviours
+        return Computed(Work.EXTEND, tokens, cached, 0, seconds)
+    if isinstance(spec, Score | FullForward):
+        request = spec.request
+        history = history_tokens(request)
+        if isinstance(spec, Score):
+            cached = held_of(spec.kv).num_tokens
+            return Computed(Work.RANK, history, cached, request.candidates, seconds)
+        return Computed(Work.FULL_FORWARD, history, None, request.candidates, seconds)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PreInferServed(Generic[KV]):
+    prefix: PrefixRef
+    outcome: PreInferOutcome
+    kv: KV
+    window_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RankServed:
+    """`consumed`: the origin of the prefix cache it used, when another request produced it."""
+
+    request: RankRef
+    outcome: CacheOutcome
+    computed_tokens: int
+    consumed: Origin | None
+
+
+Observation = JobEnded[Any] | Computed | PreInferServed[Any] | RankServed
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    """What a ranker core holds and has done, as of the last event (reading it changes
+    nothing: expiry happens on `RankerCore.tick`); the metrics and Describe read it by attribute."""
+
+    tiers: dict[Tier, TierUsage]
+    kv: KVStats  # counters since start
+    queue_depth: dict[Priority, int]  # jobs waiting for the worker
+    queued_background_ms: float  # predicted compute of background work queued or running
+    inflight: int  # prefix computations, reloads and fetches
+    cost_model: CostModel  # the one decisions use now
+    queued_rank_ms: float = 0.0  # predicted compute of rank work queued or running
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSettings:
+    """The core's settings: `RankerConfig.core_settings()` makes them for every driver."""
+
+    relay_enabled: bool
+    relay_window_s: float
+    prefill_chunk_tokens: int
+    max_relay_window_s: float = 60.0  # a longer pin asked for is refused: it would hold memory
+    max_queued_ranks: int = 64
+    max_queued_prefills: int = 256
+
+    def max_queued(self) -> dict[Priority, int]:
+        return {Priority.RANK: self.max_queued_ranks, Priority.BACKGROUND: self.max_queued_prefills}

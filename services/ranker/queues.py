@@ -1,0 +1,264 @@
+"""Ranking-first compute queues: which job's step runs next. Synchronous, no lock, no thread.
+
+The ranker core (services/ranker/core.py) owns one and its drivers run the steps it takes; the
+threaded `ComputeScheduler` (services/ranker/scheduler.py) wraps one for generator jobs.
+"""
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+
+class Priority(IntEnum):
+    RANK = 0
+    BACKGROUND = 1
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """A unit of compute split into steps; `spec` says what to compute (data for the driver that
+    runs it: the queues never look inside).
+
+    `deadline` is when its caller gives up (a job not started by then never runs); `due` is
+    when its result is wanted (a PreInfer's Rank), the order of background work and nothing
+    else. `step_ms` predicts each step's compute time; `remaining_ms` is the part of it not yet
+    run (steps past the prediction count 0). `partial` is what its steps so far produced
+    (opaque: the driver hands it back with the next step's result).
+    """
+
+    name: str
+    spec: Any
+    priority: Priority
+    deadline: float | None
+    due: float | None = None
+    step_ms: tuple[float, ...] = ()
+    remaining_ms: float = 0.0
+    steps_run: int = 0
+    seq: int = 0  # submission order: ties of `due` go to the older job
+    queued: bool = False  # in a queue (False: taken, or finished)
+    counted: Priority | None = None  # the priority whose total holds its remaining_ms
+    started: bool = False  # its first step was taken
+    cancelled: bool = False  # its caller left before it started: never run
+    partial: Any = None
+    tag: Any = None  # the driver's, for the request that caused it (opaque here)
+    seconds: float = 0.0  # compute time of its steps so far, as the driver measured it
+    # Wall-clock times (ns) for tracing only; the injected clock governs deadlines.
+    submitted_ns: int = 0
+    started_ns: int = 0  # its first step began (0: not yet, or never ran)
+    finished_ns: int = 0  # its last step ended, or it failed
+
+    @property
+    def next_step_ms(self) -> float:
+        """The predicted time of the step it runs next (0 past the prediction)."""
+        return self.step_ms[self.steps_run] if self.steps_run < len(self.step_ms) else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One queue event, in order: submitted, promoted, restarted, step, done, failed, expired,
+    cancelled or shed; `at` is the injected clock's time."""
+
+    seq: int
+    kind: str
+    job: str
+    priority: Priority
+    at: float
+
+
+class Overloaded(Exception):
+    """A queue is full: `submit` refused the job (the message says which queue)."""
+
+
+class ComputeQueues:
+    """The order in which one worker runs jobs, one step at a time.
+
+    Between any two steps the worker takes the oldest rank-priority job if there is one, so a
+    rank waits at most for the step already running (one prefill chunk), never for a whole
+    background job. Rank jobs run first-in first-out, a started one resumed before younger ones.
+    Background jobs run earliest `due` first (no `due`: after every dated job), ties in
+    submission order; a background job goes back to that order after each step, so one due
+    sooner that arrived meanwhile overtakes it between chunks (preemptive EDF). `promote` lifts a
+    job to rank priority; `restart` replaces a queued job's remaining steps. Queues are bounded:
+    `submit` raises Overloaded beyond `max_queued[priority]`. `queued_background_ms` and
+    `queued_rank_ms` are the predicted compute time of the jobs of each priority queued or
+    running: running totals, updated as steps complete and jobs are promoted or restarted, 0
+    exactly whenever there are none.
+    """
+
+    def __init__(
+        self, max_queued: dict[Priority, int], clock: Callable[[], float], event_log: int = 4096
+    ) -> None:
+        self._ranks: deque[Job] = deque()
+        # (due, seq, job) entries; a promoted job's entry stays behind, skipped when popped.
+        self._background: list[tuple[float, int, Job]] = []
+        self._background_queued = 0  # live entries of _background
+        self._ms = {p: 0.0 for p in Priority}  # remaining_ms of the jobs counted, per priority
+        self._counted = {p: 0 for p in Priority}  # jobs counted, per priority
+        self._max_queued = max_queued
+        self.clock = clock
+        self._seq = 0
+        self._submitted = 0
+        self.events: deque[Event] = deque(maxlen=event_log)
+
+    def submit(
+        self,
+        name: str,
+        spec: Any,
+        priority: Priority,
+        deadline: float | None = None,
+        *,
+        due: float | None = None,
+        step_ms: Sequence[float] = (),
+        submitted_ns: int = 0,
+    ) -> Job:
+        """Queue a job; `due` orders background work, `step_ms` predicts each step's time."""
+        costs = tuple(step_ms)
+        job = Job(name, spec, priority, deadline, due, costs, sum(costs))
+        job.submitted_ns = submitted_ns
+        return self.add(job)
+
+    def add(self, job: Job) -> Job:
+        """Queue a job built by the caller (`submit` builds a plain one)."""
+        priority = job.priority
+        queued = self.depth(priority)
+        if queued >= self._max_queued[priority]:
+            self._log("shed", job)
+            raise Overloaded(f"ranker overloaded: {queued} {priority.name.lower()} jobs queued")
+        self._submitted += 1
+        job.seq = self._submitted
+        self._count(job)
+        self.enqueue(job, resume=False)
+        self._log("submitted", job)
+        return job
+
+    def promote(self, job: Job, deadline: float | None = None) -> None:
+        """Run `job` at rank priority, keeping it alive until `deadline` (None: no deadline)."""
+        if job.deadline is not None:
+            job.deadline = None if deadline is None else max(job.deadline, deadline)
+        if job.priority is Priority.RANK:
+            return
+        self._uncount(job)
+        job.priority = Priority.RANK
+        self._count(job)
+        if job.queued:  # its heap entry is now stale: skipped when it comes up
+            self._background_queued -= 1
+            self._ranks.append(job)
+        self._log("promoted", job)
+
+    def restart(
+        self, job: Job, spec: Any, step_ms: Sequence[float], deadline: float | None = None
+    ) -> bool:
+        """Replace what `job`, which sits in a queue, computes, and run it at rank priority as
+        `promote` does; False (nothing changed) when it is taken or finished. Its earlier steps'
+        partial work is dropped; its first-step checks stay."""
+        if not job.queued or job.cancelled:
+            return False
+        self.promote(job, deadline)
+        self._uncount(job)
+        job.spec, job.partial = spec, None
+        job.step_ms, job.steps_run = tuple(step_ms), 0
+        job.remaining_ms = sum(job.step_ms)
+        self._count(job)
+        self._log("restarted", job)
+        return True
+
+    def depth(self, priority: Priority) -> int:
+        """Jobs of `priority` waiting in its queue (a taken one not counted)."""
+        return len(self._ranks) if priority == Priority.RANK else self._background_queued
+
+    def queued_background_ms(self) -> float:
+        """Predicted compute time of background-priority work queued or running (O(1))."""
+        return self._ms[Priority.BACKGROUND]
+
+    def queued_rank_ms(self) -> float:
+        """Predicted compute time of rank-priority work queued or running (O(1)): what a Rank
+        arriving now waits behind."""
+        return self._ms[Priority.RANK]
+
+    def take(
+        self, may_start: Callable[[Job], bool] = lambda job: not job.cancelled
+    ) -> tuple[Job | None, list[Job]]:
+        """The next job to step (None: every queue is empty), and the jobs due their first step
+        that must not run, settled on the way: cancelled (`may_start` False) or expired
+        (deadline passed)."""
+        dropped: list[Job] = []
+        while True:
+            job = self._pop()
+            if job is None:
+                return None, dropped
+            job.queued = False
+            self._log("step", job)
+            if job.started:
+                return job, dropped
+            if not may_start(job):
+                job.cancelled = True
+                self.end(job, "cancelled")
+            elif job.deadline is not None and self.clock() > job.deadline:
+                self.end(job, "expired")
+            else:
+                job.started = True
+                return job, dropped
+            dropped.append(job)
+
+    def stepped(self, job: Job, ms: float) -> None:
+        """`job` ran a step predicted at `ms` and goes on: back to its queue (a rank job
+        first)."""
+        job.steps_run += 1
+        job.remaining_ms -= ms
+        if job.counted is not None:
+            self._ms[job.counted] -= ms
+        self.enqueue(job, resume=True)
+
+    def end(self, job: Job, outcome: str) -> None:
+        """`job` is over (done, failed, expired, cancelled): out of the books."""
+        self._uncount(job)
+        self._log(outcome, job)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def enqueue(self, job: Job, resume: bool) -> None:
+        """Queue `job`; `resume`: it just ran a step (a rank job then goes first)."""
+        job.queued = True
+        if job.priority is Priority.RANK:
+            if resume:
+                self._ranks.appendleft(job)
+            else:
+                self._ranks.append(job)
+        else:
+            due = math.inf if job.due is None else job.due
+            heapq.heappush(self._background, (due, job.seq, job))
+            self._background_queued += 1
+
+    def _pop(self) -> Job | None:
+        if self._ranks:
+            return self._ranks.popleft()
+        while self._background:
+            _, _, job = heapq.heappop(self._background)
+            if job.priority is Priority.BACKGROUND:  # else promoted: a stale entry
+                self._background_queued -= 1
+                return job
+        return None
+
+    def _log(self, kind: str, job: Job) -> None:
+        self._seq += 1
+        self.events.append(Event(self._seq, kind, job.name, job.priority, self.clock()))
+
+    def _count(self, job: Job) -> None:
+        job.counted = job.priority
+        self._counted[job.priority] += 1
+        self._ms[job.priority] += job.remaining_ms
+
+    def _uncount(self, job: Job) -> None:
+        priority = job.counted
+        if priority is None:
+            return
+        job.counted = None
+        self._counted[priority] -= 1
+        # Exactly 0 when none is left: no rounding residue from the steps' subtractions.
+        self._ms[priority] = (
+            self._ms[priority] - job.remaining_ms if self._counted[priority] else 0.0
+        )

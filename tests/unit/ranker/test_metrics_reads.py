@@ -1,0 +1,40 @@
+"""A /metrics scrape reads the ranker's typed stats and changes nothing: relays past their window
+are released by the engine's tick, not by whoever reads."""
+
+import asyncio
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.ranker.kv_store import Tier
+from services.ranker.metrics import RankerMetrics
+from tests.unit.ranker.factories import prefix
+from tests.unit.ranker.test_engine import TOKENS, running_engine
+
+
+def _pinned(text: str) -> float:
+    for line in text.splitlines():
+        if line.startswith('relaygr_ranker_kv_pinned_bytes{tier="hbm"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no pinned bytes gauge")
+
+
+def test_a_scrape_expires_nothing(rng: np.random.Generator) -> None:
+    registry = CollectorRegistry()
+    metrics = RankerMetrics(registry)
+    with running_engine() as (engine, _):
+        metrics.engine = engine
+        asyncio.run(engine.pre_infer(prefix(rng, TOKENS, user_id="a"), 1.0, None))
+        clock = engine.core.clock
+        clock.now += 2.0  # type: ignore[attr-defined]  # past the relay window
+        pinned = engine.stats().tiers[Tier.HBM].pinned_bytes
+        assert pinned > 0
+        for _ in range(2):
+            assert _pinned(generate_latest(registry).decode()) == pinned
+        assert engine.stats().kv.relays_expired_unconsumed == 0
+        asyncio.run(_tick(engine))
+        assert _pinned(generate_latest(registry).decode()) == 0
+
+
+async def _tick(engine: object) -> None:
+    engine.tick()  # type: ignore[attr-defined]
