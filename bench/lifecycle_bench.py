@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from chaos import ChaosSettings, Traffic, wrong_scores
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
+from report import add_render_arguments, machine_info, publish, run_stamp
 
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
@@ -242,6 +242,7 @@ def _cost_model(mesh: LocalMesh) -> CostModel:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     settings = Settings(
         rate=args.rate,
         users=args.users,
@@ -279,6 +280,7 @@ def run(args: argparse.Namespace) -> dict:
         NAME,
         args,
         {"runs": [dataclasses.asdict(r) for r in runs], "settings": dataclasses.asdict(settings)},
+        started,
         1,
     )
 

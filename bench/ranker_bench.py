@@ -315,6 +315,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     spec = WorkloadSpec(users=args.users, gap_s=args.gap_ms / 1e3)
     # Same seed per mode: both rankers see the identical request stream.
     populations = {
@@ -337,7 +338,7 @@ def run(args: argparse.Namespace) -> dict:
     saved = {
         "command": reproduce_command("ranker_bench", args.seed),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(),
+        "machine": started,
         "workload": asdict(spec),
         "points": [asdict(p) for p in points],
     }

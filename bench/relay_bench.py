@@ -41,7 +41,7 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import load_result, max_compliant, run_stamp, write_section
+from report import load_result, machine_info, max_compliant, run_stamp, write_section
 from verdict import Spread, compliant_throughput, grid_search
 
 from relaygr.cli_help import HelpFormatter
@@ -138,6 +138,7 @@ def population_info(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace) -> dict:
     """Every seed's sweeps; the result file is rewritten after each seed, so an interrupted run
     keeps the seeds it finished."""
+    started = machine_info()  # the commit this run measures, stamped before it runs
     print(f"seed {args.seed}, seeds {seeds(args)}", flush=True)
     results: dict = {"seeds": {}, "ranker_threads": 0, "population": population_info(args)}
     saved: dict = {}
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
                 "rates": [p.summary() for p in rates],
                 "lengths": [p.summary() for p in lengths],
             }
-            saved = save_results("relay_bench", args, results, results["ranker_threads"])
+            saved = save_results("relay_bench", args, results, started, results["ranker_threads"])
     return saved
 
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
+from report import add_render_arguments, machine_info, publish, run_stamp
 from verdict import grid_search
 
 from relaygr.local.drive import max_compliant
@@ -93,6 +93,7 @@ def base_spec(args: argparse.Namespace, seed: int) -> SweepSpec:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     seeds = [args.seed + i for i in range(args.seeds)]
     rates = [r * args.rankers for r in args.per_ranker]
     sweep: list[dict] = []
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
         "sweep": sweep,
         "lengths": lengths,
     }
-    return save_results("sim_paper", args, results, threads=1)
+    return save_results("sim_paper", args, results, started, threads=1)
 
 
 def length_search(

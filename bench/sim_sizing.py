@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
+from report import add_render_arguments, machine_info, publish, run_stamp
 
 from relaygr.cluster import MemoryCluster, PlacementRecord
 from relaygr.local.workload import WorkloadSpec
@@ -101,6 +101,7 @@ def entry_bytes(entries: int = 100_000) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     k, n = args.slice, args.fleet
     spec, rate = spec_for(args, k, k / n)
     t0 = args.event_at
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
         "slice": scenario(small_spec, small_rate, args.seed, (), args.variant),
     }
     results["entry_bytes"] = entry_bytes()
-    return save_results("sim_sizing", args, results, threads=1)
+    return save_results("sim_sizing", args, results, started, threads=1)
 
 
 def per_s(count: float, seconds: float) -> float:

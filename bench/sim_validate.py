@@ -42,7 +42,7 @@ from pipeline import (
     sweep,
 )
 from relay_bench import CACHE_ONLY, RELAY_AWARE, VARIANTS, add_mesh_arguments, mesh_spec, workload
-from report import load_result, max_compliant, run_stamp, write_section
+from report import load_result, machine_info, max_compliant, run_stamp, write_section
 
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
@@ -220,6 +220,7 @@ def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dic
 def run(args: argparse.Namespace) -> dict:
     """Every seed; the result file is rewritten after each, so an interrupted run keeps the
     seeds it finished."""
+    started = machine_info()  # the commit this run measures, stamped before it runs
     results: dict[str, Any] = {"seeds": {}, "ranker_threads": 0}
     saved: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> dict:
             results["seeds"][str(seed)], results["ranker_threads"] = run_seed(
                 seed, model_path, args
             )
-            saved = save_results(NAME, args, results, results["ranker_threads"])
+            saved = save_results(NAME, args, results, started, results["ranker_threads"])
     return saved
 
 

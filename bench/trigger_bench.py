@@ -29,7 +29,7 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import load_result, max_compliant, run_stamp, write_section
+from report import load_result, machine_info, max_compliant, run_stamp, write_section
 
 from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
@@ -187,6 +187,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     print(f"seed {args.seed}", flush=True)
     decide = decision_time(args.seed)
     print(f"decision time {decide}", flush=True)
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
             points = sweep([Variant(mode, mesh, mode) for mode in MODES], spec, args)
             threads = mesh.ranker_threads
     results = {"decision_time": decide, "points": [p.summary() for p in points]}
-    return save_results("trigger_bench", args, results, threads)
+    return save_results("trigger_bench", args, results, started, threads)
 
 
 if __name__ == "__main__":
