@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ import torch
 from chaos import ChaosSettings, Traffic, wrong_scores
 from pipeline import ROOT, save_results
 from report import add_render_arguments, machine_info, publish, run_stamp
+from verdict import ranks_note
 
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
@@ -87,6 +88,8 @@ class Window:
     p50_ms: float
     p99_ms: float
     seconds: float
+    # Every answered Rank's latency, 0.01 ms (empty in runs saved before they were kept).
+    latencies_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -110,6 +113,7 @@ class Window:
             p50_ms=float(np.percentile(latencies, 50)),
             p99_ms=float(np.percentile(latencies, 99)),
             seconds=seconds,
+            latencies_ms=[round(r.latency_s * 1e3, 2) for r in ok],
         )
 
 
@@ -348,7 +352,11 @@ def render(saved: dict) -> str:
             continue
         w0 = sum(r.during.misses for r in without)
         w1 = sum(r.during.misses for r in with_)
-        fewer = f"{1 - w1 / w0:.0%}" if w0 else "n/a"
+        fewer = f"{1 - w1 / w0:.0%} pooled" if w0 else "n/a"
+        paired = {r.seed: r.during.misses for r in with_}
+        each = [1 - paired[r.seed] / r.during.misses for r in without if r.seed in paired]
+        if each and all(r.during.misses for r in without):
+            fewer += f"; per seed {', '.join(f'{x:.0%}' for x in each)}"
         lines.append(
             f"| {change} | {', '.join(str(r.during.misses) for r in without)} "
             f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} "
@@ -360,6 +368,10 @@ def render(saved: dict) -> str:
         lines.append(
             f"| {CONTROL} | | | | | {ratios(controls, 'during')} | {ratios(controls, 'after')} |"
         )
+    windows = [w for r in runs for w in (r.steady, r.during)]
+    few = ranks_note((w.sent - w.failed for w in windows), per="window")
+    if few:
+        lines += ["", f"P99 and its ratios: {few}; such a P99 is one of its slowest few Ranks."]
     return "\n".join(lines)
 
 

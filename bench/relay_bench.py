@@ -42,7 +42,7 @@ from pipeline import (
     sweep,
 )
 from report import load_result, machine_info, max_compliant, run_stamp, write_section
-from verdict import Spread, compliant_throughput, grid_search
+from verdict import PairedRatios, Spread, compliant_throughput, grid_search, labelled, ranks_note
 
 from relaygr.cli_help import HelpFormatter
 from relaygr.local.drive import Point
@@ -194,12 +194,16 @@ def best_of(labels: Sequence[str], figure: dict[str, Spread]) -> str | None:
 
 
 def paired_ratio(relay: dict[int, float], base: dict[int, float]) -> str:
-    """Median and range of the per-seed ratio (both variants ran the same trace)."""
-    ratios = [relay[s] / base[s] for s in relay if base.get(s, 0) > 0]
-    never = sum(1 for s in relay if base.get(s, 0) <= 0)
-    if not ratios:
+    """Median and range of the per-seed ratio (both variants ran the same trace), and the
+    bootstrap 95% interval of that median over seeds."""
+    paired = PairedRatios.of(relay, base)
+    never = paired.undefined
+    if not paired.ratios:
         return "baseline never compliant" if any(relay.values()) else "-"
-    text = Spread.of([round(r, 1) for r in ratios]).text("x")
+    text = Spread.of([round(r, 1) for r in paired.ratios.values()]).text("x")
+    m = paired.median
+    if len(paired.ratios) > 1:
+        text += f" (median's 95% CI {m.low:.1f}-{m.high:.1f}x)"
     return text + (f" ({never} seed(s): baseline never compliant)" if never else "")
 
 
@@ -227,12 +231,16 @@ def verdict_line(
     per_seed: dict[str, dict[int, float]],
     pair: tuple[str, str],
     unit: str,
+    points: dict[str, dict[int, list[Point]]],
 ) -> str:
-    """A headline bullet: the relay's figure against the baseline's, and their paired ratio."""
+    """A headline bullet: the relay's figure against the baseline's, and their paired ratio;
+    labelled indicative when a point it rests on holds fewer than 300 Ranks (verdict.ranks_note).
+    """
     relay, base = pair
+    note = labelled(ranks_note(p.ok for v in pair for ps in points[v].values() for p in ps))
     return (
         f"- **{title}: {relay} {figure[relay].text(unit)} vs {base} {figure[base].text(unit)}; "
-        f"per-seed ratio **{paired_ratio(per_seed[relay], per_seed[base])}**."
+        f"per-seed ratio **{paired_ratio(per_seed[relay], per_seed[base])}**.{note}"
     )
 
 
@@ -267,6 +275,7 @@ def render(saved: dict) -> str:
                 {label: per_seed_figure(rates[label], args.slo_ms) for label in (relay, base)},
                 (relay, base),
                 " req/s",
+                rates,
             )
         )
     top = max(args.rates)
@@ -287,6 +296,7 @@ def render(saved: dict) -> str:
                 },
                 (long_relay, long_base),
                 " tokens",
+                lengths,
             )
         )
     if cache_only_points:

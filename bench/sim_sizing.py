@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline import ROOT, save_results
 from report import add_render_arguments, machine_info, publish, run_stamp
+from verdict import seeds_note
 
 from relaygr.cluster import MemoryCluster, PlacementRecord
 from relaygr.local.workload import WorkloadSpec
@@ -155,7 +156,7 @@ def render(saved: dict) -> str:
         f"{a['per_ranker']:g} req/s per ranker ({a['per_ranker'] * n:,.0f} req/s over the fleet), "
         f"variant `{a['variant']}`, SLO {a['slo_ms']:g} ms, gap {a['gap_ms']:g} ms; a slice of "
         f"{k} rankers at {a['per_ranker'] * k:g} req/s over {a['users'] * k / n:,.0f} users stands "
-        f"for the fleet ({duration:g} s, seed {a['seed']}); peak process memory "
+        f"for the fleet ({duration:g} s, seed {a['seed']}: {seeds_note(1)}); peak process memory "
         f"{saved['max_rss_mib']:,.0f} MiB.",
         "",
         "| scenario | P50 ms | P99 ms | hits | relayed | failed | directory writes / s (fleet) "

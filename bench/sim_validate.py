@@ -43,6 +43,7 @@ from pipeline import (
 )
 from relay_bench import CACHE_ONLY, RELAY_AWARE, VARIANTS, add_mesh_arguments, mesh_spec, workload
 from report import load_result, machine_info, max_compliant, run_stamp, write_section
+from verdict import labelled, ranks_note
 
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
@@ -332,6 +333,8 @@ def render(saved: dict) -> str:
                 f"| {full_ms(after, tokens, candidates):.0f} |"
             )
     summary = "; ".join(f"{metric} {ok} of {n}" for metric, (ok, n) in counts.items())
+    real_ns = [p["real"]["ok"] for v in per_seed.values() for o in v.values() for p in o["points"]]
+    few = labelled(ranks_note(real_ns))
     rates = ", ".join(f"{r:g}" for r in args.rates)
     return "\n".join([
         "## Simulator validation: the same trace through the real mesh and the simulator"
@@ -362,7 +365,7 @@ def render(saved: dict) -> str:
         "one step of the rate grid.",
         "",
         f"**Within target: {summary} points; compliant throughput {throughput_ok} of "
-        f"{throughput_n} variant runs.**",
+        f"{throughput_n} variant runs.**{few}",
         "",
         "| seed | variant | rate req/s | Ranks real / sim | P50 real ms | P50 sim ms "
         "| P50 sim/real | P99 real ms | P99 sim ms | P99 sim/real | hit rate real / sim "

@@ -30,6 +30,7 @@ from pipeline import (
     sweep,
 )
 from report import load_result, machine_info, max_compliant, run_stamp, write_section
+from verdict import ranks_note
 
 from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
@@ -138,7 +139,8 @@ def render(
         "",
         "SLO-compliant throughput: "
         + ", ".join(f"{m} **{best[m]:g} req/s**" for m in MODES)
-        + f"; sequence-aware vs off {ratio('off')}, vs all {ratio('all')}.",
+        + f"; sequence-aware vs off {ratio('off')}, vs all {ratio('all')}"
+        + (f" (**{few}**; one seed)." if (few := ranks_note(p.ok for p in points)) else "."),
         "",
         "The trigger's own time per decision (parse, policy, reply; in-process, no transport): "
         + "; ".join(

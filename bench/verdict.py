@@ -10,6 +10,7 @@ simulated comparison needs `MIN_SIM_SEEDS` seeds, else it is labelled indicative
 bootstrap 95% interval; ratios between two variants are taken per seed (both ran the same trace).
 """
 
+import argparse
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +26,12 @@ __all__ = [
     "Interval",
     "PairedRatios",
     "Spread",
+    "add_seeds_rule",
     "bootstrap",
+    "check_seeds",
     "compliant_throughput",
     "grid_search",
+    "labelled",
     "p99_interval",
     "p99_verdict",
     "ranks_note",
@@ -108,19 +112,45 @@ def p99_verdict(latencies_ms: Sequence[float], slo_ms: float, minimum: int = MIN
     return f"{word}: P99 {interval.text(' ms')} against {slo_ms:g} ms"
 
 
-def ranks_note(ns: Iterable[int], minimum: int = MIN_RANKS) -> str:
-    """ "" when every point counted has `minimum` Ranks; else the label a figure resting on their
-    P99s carries: "indicative (n=28-60 Ranks a point, under 300)"."""
+def ranks_note(ns: Iterable[int], minimum: int = MIN_RANKS, per: str = "point") -> str:
+    """Empty when every point counted has `minimum` Ranks; else the label a figure resting on
+    their P99s carries: "indicative (n=28-60 Ranks a point, under 300)"."""
     counts = sorted(ns)
     if not counts or counts[0] >= minimum:
         return ""
     span = f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
-    return f"indicative (n={span} Ranks a point, under {minimum})"
+    return f"indicative (n={span} Ranks a {per}, under {minimum})"
+
+
+def labelled(note: str) -> str:
+    """A note as the bold sentence that follows a figure (" **Indicative (...).**"), "" for none."""
+    return f" **{note[:1].upper()}{note[1:]}.**" if note else ""
 
 
 def seeds_note(seeds: int, minimum: int = MIN_SIM_SEEDS) -> str:
-    """ "" with `minimum` seeds or more; else "indicative (seeds=N, under 5)"."""
+    """Empty with `minimum` seeds or more; else "indicative (seeds=N, under 5)"."""
     return "" if seeds >= minimum else f"indicative (seeds={seeds}, under {minimum})"
+
+
+def add_seeds_rule(parser: argparse.ArgumentParser) -> None:
+    """--indicative: the one way to run a simulated comparison on fewer than MIN_SIM_SEEDS seeds
+    (see `check_seeds`)."""
+    parser.add_argument(
+        "--indicative",
+        action="store_true",
+        help=f"allow fewer than {MIN_SIM_SEEDS} seeds; the comparison is labelled indicative",
+    )
+
+
+def check_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace, seeds: int) -> None:
+    """Refuse a simulated comparison on fewer than MIN_SIM_SEEDS seeds unless it is a smoke run
+    (--quick), asked for as indicative (--indicative) or only re-rendered (--from-json)."""
+    if seeds >= MIN_SIM_SEEDS or args.quick or args.indicative or args.from_json is not None:
+        return
+    parser.error(
+        f"{seeds} seed(s): a simulated comparison needs at least {MIN_SIM_SEEDS} "
+        "(pass --indicative to run it anyway, labelled indicative)"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """The benchmarks' verdicts: grid search, compliant throughput over seeds, paired ratios, bootstrap
 intervals, and the wording of a P99 verdict on too few Ranks or seeds."""
 
+import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +11,8 @@ from verdict import (
     MIN_SIM_SEEDS,
     PairedRatios,
     Spread,
+    add_seeds_rule,
+    check_seeds,
     compliant_throughput,
     grid_search,
     p99_interval,
@@ -105,3 +108,38 @@ def test_paired_ratios_divide_per_seed_and_bound_the_median() -> None:
     assert paired.median.low >= 1.5 and paired.median.high <= 6.0
     assert paired.text().startswith("2x (per seed 1.5-6x; median's 95% CI ")
     assert PairedRatios.of({1: 1.0}, {1: 0.0}).text() == "-"
+
+
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["--seeds", "2"], True),
+        (["--seeds", "5"], False),
+        (["--seeds", "2", "--indicative"], False),
+        (["--seeds", "2", "--quick"], False),
+        (["--seeds", "2", "--from-json", "x.json"], False),
+    ],
+)
+def test_a_simulated_comparison_on_fewer_than_5_seeds_is_refused_unless_indicative(
+    argv: list[str], refused: bool
+) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--from-json")
+    add_seeds_rule(parser)
+    args = parser.parse_args(argv)
+    if refused:
+        with pytest.raises(SystemExit):
+            check_seeds(parser, args, args.seeds)
+    else:
+        check_seeds(parser, args, args.seeds)
+
+
+def test_sim_paper_refuses_two_seeds() -> None:
+    import sim_paper
+
+    with pytest.raises(SystemExit):
+        sim_paper.parse(["--seeds", "2"])
+    assert sim_paper.parse(["--seeds", "2", "--indicative"]).seeds == 2
+    assert sim_paper.parse([]).seeds == MIN_SIM_SEEDS
