@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> dict:
         sys.stdout.write(printed.getvalue())
         if not out.exists():
             raise SystemExit(f"relaygr plan wrote no result (exit {code})")
-        plan = json.loads(out.read_text())
+        # The temporary --json path is no part of what reruns it.
+        plan = json.loads(out.read_text().replace(f" --json {out}", ""))
     command = [".venv/bin/python", "bench/plan_bench.py"]
     command += ["--tag", args.tag] if args.tag else []
     saved = {

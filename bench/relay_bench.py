@@ -211,6 +211,17 @@ def per_seed_figure(points: dict[int, list[Point]], slo_ms: float) -> dict[int, 
     return {seed: max_compliant(ps, slo_ms) for seed, ps in points.items()}
 
 
+def best_per_seed(
+    rates: dict[str, dict[int, list[Point]]], labels: Sequence[str], slo_ms: float
+) -> dict[int, float]:
+    """Per seed, the highest compliant throughput among `labels`."""
+    seeds = {seed for label in labels for seed in rates[label]}
+    return {
+        seed: max(max_compliant(rates[label].get(seed, []), slo_ms) for label in labels)
+        for seed in sorted(seeds)
+    }
+
+
 def split_row(points: Sequence[Point]) -> str:
     ok = sum(p.ok for p in points)
     relayed = sum(p.relayed for p in points)
@@ -309,10 +320,12 @@ def render(saved: dict) -> str:
         "|---:|" + "---:|" * len(labels) + "---|",
     ]
     for s in curve:
-        r, b = best_of(RELAYS, at[s]), best_of(BASELINES, at[s])
+        # Per seed: the best relay of that seed against the best baseline of that seed.
+        relays = [label for label in RELAYS if label in rates]
+        bases = [label for label in BASELINES if label in rates]
         pair = (
-            paired_ratio(per_seed_figure(rates[r], s), per_seed_figure(rates[b], s))
-            if r and b
+            paired_ratio(best_per_seed(rates, relays, s), best_per_seed(rates, bases, s))
+            if relays and bases
             else "-"
         )
         curve_rows.append(
