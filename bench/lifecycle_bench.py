@@ -34,7 +34,7 @@ import torch
 from chaos import ChaosSettings, Traffic, wrong_scores
 from pipeline import ROOT, save_results
 from report import add_render_arguments, machine_info, publish, run_stamp
-from verdict import ranks_note
+from verdict import p99_ci, ranks_note
 
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
@@ -289,12 +289,17 @@ def run(args: argparse.Namespace) -> dict:
     )
 
 
+def _p99(w: Window) -> str:
+    """A window's P99, with its bootstrap 95% interval when its latencies were kept."""
+    return f"{w.p99_ms:.0f}" + (f" ({p99_ci(w.latencies_ms)})" if w.latencies_ms else "")
+
+
 def _row(r: ChangeRun) -> str:
     d, s, a = r.during, r.steady, r.after
     return (
         f"| {r.change} | {r.variant} | {r.seed} | {d.sent} | {d.failed} | {d.misses} "
         f"| {d.fetched} | {d.recomputed_tokens:,} ({d.recomputed_ms / 1e3:.1f} s) "
-        f"| {s.p99_ms:.0f} | {d.p99_ms:.0f} "
+        f"| {_p99(s)} | {_p99(d)} "
         f"({d.p99_ms / s.p99_ms:.2f}x) | {a.p99_ms:.0f} ({a.p99_ms / s.p99_ms:.2f}x) "
         f"| {r.change_s:.1f} | {r.wrong_scores} of {r.checked} |"
     )
@@ -332,7 +337,8 @@ def render(saved: dict) -> str:
         "scale-out pay too (on a cluster, a new ranker starts on its own node).",
         "",
         "| change | variant | seed | Ranks during | failed | misses | peer-fetched "
-        "| recomputed prefix tokens (prefill time) | steady P99 ms | P99 during ms | P99 after ms "
+        "| recomputed prefix tokens (prefill time) | steady P99 ms (95% CI) "
+        "| P99 during ms (95% CI) | P99 after ms "
         "| change took s | wrong scores |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         *(_row(r) for r in runs),

@@ -42,7 +42,15 @@ from pipeline import (
     sweep,
 )
 from report import load_result, machine_info, max_compliant, run_stamp, write_section
-from verdict import PairedRatios, Spread, compliant_throughput, grid_search, labelled, ranks_note
+from verdict import (
+    PairedRatios,
+    Spread,
+    compliant_throughput,
+    grid_search,
+    labelled,
+    p99_ci,
+    ranks_note,
+)
 
 from relaygr.cli_help import HelpFormatter
 from relaygr.local.drive import Point
@@ -356,9 +364,9 @@ def render(saved: dict) -> str:
             same = [p for p in all_points if p.label == label and p.rate == rate]
             split.append(f"| {label} | {rate:g} | {split_row(same)} |")
     detail = [
-        "| seed | rate req/s | sent per s | variant | Ranks | P50 ms | P95 ms | P99 ms | errors "
-        "| decisions |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
+        "| seed | rate req/s | sent per s | variant | Ranks | P50 ms | P95 ms | P99 ms "
+        "| P99 95% CI ms | errors | decisions |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---|---|---|",
     ]
     for seed, runs in per_seed.items():
         for p in sorted(runs["rates"], key=lambda p: (p.rate, labels.index(p.label))):
@@ -367,7 +375,7 @@ def render(saved: dict) -> str:
             detail.append(
                 f"| {seed} | {p.rate:g} | {p.sent / max(p.duration_s, 1e-9):.2f} | {p.label} "
                 f"| {p.ok} | {p.p50_ms:.0f} | {p.p95_ms:.0f} "
-                f"| {p.p99_ms:.0f} | {errs} | {decisions} |"
+                f"| {p.p99_ms:.0f} | {p99_ci(p.latencies_ms)} | {errs} | {decisions} |"
             )
     samples = sorted(p.ok for p in all_points)
     return "\n".join([

@@ -30,7 +30,7 @@ from pipeline import (
     sweep,
 )
 from report import load_result, machine_info, max_compliant, run_stamp, write_section
-from verdict import ranks_note
+from verdict import p99_ci, ranks_note
 
 from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
@@ -98,9 +98,9 @@ def render(
     by_mode = {m: [p for p in points if p.label == m] for m in MODES}
     best = {m: max_compliant(ps, args.slo_ms) for m, ps in by_mode.items()}
     rows = [
-        "| rate req/s | mode | requests | P50 ms | P99 ms | errors | hit ratio | relays/s "
-        "| relayed tokens/s | decisions |",
-        "|---:|---|---:|---:|---:|---|---:|---:|---:|---|",
+        "| rate req/s | mode | requests | P50 ms | P99 ms | P99 95% CI ms | errors | hit ratio "
+        "| relays/s | relayed tokens/s | decisions |",
+        "|---:|---|---:|---:|---:|---|---|---:|---:|---:|---|",
     ]
     for p in sorted(points, key=lambda p: (p.rate, MODES.index(p.label))):
         span = max(p.duration_s, 1e-9)
@@ -108,7 +108,8 @@ def render(
         decisions = ", ".join(f"{k} {v}" for k, v in sorted(p.reasons.items())) or "-"
         errs = ", ".join(f"{k} {v}" for k, v in p.errors.items()) or "-"
         rows.append(
-            f"| {p.rate:g} | {p.label} | {p.sent} | {p.p50_ms:.0f} | {p.p99_ms:.0f} | {errs} "
+            f"| {p.rate:g} | {p.label} | {p.sent} | {p.p50_ms:.0f} | {p.p99_ms:.0f} "
+            f"| {p99_ci(p.latencies_ms)} | {errs} "
             f"| {p.hit_ratio:.0%} | {relays:.1f} | {p.relayed_tokens / span:.0f} | {decisions} |"
         )
     aware = best["sequence-aware"]

@@ -32,6 +32,7 @@ __all__ = [
     "compliant_throughput",
     "grid_search",
     "labelled",
+    "p99_ci",
     "p99_interval",
     "p99_verdict",
     "ranks_note",
@@ -93,6 +94,15 @@ def _p99(data: np.ndarray) -> float:
 def p99_interval(latencies_ms: Sequence[float], seed: int = BOOTSTRAP_SEED) -> Interval:
     """A point's P99 (numpy's linear percentile, as `Point.of`) with its bootstrap 95% interval."""
     return bootstrap(latencies_ms, _p99, seed=seed)
+
+
+def p99_ci(latencies_ms: Sequence[float]) -> str:
+    """A table cell: the P99's bootstrap 95% interval in ms ("812-905"), "-" for a point saved
+    without its latencies (runs before issue 28)."""
+    if not latencies_ms:
+        return "-"
+    interval = p99_interval(latencies_ms)
+    return f"{interval.low:.0f}-{interval.high:.0f}"
 
 
 def verdict_word(passed: bool, n: int, minimum: int = MIN_RANKS, unit: str = "n") -> str:

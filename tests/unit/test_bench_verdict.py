@@ -15,6 +15,7 @@ from verdict import (
     check_seeds,
     compliant_throughput,
     grid_search,
+    p99_ci,
     p99_interval,
     p99_verdict,
     ranks_note,
@@ -143,3 +144,9 @@ def test_sim_paper_refuses_two_seeds() -> None:
         sim_paper.parse(["--seeds", "2"])
     assert sim_paper.parse(["--seeds", "2", "--indicative"]).seeds == 2
     assert sim_paper.parse([]).seeds == MIN_SIM_SEEDS
+
+
+def test_a_p99_cell_shows_its_interval_or_a_dash_without_latencies() -> None:
+    assert p99_ci([]) == "-"
+    interval = p99_interval([float(v) for v in range(1, 401)])
+    assert p99_ci([float(v) for v in range(1, 401)]) == f"{interval.low:.0f}-{interval.high:.0f}"
