@@ -39,7 +39,7 @@ from chaos import (
 )
 from flood import FloodReport, FloodSettings, RankerWatch, memory_flood
 from pipeline import ROOT, result_name, save_results
-from report import add_render_arguments, load_result, run_stamp, write_section
+from report import add_render_arguments, load_result, machine_info, run_stamp, write_section
 
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
@@ -52,6 +52,7 @@ NAME = "chaos_bench"
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     settings = ChaosSettings(
         rate=args.rate,
         before_s=args.before,
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
             "flood_settings": dataclasses.asdict(flood_settings),
             "settings": dataclasses.asdict(settings),
         },
+        started,
         threads,
     )
 

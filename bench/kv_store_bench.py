@@ -214,6 +214,7 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = machine_info(threads=1)  # the commit this run measures, stamped before it runs
     load_before = os.getloadavg()[0]
     stores = {"after": measure(load_store(None), args, args.samples, args.repeats)}
     if args.before is not None:
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     saved = {
         "command": reproduce_command(SECTION, args.seed),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(threads=1),
+        "machine": started,
         "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
         "stores": stores,
     }

@@ -26,14 +26,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from chaos import ChaosSettings, Traffic, wrong_scores
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
+from report import add_render_arguments, machine_info, publish, run_stamp
+from verdict import p99_ci, ranks_note
 
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
@@ -87,6 +88,8 @@ class Window:
     p50_ms: float
     p99_ms: float
     seconds: float
+    # Every answered Rank's latency, 0.01 ms (empty in runs saved before they were kept).
+    latencies_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -110,6 +113,7 @@ class Window:
             p50_ms=float(np.percentile(latencies, 50)),
             p99_ms=float(np.percentile(latencies, 99)),
             seconds=seconds,
+            latencies_ms=[round(r.latency_s * 1e3, 2) for r in ok],
         )
 
 
@@ -242,6 +246,7 @@ def _cost_model(mesh: LocalMesh) -> CostModel:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     settings = Settings(
         rate=args.rate,
         users=args.users,
@@ -279,8 +284,14 @@ def run(args: argparse.Namespace) -> dict:
         NAME,
         args,
         {"runs": [dataclasses.asdict(r) for r in runs], "settings": dataclasses.asdict(settings)},
+        started,
         1,
     )
+
+
+def _p99(w: Window) -> str:
+    """A window's P99, with its bootstrap 95% interval when its latencies were kept."""
+    return f"{w.p99_ms:.0f}" + (f" ({p99_ci(w.latencies_ms)})" if w.latencies_ms else "")
 
 
 def _row(r: ChangeRun) -> str:
@@ -288,7 +299,7 @@ def _row(r: ChangeRun) -> str:
     return (
         f"| {r.change} | {r.variant} | {r.seed} | {d.sent} | {d.failed} | {d.misses} "
         f"| {d.fetched} | {d.recomputed_tokens:,} ({d.recomputed_ms / 1e3:.1f} s) "
-        f"| {s.p99_ms:.0f} | {d.p99_ms:.0f} "
+        f"| {_p99(s)} | {_p99(d)} "
         f"({d.p99_ms / s.p99_ms:.2f}x) | {a.p99_ms:.0f} ({a.p99_ms / s.p99_ms:.2f}x) "
         f"| {r.change_s:.1f} | {r.wrong_scores} of {r.checked} |"
     )
@@ -326,7 +337,8 @@ def render(saved: dict) -> str:
         "scale-out pay too (on a cluster, a new ranker starts on its own node).",
         "",
         "| change | variant | seed | Ranks during | failed | misses | peer-fetched "
-        "| recomputed prefix tokens (prefill time) | steady P99 ms | P99 during ms | P99 after ms "
+        "| recomputed prefix tokens (prefill time) | steady P99 ms (95% CI) "
+        "| P99 during ms (95% CI) | P99 after ms "
         "| change took s | wrong scores |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         *(_row(r) for r in runs),
@@ -346,7 +358,11 @@ def render(saved: dict) -> str:
             continue
         w0 = sum(r.during.misses for r in without)
         w1 = sum(r.during.misses for r in with_)
-        fewer = f"{1 - w1 / w0:.0%}" if w0 else "n/a"
+        fewer = f"{1 - w1 / w0:.0%} pooled" if w0 else "n/a"
+        paired = {r.seed: r.during.misses for r in with_}
+        each = [1 - paired[r.seed] / r.during.misses for r in without if r.seed in paired]
+        if each and all(r.during.misses for r in without):
+            fewer += f"; per seed {', '.join(f'{x:.0%}' for x in each)}"
         lines.append(
             f"| {change} | {', '.join(str(r.during.misses) for r in without)} "
             f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} "
@@ -358,6 +374,10 @@ def render(saved: dict) -> str:
         lines.append(
             f"| {CONTROL} | | | | | {ratios(controls, 'during')} | {ratios(controls, 'after')} |"
         )
+    windows = [w for r in runs for w in (r.steady, r.during)]
+    few = ranks_note((w.sent - w.failed for w in windows), per="window")
+    if few:
+        lines += ["", f"P99 and its ratios: {few}; such a P99 is one of its slowest few Ranks."]
     return "\n".join(lines)
 
 

@@ -499,6 +499,7 @@ def _rates(rates: dict[str, float]) -> str:
 
 
 def run(settings: Settings) -> dict[str, Any]:
+    started = machine_info(settings.threads)  # the commit this run measures, stamped before it runs
     torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
     print(f"seed {settings.seed}, {settings.threads} threads", flush=True)
@@ -527,7 +528,7 @@ def run(settings: Settings) -> dict[str, Any]:
         "command": COMMAND,
         "quick": settings.quick,
         "seed": settings.seed,
-        "machine": machine_info(settings.threads),
+        "machine": started,
         "config": cfg.to_dict(),
         "workload": {
             "user_features": USER_FEATURES,

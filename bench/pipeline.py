@@ -1,15 +1,15 @@
 """Open-loop rate sweeps of the full pipeline on a local mesh, shared by the mesh benchmarks."""
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from report import add_render_arguments, machine_info, reproduce_command
+from report import add_render_arguments, dumps_result, reproduce_command
 
 from relaygr.local.drive import Point, RequestRecord, drive_mesh
 from relaygr.local.mesh import LocalMesh
@@ -162,14 +162,23 @@ def ranker_args(model_path: Path, hbm_mb: int) -> tuple[str, ...]:
 
 
 def save_results(
-    name: str, args: argparse.Namespace, results: dict[str, object], threads: int | None = None
+    name: str,
+    args: argparse.Namespace,
+    results: dict[str, object],
+    started: dict[str, Any],
+    threads: int | None = None,
 ) -> dict:
-    """Write bench/results/<name>[.quick].json with the reproducing command and machine
-    (`threads`: the rankers' intra-op threads, when the benchmark knows them)."""
+    """Write bench/results/<name>[.quick].json with the reproducing command and `started`: the
+    stamp (`machine_info`) taken when the run started, never at saving, so that a run saved after
+    each seed keeps the commit it measured (a commit made meanwhile is not stamped on it).
+    `threads`: the rankers' intra-op threads, when the benchmark learnt them during the run."""
+    machine = dict(started)
+    if threads is not None:
+        machine["threads"] = threads
     saved = {
         "command": reproduce_command(name, args.seed),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(threads),
+        "machine": machine,
         **results,
     }
     out = (
@@ -179,5 +188,5 @@ def save_results(
         / f"{result_name(name, args)}{'.quick' if args.quick else ''}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(saved, indent=2))
+    out.write_text(dumps_result(saved))
     return saved

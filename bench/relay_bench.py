@@ -41,8 +41,16 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import load_result, max_compliant, run_stamp, write_section
-from verdict import Spread, compliant_throughput, grid_search
+from report import load_result, machine_info, max_compliant, run_stamp, write_section
+from verdict import (
+    PairedRatios,
+    Spread,
+    compliant_throughput,
+    grid_search,
+    labelled,
+    p99_ci,
+    ranks_note,
+)
 
 from relaygr.cli_help import HelpFormatter
 from relaygr.local.drive import Point
@@ -138,6 +146,7 @@ def population_info(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace) -> dict:
     """Every seed's sweeps; the result file is rewritten after each seed, so an interrupted run
     keeps the seeds it finished."""
+    started = machine_info()  # the commit this run measures, stamped before it runs
     print(f"seed {args.seed}, seeds {seeds(args)}", flush=True)
     results: dict = {"seeds": {}, "ranker_threads": 0, "population": population_info(args)}
     saved: dict = {}
@@ -161,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
                 "rates": [p.summary() for p in rates],
                 "lengths": [p.summary() for p in lengths],
             }
-            saved = save_results("relay_bench", args, results, results["ranker_threads"])
+            saved = save_results("relay_bench", args, results, started, results["ranker_threads"])
     return saved
 
 
@@ -193,17 +202,32 @@ def best_of(labels: Sequence[str], figure: dict[str, Spread]) -> str | None:
 
 
 def paired_ratio(relay: dict[int, float], base: dict[int, float]) -> str:
-    """Median and range of the per-seed ratio (both variants ran the same trace)."""
-    ratios = [relay[s] / base[s] for s in relay if base.get(s, 0) > 0]
-    never = sum(1 for s in relay if base.get(s, 0) <= 0)
-    if not ratios:
+    """Median and range of the per-seed ratio (both variants ran the same trace), and the
+    bootstrap 95% interval of that median over seeds."""
+    paired = PairedRatios.of(relay, base)
+    never = paired.undefined
+    if not paired.ratios:
         return "baseline never compliant" if any(relay.values()) else "-"
-    text = Spread.of([round(r, 1) for r in ratios]).text("x")
+    text = Spread.of([round(r, 1) for r in paired.ratios.values()]).text("x")
+    m = paired.median
+    if len(paired.ratios) > 1:
+        text += f" (median's 95% CI {m.low:.1f}-{m.high:.1f}x)"
     return text + (f" ({never} seed(s): baseline never compliant)" if never else "")
 
 
 def per_seed_figure(points: dict[int, list[Point]], slo_ms: float) -> dict[int, float]:
     return {seed: max_compliant(ps, slo_ms) for seed, ps in points.items()}
+
+
+def best_per_seed(
+    rates: dict[str, dict[int, list[Point]]], labels: Sequence[str], slo_ms: float
+) -> dict[int, float]:
+    """Per seed, the highest compliant throughput among `labels`."""
+    seeds = {seed for label in labels for seed in rates[label]}
+    return {
+        seed: max(max_compliant(rates[label].get(seed, []), slo_ms) for label in labels)
+        for seed in sorted(seeds)
+    }
 
 
 def split_row(points: Sequence[Point]) -> str:
@@ -226,12 +250,16 @@ def verdict_line(
     per_seed: dict[str, dict[int, float]],
     pair: tuple[str, str],
     unit: str,
+    points: dict[str, dict[int, list[Point]]],
 ) -> str:
-    """A headline bullet: the relay's figure against the baseline's, and their paired ratio."""
+    """A headline bullet: the relay's figure against the baseline's, and their paired ratio;
+    labelled indicative when a point it rests on holds fewer than 300 Ranks (verdict.ranks_note).
+    """
     relay, base = pair
+    note = labelled(ranks_note(p.ok for v in pair for ps in points[v].values() for p in ps))
     return (
         f"- **{title}: {relay} {figure[relay].text(unit)} vs {base} {figure[base].text(unit)}; "
-        f"per-seed ratio **{paired_ratio(per_seed[relay], per_seed[base])}**."
+        f"per-seed ratio **{paired_ratio(per_seed[relay], per_seed[base])}**.{note}"
     )
 
 
@@ -266,6 +294,7 @@ def render(saved: dict) -> str:
                 {label: per_seed_figure(rates[label], args.slo_ms) for label in (relay, base)},
                 (relay, base),
                 " req/s",
+                rates,
             )
         )
     top = max(args.rates)
@@ -286,6 +315,7 @@ def render(saved: dict) -> str:
                 },
                 (long_relay, long_base),
                 " tokens",
+                lengths,
             )
         )
     if cache_only_points:
@@ -298,10 +328,12 @@ def render(saved: dict) -> str:
         "|---:|" + "---:|" * len(labels) + "---|",
     ]
     for s in curve:
-        r, b = best_of(RELAYS, at[s]), best_of(BASELINES, at[s])
+        # Per seed: the best relay of that seed against the best baseline of that seed.
+        relays = [label for label in RELAYS if label in rates]
+        bases = [label for label in BASELINES if label in rates]
         pair = (
-            paired_ratio(per_seed_figure(rates[r], s), per_seed_figure(rates[b], s))
-            if r and b
+            paired_ratio(best_per_seed(rates, relays, s), best_per_seed(rates, bases, s))
+            if relays and bases
             else "-"
         )
         curve_rows.append(
@@ -332,9 +364,9 @@ def render(saved: dict) -> str:
             same = [p for p in all_points if p.label == label and p.rate == rate]
             split.append(f"| {label} | {rate:g} | {split_row(same)} |")
     detail = [
-        "| seed | rate req/s | sent per s | variant | Ranks | P50 ms | P95 ms | P99 ms | errors "
-        "| decisions |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
+        "| seed | rate req/s | sent per s | variant | Ranks | P50 ms | P95 ms | P99 ms "
+        "| P99 95% CI ms | errors | decisions |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---|---|---|",
     ]
     for seed, runs in per_seed.items():
         for p in sorted(runs["rates"], key=lambda p: (p.rate, labels.index(p.label))):
@@ -343,7 +375,7 @@ def render(saved: dict) -> str:
             detail.append(
                 f"| {seed} | {p.rate:g} | {p.sent / max(p.duration_s, 1e-9):.2f} | {p.label} "
                 f"| {p.ok} | {p.p50_ms:.0f} | {p.p95_ms:.0f} "
-                f"| {p.p99_ms:.0f} | {errs} | {decisions} |"
+                f"| {p.p99_ms:.0f} | {p99_ci(p.latencies_ms)} | {errs} | {decisions} |"
             )
     samples = sorted(p.ok for p in all_points)
     return "\n".join([

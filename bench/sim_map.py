@@ -278,10 +278,12 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> dict:
-    def keep(partial: dict[str, Any]) -> None:
-        save_results("sim_map", args, partial, threads=1)
+    started = machine_info(threads=1)  # the commit the run starts from
 
-    saved = save_results("sim_map", args, measure(args, keep), threads=1)
+    def keep(partial: dict[str, Any]) -> None:
+        save_results("sim_map", args, partial, started, threads=1)
+
+    saved = save_results("sim_map", args, measure(args, keep), started, threads=1)
     if not args.quick:
         for name in args.profiles:
             chart(saved, name, ROOT / "docs" / f"sim_map_{name}.png")

@@ -22,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
-from verdict import grid_search
+from report import add_render_arguments, machine_info, publish, run_stamp
+from verdict import MIN_SIM_SEEDS, add_seeds_rule, check_seeds, grid_search, labelled, seeds_note
 
 from relaygr.local.drive import max_compliant
 from relaygr.local.workload import WorkloadSpec
@@ -65,12 +65,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--length-rate", type=float, default=50.0, help="req/s per ranker of the length search"
     )
     p.add_argument("--length-max", type=int, default=32768)
-    p.add_argument("--seeds", type=int, default=3, help="seeds from --seed on")
+    p.add_argument(
+        "--seeds", type=int, default=MIN_SIM_SEEDS, help="seeds from --seed on (at least 5)"
+    )
     p.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
     p.add_argument("--quick", action="store_true", help="smoke run: one seed, short points")
     p.add_argument("--tag", default="", help="suffix of the result file and docs section")
+    add_seeds_rule(p)
     add_render_arguments(p)
     args = p.parse_args(argv)
+    check_seeds(p, args, args.seeds)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**32)
     if args.quick:
@@ -93,6 +97,7 @@ def base_spec(args: argparse.Namespace, seed: int) -> SweepSpec:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     seeds = [args.seed + i for i in range(args.seeds)]
     rates = [r * args.rankers for r in args.per_ranker]
     sweep: list[dict] = []
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         "sweep": sweep,
         "lengths": lengths,
     }
-    return save_results("sim_paper", args, results, threads=1)
+    return save_results("sim_paper", args, results, started, threads=1)
 
 
 def length_search(
@@ -214,9 +219,11 @@ def render(saved: dict) -> str:
     aware_vs_all = [
         ratio(per_seed["relay sequence-aware"][s], per_seed["relay all"][s]) for s in seeds
     ]
+    few = seeds_note(len(seeds))
+    few = labelled(few)
     lines += [
         "",
-        f"- Best relay vs best non-relay, per seed: {', '.join(ratios)} (paper: 3.6x).",
+        f"- Best relay vs best non-relay, per seed: {', '.join(ratios)} (paper: 3.6x).{few}",
         f"- Trigger ablation, sequence-aware vs relay all, per seed: {', '.join(aware_vs_all)}.",
         "",
         "**Longest sequence within the SLO** at "
@@ -234,7 +241,7 @@ def render(saved: dict) -> str:
     ]
     lines += [
         "",
-        f"- Best relay vs best non-relay, per seed: {', '.join(lr)} (paper: 1.5x).",
+        f"- Best relay vs best non-relay, per seed: {', '.join(lr)} (paper: 1.5x).{few}",
         "",
         "**Every point of the sweep** (all seeds):",
         "",

@@ -19,7 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
+from report import add_render_arguments, machine_info, publish, run_stamp
+from verdict import seeds_note
 
 from relaygr.cluster import MemoryCluster, PlacementRecord
 from relaygr.local.workload import WorkloadSpec
@@ -101,6 +102,7 @@ def entry_bytes(entries: int = 100_000) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     k, n = args.slice, args.fleet
     spec, rate = spec_for(args, k, k / n)
     t0 = args.event_at
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         "slice": scenario(small_spec, small_rate, args.seed, (), args.variant),
     }
     results["entry_bytes"] = entry_bytes()
-    return save_results("sim_sizing", args, results, threads=1)
+    return save_results("sim_sizing", args, results, started, threads=1)
 
 
 def per_s(count: float, seconds: float) -> float:
@@ -154,7 +156,7 @@ def render(saved: dict) -> str:
         f"{a['per_ranker']:g} req/s per ranker ({a['per_ranker'] * n:,.0f} req/s over the fleet), "
         f"variant `{a['variant']}`, SLO {a['slo_ms']:g} ms, gap {a['gap_ms']:g} ms; a slice of "
         f"{k} rankers at {a['per_ranker'] * k:g} req/s over {a['users'] * k / n:,.0f} users stands "
-        f"for the fleet ({duration:g} s, seed {a['seed']}); peak process memory "
+        f"for the fleet ({duration:g} s, seed {a['seed']}: {seeds_note(1)}); peak process memory "
         f"{saved['max_rss_mib']:,.0f} MiB.",
         "",
         "| scenario | P50 ms | P99 ms | hits | relayed | failed | directory writes / s (fleet) "

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline import ROOT, save_results
-from report import add_render_arguments, publish, run_stamp
+from report import add_render_arguments, machine_info, publish, run_stamp
 
 from relaygr.local.workload import WorkloadSpec
 from relaygr.sim.fleet import FleetSettings
@@ -48,6 +48,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
+    stamp = machine_info()  # the commit this run measures, stamped before it runs
     workload = WorkloadSpec(users=args.users, candidates=256, gap_s=0.1)
     fleet = FleetSettings.serving(args.rankers, 20.0, 10.0, 100.0, max(1, args.rankers // 10))
     spec = SweepSpec(load_profile(args.profile), fleet, workload, (), args.duration, (args.seed,))
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
             )
             print(f"{variant:>22}: {len(visits) / done.wall_s:8,.0f} req/s", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return save_results("sim_speed", args, {"rows": rows, "max_rss_mib": rss}, threads=1)
+    return save_results("sim_speed", args, {"rows": rows, "max_rss_mib": rss}, stamp, threads=1)
 
 
 def render(saved: dict) -> str:

@@ -42,7 +42,8 @@ from pipeline import (
     sweep,
 )
 from relay_bench import CACHE_ONLY, RELAY_AWARE, VARIANTS, add_mesh_arguments, mesh_spec, workload
-from report import load_result, max_compliant, run_stamp, write_section
+from report import load_result, machine_info, max_compliant, run_stamp, write_section
+from verdict import labelled, ranks_note
 
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
@@ -220,6 +221,7 @@ def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dic
 def run(args: argparse.Namespace) -> dict:
     """Every seed; the result file is rewritten after each, so an interrupted run keeps the
     seeds it finished."""
+    started = machine_info()  # the commit this run measures, stamped before it runs
     results: dict[str, Any] = {"seeds": {}, "ranker_threads": 0}
     saved: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
             results["seeds"][str(seed)], results["ranker_threads"] = run_seed(
                 seed, model_path, args
             )
-            saved = save_results(NAME, args, results, results["ranker_threads"])
+            saved = save_results(NAME, args, results, started, results["ranker_threads"])
     return saved
 
 
@@ -331,6 +333,8 @@ def render(saved: dict) -> str:
                 f"| {full_ms(after, tokens, candidates):.0f} |"
             )
     summary = "; ".join(f"{metric} {ok} of {n}" for metric, (ok, n) in counts.items())
+    real_ns = [p["real"]["ok"] for v in per_seed.values() for o in v.values() for p in o["points"]]
+    few = labelled(ranks_note(real_ns))
     rates = ", ".join(f"{r:g}" for r in args.rates)
     return "\n".join([
         "## Simulator validation: the same trace through the real mesh and the simulator"
@@ -361,7 +365,7 @@ def render(saved: dict) -> str:
         "one step of the rate grid.",
         "",
         f"**Within target: {summary} points; compliant throughput {throughput_ok} of "
-        f"{throughput_n} variant runs.**",
+        f"{throughput_n} variant runs.**{few}",
         "",
         "| seed | variant | rate req/s | Ranks real / sim | P50 real ms | P50 sim ms "
         "| P50 sim/real | P99 real ms | P99 sim ms | P99 sim/real | hit rate real / sim "

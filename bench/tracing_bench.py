@@ -232,6 +232,7 @@ def render(saved: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     args.load_before = os.getloadavg()[0]
     counter = SpanCounter()
     receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     saved = {
         "command": reproduce_command("tracing_bench", args.seed),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(),
+        "machine": started,
         "load_after": os.getloadavg()[0],
         "stats": stats,
         "spans": dict(counter.spans),

@@ -29,7 +29,8 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import load_result, max_compliant, run_stamp, write_section
+from report import load_result, machine_info, max_compliant, run_stamp, write_section
+from verdict import p99_ci, ranks_note
 
 from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
@@ -97,9 +98,9 @@ def render(
     by_mode = {m: [p for p in points if p.label == m] for m in MODES}
     best = {m: max_compliant(ps, args.slo_ms) for m, ps in by_mode.items()}
     rows = [
-        "| rate req/s | mode | requests | P50 ms | P99 ms | errors | hit ratio | relays/s "
-        "| relayed tokens/s | decisions |",
-        "|---:|---|---:|---:|---:|---|---:|---:|---:|---|",
+        "| rate req/s | mode | requests | P50 ms | P99 ms | P99 95% CI ms | errors | hit ratio "
+        "| relays/s | relayed tokens/s | decisions |",
+        "|---:|---|---:|---:|---:|---|---|---:|---:|---:|---|",
     ]
     for p in sorted(points, key=lambda p: (p.rate, MODES.index(p.label))):
         span = max(p.duration_s, 1e-9)
@@ -107,7 +108,8 @@ def render(
         decisions = ", ".join(f"{k} {v}" for k, v in sorted(p.reasons.items())) or "-"
         errs = ", ".join(f"{k} {v}" for k, v in p.errors.items()) or "-"
         rows.append(
-            f"| {p.rate:g} | {p.label} | {p.sent} | {p.p50_ms:.0f} | {p.p99_ms:.0f} | {errs} "
+            f"| {p.rate:g} | {p.label} | {p.sent} | {p.p50_ms:.0f} | {p.p99_ms:.0f} "
+            f"| {p99_ci(p.latencies_ms)} | {errs} "
             f"| {p.hit_ratio:.0%} | {relays:.1f} | {p.relayed_tokens / span:.0f} | {decisions} |"
         )
     aware = best["sequence-aware"]
@@ -138,7 +140,8 @@ def render(
         "",
         "SLO-compliant throughput: "
         + ", ".join(f"{m} **{best[m]:g} req/s**" for m in MODES)
-        + f"; sequence-aware vs off {ratio('off')}, vs all {ratio('all')}.",
+        + f"; sequence-aware vs off {ratio('off')}, vs all {ratio('all')}"
+        + (f" (**{few}**; one seed)." if (few := ranks_note(p.ok for p in points)) else "."),
         "",
         "The trigger's own time per decision (parse, policy, reply; in-process, no transport): "
         + "; ".join(
@@ -187,6 +190,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = machine_info()  # the commit this run measures, stamped before it runs
     print(f"seed {args.seed}", flush=True)
     decide = decision_time(args.seed)
     print(f"decision time {decide}", flush=True)
@@ -208,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
             points = sweep([Variant(mode, mesh, mode) for mode in MODES], spec, args)
             threads = mesh.ranker_threads
     results = {"decision_time": decide, "points": [p.summary() for p in points]}
-    return save_results("trigger_bench", args, results, threads)
+    return save_results("trigger_bench", args, results, started, threads)
 
 
 if __name__ == "__main__":

@@ -192,9 +192,14 @@ class Point:
             point.p99_ms = float(np.percentile(latencies, 99))
         return point
 
-    def summary(self) -> dict[str, object]:
-        """Everything but the raw latencies (for result files)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "latencies_ms"}
+    def summary(self, latencies: bool = True) -> dict[str, object]:
+        """What a result file keeps of the point: its sums and, unless `latencies` is false, every
+        counted Rank's latency rounded to 0.01 ms (so that P99 and its interval can be recomputed
+        from the file; rounding moves a P99 by at most 0.005 ms). `Point(**summary)` rebuilds it.
+        """
+        kept = dataclasses.asdict(self)
+        kept["latencies_ms"] = [round(v, 2) for v in self.latencies_ms] if latencies else []
+        return kept
 
     def within_slo_per_s(self, slo_ms: float) -> float:
         """Throughput of Ranks that met the SLO, counted over the measured span."""

@@ -108,7 +108,11 @@ def parser() -> argparse.ArgumentParser:
     )
     out = p.add_argument_group("output")
     out.add_argument(
-        "--json", type=Path, help="also write the plan as JSON to this file (default: none)"
+        "--json",
+        type=Path,
+        help="also write the plan as a result file to this path: the command, the machine and "
+        "the commit stamped as the run starts, the answer, every step, the slice check and the "
+        "printed report (bench/plan_bench.py stores one in bench/results/; default: none)",
     )
     return p
 
@@ -179,6 +183,11 @@ def run_of(result: PointResult, span_s: float) -> Run:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    started: dict[str, object] | None = None
+    if args.json is not None:  # the commit this run measures, stamped before it runs
+        from relaygr.local.run_stamp import machine_info  # torch: only when a file is written
+
+        started = machine_info(threads=1)
     if args.seeds is None:
         drawn = random.SystemRandom()
         args.seeds = [drawn.randrange(2**32) for _ in range(2)]
@@ -241,9 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         None if args.trace is None else str(args.trace),
         spec,
     )
-    print(report(plan, ask, check), end="")
+    text = report(plan, ask, check)
+    print(text, end="")
     if args.json is not None:
-        args.json.write_text(json.dumps(to_json(plan, ask, check), indent=1) + "\n")
+        saved = {**to_json(plan, ask, check), "machine": started, "report": text}
+        args.json.write_text(json.dumps(saved, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if plan.answer is not None else 1
 

@@ -70,7 +70,7 @@ class PointResult:
         return {
             "variant": self.variant,
             "seed": self.seed,
-            **p.summary(),
+            **p.summary(latencies=False),  # thousands of Ranks a point; rerun by seed
             "hit_ratio": p.hit_ratio,
             "relayed_ratio": p.relayed_ratio,
             "cached_ratio": p.cached_ratio,

@@ -1,9 +1,27 @@
-"""The relay benchmark's verdicts: grid search, compliant throughput over seeds, paired ratios."""
+"""The benchmarks' verdicts: grid search, compliant throughput over seeds, paired ratios, bootstrap
+intervals, and the wording of a P99 verdict on too few Ranks or seeds."""
 
+import argparse
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
-from verdict import Spread, compliant_throughput, grid_search
+from verdict import (
+    MIN_RANKS,
+    MIN_SIM_SEEDS,
+    PairedRatios,
+    Spread,
+    add_seeds_rule,
+    check_seeds,
+    compliant_throughput,
+    grid_search,
+    p99_ci,
+    p99_interval,
+    p99_verdict,
+    ranks_note,
+    seeds_note,
+    verdict_word,
+)
 
 
 @dataclass
@@ -46,3 +64,89 @@ def test_grid_search_halves_down_from_a_first_miss_to_its_floor(limit: int) -> N
             break
     assert tried[1 : 1 + len(down)] == down
     assert len(tried) <= 6
+
+
+def test_bootstrap_p99_interval_is_seeded_and_brackets_the_p99() -> None:
+    seed = 20261204
+    print(f"seed {seed}")
+    latencies = list(np.random.default_rng(seed).lognormal(6.5, 0.4, 400))
+    first, again = p99_interval(latencies), p99_interval(latencies)
+    assert first == again  # the same file renders the same interval
+    assert first.n == 400
+    assert first.low <= first.value <= first.high
+    assert first.value == pytest.approx(np.percentile(latencies, 99))
+    assert first.high - first.low > 0  # a P99 over 400 samples is not exact
+    assert "95% CI, n=400" in first.text(" ms")
+
+
+def test_a_p99_verdict_under_300_ranks_is_indicative_never_pass_or_fail() -> None:
+    assert verdict_word(True, 299) == "indicative (n=299)"
+    assert verdict_word(False, 42) == "indicative (n=42)"
+    assert verdict_word(True, MIN_RANKS) == "pass"
+    assert verdict_word(False, 300) == "fail"
+    assert verdict_word(True, 2, MIN_SIM_SEEDS, unit="seeds") == "indicative (seeds=2)"
+    few, many = [100.0] * 60, [100.0] * 299 + [2000.0] * 10
+    assert p99_verdict(few, 1500).startswith("indicative (n=60): P99 100 ms [100-100 ms")
+    assert p99_verdict(many, 1500).startswith("fail: P99 2000 ms")
+    assert p99_verdict([100.0] * 300, 1500).startswith("pass: P99 100 ms")
+
+
+def test_notes_label_figures_resting_on_too_few_ranks_or_seeds() -> None:
+    assert ranks_note([28, 60, 41]) == "indicative (n=28-60 Ranks a point, under 300)"
+    assert ranks_note([30]) == "indicative (n=30 Ranks a point, under 300)"
+    assert ranks_note([300, 412]) == ""
+    assert seeds_note(2) == "indicative (seeds=2, under 5)"
+    assert seeds_note(5) == ""
+
+
+def test_paired_ratios_divide_per_seed_and_bound_the_median() -> None:
+    relay = {1: 3.0, 2: 4.0, 3: 6.0, 4: 2.0}
+    base = {1: 2.0, 2: 2.0, 3: 1.0, 4: 0.0}  # seed 4: the baseline never complied
+    paired = PairedRatios.of(relay, base)
+    assert paired.ratios == {1: 1.5, 2: 2.0, 3: 6.0}
+    assert (paired.low, paired.high, paired.undefined) == (1.5, 6.0, 1)
+    assert paired.median.value == 2.0 and paired.median.n == 3
+    assert paired.median.low >= 1.5 and paired.median.high <= 6.0
+    assert paired.text().startswith("2x (per seed 1.5-6x; median's 95% CI ")
+    assert PairedRatios.of({1: 1.0}, {1: 0.0}).text() == "-"
+
+
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["--seeds", "2"], True),
+        (["--seeds", "5"], False),
+        (["--seeds", "2", "--indicative"], False),
+        (["--seeds", "2", "--quick"], False),
+        (["--seeds", "2", "--from-json", "x.json"], False),
+    ],
+)
+def test_a_simulated_comparison_on_fewer_than_5_seeds_is_refused_unless_indicative(
+    argv: list[str], refused: bool
+) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--from-json")
+    add_seeds_rule(parser)
+    args = parser.parse_args(argv)
+    if refused:
+        with pytest.raises(SystemExit):
+            check_seeds(parser, args, args.seeds)
+    else:
+        check_seeds(parser, args, args.seeds)
+
+
+def test_sim_paper_refuses_two_seeds() -> None:
+    import sim_paper
+
+    with pytest.raises(SystemExit):
+        sim_paper.parse(["--seeds", "2"])
+    assert sim_paper.parse(["--seeds", "2", "--indicative"]).seeds == 2
+    assert sim_paper.parse([]).seeds == MIN_SIM_SEEDS
+
+
+def test_a_p99_cell_shows_its_interval_or_a_dash_without_latencies() -> None:
+    assert p99_ci([]) == "-"
+    interval = p99_interval([float(v) for v in range(1, 401)])
+    assert p99_ci([float(v) for v in range(1, 401)]) == f"{interval.low:.0f}-{interval.high:.0f}"

@@ -199,6 +199,9 @@ def test_plan_answers_with_the_fewest_rankers_that_meet_the_slo(
     assert f"Answer: {answer['rankers']} rankers" in printed
     assert "Slice: N rankers" in printed and "Not simulated" in printed
     assert data["command"].startswith("relaygr plan --profile") and "--seeds" in printed
+    # A result file: the machine and commit stamped as the run started, the report it printed.
+    assert {"date", "commit", "machine", "threads"} <= set(data["machine"])
+    assert data["report"] in printed
 
 
 def test_no_profile_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
