@@ -26,6 +26,8 @@ COPY pyproject.toml README.md ./
 COPY protos/ protos/
 COPY relaygr/ relaygr/
 COPY services/ services/
+COPY tooling/ tooling/
+COPY bench/ bench/
 # relaygr/v1 is generated, never committed: the same protoc call as `make proto`.
 RUN mkdir -p relaygr/v1 \
  && /opt/protoc/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. \

@@ -55,7 +55,7 @@ test: setup
 lint: setup contract
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy -p relaygr -p services
+	$(PY) -m mypy -p relaygr -p services -p tooling
 
 # The contract: buf lint on buf.yaml's rule set, then no breaking change since the last release.
 contract: $(BUF_STAMP)
@@ -108,7 +108,7 @@ bench-loadgen: setup
 	$(PY) bench/loadgen_bench.py $(LOADGEN_ARGS)
 
 demo: setup
-	$(PY) -m relaygr.local.demo $(DEMO_ARGS)
+	$(PY) -m tooling.local.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) relaygr/v1 .pytest_cache .ruff_cache .mypy_cache build *.egg-info

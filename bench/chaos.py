@@ -4,7 +4,7 @@ Every Rank of a phase is accounted for: it succeeded (and, sampled, its scores e
 inference of the same checkpoint), or failed with a status, or hung (no answer by its deadline
 plus a grace). A phase is steady traffic, then the fault (which returns when it is over: the
 service is back and SERVING), then more traffic in which recovery is measured. The traffic is
-`relaygr.local.drive`'s open-loop driver (schedule fixed before anything is sent), so a stalled
+`tooling.local.drive`'s open-loop driver (schedule fixed before anything is sent), so a stalled
 mesh cannot slow the clock. Faults run on the calling thread: restarted children die with the
 thread that started them, so call from the thread that started the mesh.
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from relaygr.behaviours import RankInput
-from relaygr.local.drive import HUNG, OK, OpenLoopDriver, RequestRecord
-from relaygr.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
-from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.drive import HUNG, OK, OpenLoopDriver, RequestRecord
+from tooling.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
+from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
 # A client may retry these: the request was not served, and another try can be.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from chaos import (
+
+from bench.chaos import (
     CHAOS_MODEL,
     ChaosSettings,
     FaultReport,
@@ -37,16 +38,15 @@ from chaos import (
     run_chaos,
     standard_faults,
 )
-from flood import FloodReport, FloodSettings, RankerWatch, memory_flood
-from pipeline import ROOT, result_name, save_results
-from report import add_render_arguments, load_result, machine_info, run_stamp, write_section
-
+from bench.flood import FloodReport, FloodSettings, RankerWatch, memory_flood
+from bench.pipeline import ROOT, result_name, save_results
+from bench.report import add_render_arguments, load_result, machine_info, run_stamp, write_section
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.mesh import LocalMesh
-from relaygr.local.workload import Population
 from services.ranker.checkpoint import load_checkpoint, save_checkpoint
 from services.ranker.model import RankingModel
+from tooling.local.mesh import LocalMesh
+from tooling.local.workload import Population
 
 NAME = "chaos_bench"
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from report import (
+
+from bench.report import (
     add_render_arguments,
     comma_ints,
     machine_info,
@@ -32,13 +33,12 @@ from report import (
     reproduce_command,
     run_stamp,
 )
-
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from services.ranker.synthetic import random_behaviours
+from tooling.local.mesh import LocalMesh, MeshSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "cost_model_bench"

@@ -22,12 +22,12 @@ import numpy as np
 
 from relaygr.authz import Role
 from relaygr.behaviours import Prefix, RankInput, UserId
-from relaygr.local.mesh import ROUND_ROBIN, LocalMesh
-from relaygr.local.workload import T0
 from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.synthetic import random_behaviours
+from tooling.local.mesh import ROUND_ROBIN, LocalMesh
+from tooling.local.workload import T0
 
 MIB = 1 << 20
 _PRE_INFER = "/relaygr.v1.RouterService/PreInfer"

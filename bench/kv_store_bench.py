@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from report import (
+
+from bench.report import (
     add_render_arguments,
     comma_ints,
     machine_info,
@@ -50,7 +51,6 @@ from report import (
     reproduce_command,
     run_stamp,
 )
-
 from relaygr.behaviours import UserId
 from relaygr.cli_help import HelpFormatter
 from services.ranker import kv_store

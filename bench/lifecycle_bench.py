@@ -31,23 +31,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from chaos import ChaosSettings, Traffic, wrong_scores
-from pipeline import ROOT, save_results
-from report import add_render_arguments, machine_info, publish, run_stamp
-from verdict import p99_ci, ranks_note
 
+from bench.chaos import ChaosSettings, Traffic, wrong_scores
+from bench.pipeline import ROOT, save_results
+from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.verdict import p99_ci, ranks_note
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
 from relaygr.cost import CostModel
-from relaygr.local.drive import OK, RequestRecord
-from relaygr.local.mesh import LocalMesh, MeshSpec
-from relaygr.local.processes import dying_with_parent, terminate
-from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 from relaygr.tls import open_blocking_channel
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint, save_checkpoint
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.drive import OK, RequestRecord
+from tooling.local.mesh import LocalMesh, MeshSpec
+from tooling.local.processes import dying_with_parent, terminate
+from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
 NAME = "lifecycle_bench"
 # The tiny preset: full inference of a 1k-token history takes milliseconds on one core, so
@@ -171,7 +171,7 @@ def ranker_start_alone(mesh: LocalMesh) -> None:
         log = Path(tmp) / "ranker.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
-                dying_with_parent([sys.executable, "-m", "relaygr.cli", *args]),
+                dying_with_parent([sys.executable, "-m", "tooling.cli", *args]),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

@@ -1,6 +1,6 @@
 """MLPerf LoadGen's Server scenario on a local mesh: the highest valid QPS of each system.
 
-Runs `relaygr loadgen` (relaygr.local.loadgen; every option not listed here passes through to
+Runs `relaygr loadgen` (tooling.local.loadgen; every option not listed here passes through to
 it, see `relaygr loadgen --help`) with its result in bench/results/loadgen.json and LoadGen's
 logs in a temporary folder unless `--out` is given (each test's LoadGen summary is kept in the
 result), then renders the docs section.
@@ -15,13 +15,12 @@ import sys
 import tempfile
 from typing import Any
 
-from pipeline import ROOT
-from report import add_render_arguments, publish, reproduce_command, run_stamp
-
+from bench.pipeline import ROOT
+from bench.report import add_render_arguments, publish, reproduce_command, run_stamp
 from relaygr.cli_help import HelpFormatter
-from relaygr.local import loadgen
-from relaygr.local.drive import HIT_OUTCOMES
-from relaygr.local.modes import CACHE_ONLY, NO_CACHE, RELAY_ALL, RELAY_AWARE
+from tooling.local import loadgen
+from tooling.local.drive import HIT_OUTCOMES
+from tooling.local.modes import CACHE_ONLY, NO_CACHE, RELAY_ALL, RELAY_AWARE
 
 NAME = "loadgen"
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from report import add_render_arguments, load_result, machine_info, write_section
 
+from bench.report import add_render_arguments, load_result, machine_info, write_section
 from relaygr.behaviours import Behaviours, Prefix, RankInput
 from relaygr.bounds import AT_LEAST_ONE, Bounded
 from relaygr.cli_help import HelpFormatter

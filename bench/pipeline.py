@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from report import add_render_arguments, dumps_result, reproduce_command
 
-from relaygr.local.drive import Point, RequestRecord, drive_mesh
-from relaygr.local.mesh import LocalMesh
-from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
+from bench.report import add_render_arguments, dumps_result, reproduce_command
 from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.drive import Point, RequestRecord, drive_mesh
+from tooling.local.mesh import LocalMesh
+from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
 
 @dataclass(frozen=True, slots=True)

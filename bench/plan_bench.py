@@ -18,10 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline import ROOT
-from report import add_render_arguments, dumps_result, publish, run_stamp
-
-from relaygr.sim.plan_cli import main as plan_main
+from bench.pipeline import ROOT
+from bench.report import add_render_arguments, dumps_result, publish, run_stamp
+from tooling.sim.plan_cli import main as plan_main
 
 NAME = "plan_bench"
 

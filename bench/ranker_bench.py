@@ -22,8 +22,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from pipeline import BENCH_MODEL, ROOT
-from report import (
+
+from bench.pipeline import BENCH_MODEL, ROOT
+from bench.report import (
     add_render_arguments,
     load_result,
     machine_info,
@@ -32,13 +33,12 @@ from report import (
     run_stamp,
     write_section,
 )
-from verdict import ranks_note
-
+from bench.verdict import ranks_note
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
+from tooling.local.workload import Population, WorkloadSpec, poisson_arrivals
 
 OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
 PRE_INFER_OUTCOMES = {
@@ -63,7 +63,7 @@ class RankerProcess:
     def __init__(self, name: str, model_config: Path, relay: bool, hbm_mb: int) -> None:
         self.name = name
         args = [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
+            sys.executable, "-m", "tooling.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
             "--model-config", str(model_config), "--device", "cpu", "--instance-id", name,
             "--hbm-budget-mb", str(hbm_mb), "--dram-budget-mb", str(4 * hbm_mb),
             "--max-queued-ranks", "256", "--relay-enabled" if relay else "--no-relay-enabled",

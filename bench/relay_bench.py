@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import (
+from bench.pipeline import (
     BENCH_MODEL,
     ROOT,
     Variant,
@@ -41,8 +41,8 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import load_result, machine_info, max_compliant, run_stamp, write_section
-from verdict import (
+from bench.report import load_result, machine_info, max_compliant, run_stamp, write_section
+from bench.verdict import (
     PairedRatios,
     Spread,
     compliant_throughput,
@@ -51,19 +51,18 @@ from verdict import (
     p99_ci,
     ranks_note,
 )
-
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.drive import Point
-from relaygr.local.mesh import LocalMesh, MeshSpec
-from relaygr.local.modes import NO_CACHE as NO_CACHE_SYSTEM
-from relaygr.local.modes import SYSTEMS
-from relaygr.local.workload import WorkloadSpec, distinct_users, poisson_arrivals
+from tooling.local.drive import Point
+from tooling.local.mesh import LocalMesh, MeshSpec
+from tooling.local.modes import NO_CACHE as NO_CACHE_SYSTEM
+from tooling.local.modes import SYSTEMS
+from tooling.local.workload import WorkloadSpec, distinct_users, poisson_arrivals
 
 NO_CACHE, CACHE_ONLY, RELAY_ALL, RELAY_AWARE = (system.label for system in SYSTEMS)
 BASELINES = (NO_CACHE, CACHE_ONLY)
 RELAYS = (RELAY_ALL, RELAY_AWARE)
 
-# label -> (mesh kind, trigger mode): the four systems (relaygr.local.modes), then ablations.
+# label -> (mesh kind, trigger mode): the four systems (tooling.local.modes), then ablations.
 VARIANTS: dict[str, tuple[str, str]] = {
     **{s.label: ("bypass" if s.bypass else "system", s.trigger_mode) for s in SYSTEMS},
     "no DRAM tier": ("no-dram", "sequence-aware"),

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from relaygr.local.drive import RatePoint, highest_compliant, max_compliant
-from relaygr.local.run_stamp import cpu_model, git_commit, machine_info
+from tooling.local.drive import RatePoint, highest_compliant, max_compliant
+from tooling.local.run_stamp import cpu_model, git_commit, machine_info
 
 DOC_TITLE = (
     "# Benchmarks\n\n"
@@ -110,7 +110,7 @@ def write_section(path: Path, name: str, section: str) -> None:
 
 
 # Re-exported for the benchmarks: the compliance rules live beside `Point`, the run's stamp in
-# relaygr.local.run_stamp.
+# tooling.local.run_stamp.
 __all__ = [
     "RatePoint",
     "cpu_model",

@@ -28,7 +28,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from report import (
+
+from bench.report import (
     add_render_arguments,
     load_result,
     machine_info,
@@ -36,20 +37,19 @@ from report import (
     reproduce_command,
     run_stamp,
 )
-
 from relaygr.authz import Role, mesh_policy
 from relaygr.authz_grpc import AuthzInterceptor
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
 from relaygr.grpc_server import start_server
-from relaygr.local.certs import Pki, make_pki
-from relaygr.local.etcd_server import EtcdServer, find_etcd_binary
 from relaygr.tls import open_channel, server_credentials
 from relaygr.tls_settings import ClientTls
 from relaygr.v1 import ranker_pb2_grpc, router_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.model_config import PRESETS, ModelPreset
 from services.ranker.synthetic import random_behaviours
+from tooling.local.certs import Pki, make_pki
+from tooling.local.etcd_server import EtcdServer, find_etcd_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small enough that the Rank's compute does not drown the hop being measured.
@@ -225,7 +225,7 @@ def run_authz(args: argparse.Namespace) -> dict[str, Any]:
                 ]  # fmt: skip
                 ranker_leaf = pki.identity(Role.RANKER, f"ranker-{mode}")
                 ranker, ports[f"direct, authz {mode}"] = spawn(
-                    ["-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+                    ["-m", "tooling.cli", "ranker", "--listen", "127.0.0.1:0",
                      "--instance-id", f"ranker-{mode}", "--model-config", str(model_config),
                      "--device", "cpu", "--calibration-lengths", "64,256",
                      "--tls-cert", str(ranker_leaf.cert), "--tls-key", str(ranker_leaf.key),
@@ -235,7 +235,7 @@ def run_authz(args: argparse.Namespace) -> dict[str, Any]:
                 processes.append(ranker)
                 router_leaf = pki.identity(Role.ROUTER, f"router-{mode}")
                 router, ports[f"router, authz {mode}"] = spawn(
-                    ["-m", "relaygr.cli", "router", "--listen", "127.0.0.1:0",
+                    ["-m", "tooling.cli", "router", "--listen", "127.0.0.1:0",
                      "--tls-cert", str(router_leaf.cert), "--tls-key", str(router_leaf.key),
                      *common],
                     r"listening on port (\d+)",
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model_config = Path(tmp) / "model.json"
             model_config.write_text(json.dumps(MODEL.to_dict()))
             ranker, ranker_port = spawn(
-                ["-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
+                ["-m", "tooling.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
                  "--model-config", str(model_config),
                  "--device", "cpu", "--etcd-endpoints", etcd.endpoint,
                  "--calibration-lengths", "64,256"],
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
             processes.append(ranker)
             router, router_port = spawn(
-                ["-m", "relaygr.cli", "router", "--listen", "127.0.0.1:0", "--plaintext",
+                ["-m", "tooling.cli", "router", "--listen", "127.0.0.1:0", "--plaintext",
                  "--etcd-endpoints", etcd.endpoint],
                 r"listening on port (\d+)",
             )  # fmt: skip

@@ -21,15 +21,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline import ROOT, save_results
-from report import add_render_arguments, machine_info, publish, run_stamp
-from verdict import grid_search
-
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.profile import DeviceProfile, load_profile
-from relaygr.sim.sweep import BASELINES, RELAYS, VARIANTS, SweepSpec, run_point
-from relaygr.sim.workload import Visit, light_visits
+from bench.pipeline import ROOT, save_results
+from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.verdict import grid_search
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.profile import DeviceProfile, load_profile
+from tooling.sim.sweep import BASELINES, RELAYS, VARIANTS, SweepSpec, run_point
+from tooling.sim.workload import Visit, light_visits
 
 LENGTH_STEP = 512
 PROFILES = ("nvidia-h100", "ascend-910b")
@@ -359,7 +358,7 @@ def render(saved: dict) -> str:
         f"Reproduce: `{saved['command']}`.",
         "",
         f"- {run_stamp(saved['machine'])} (stamped at the run's start). Simulated "
-        "(`relaygr.sim`), not measured: profiles of cited figures and labelled assumptions "
+        "(`tooling.sim`), not measured: profiles of cited figures and labelled assumptions "
         "(profiles/README.md).",
         f"- Fleet: {a['rankers']} rankers; {a['users']:,} users, Yambda-matched lengths capped "
         f"at {a['max_long_term']:,}; {a['candidates']} candidates; each gap log-normal around "

@@ -21,16 +21,22 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import ROOT, save_results
-from report import add_render_arguments, machine_info, publish, run_stamp
-from verdict import MIN_SIM_SEEDS, add_seeds_rule, check_seeds, grid_search, labelled, seeds_note
-
-from relaygr.local.drive import max_compliant
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.profile import load_profile
-from relaygr.sim.sweep import BASELINES, RELAYS, VARIANTS, SweepSpec, run_point
-from relaygr.sim.workload import light_visits
+from bench.pipeline import ROOT, save_results
+from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.verdict import (
+    MIN_SIM_SEEDS,
+    add_seeds_rule,
+    check_seeds,
+    grid_search,
+    labelled,
+    seeds_note,
+)
+from tooling.local.drive import max_compliant
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.profile import load_profile
+from tooling.sim.sweep import BASELINES, RELAYS, VARIANTS, SweepSpec, run_point
+from tooling.sim.workload import light_visits
 
 LENGTH_STEP = 1024
 
@@ -194,7 +200,7 @@ def render(saved: dict) -> str:
         "",
         f"Reproduce: `{saved['command']}`.",
         "",
-        f"- {run_stamp(saved['machine'])}. Simulated (`relaygr.sim`), not measured: profile "
+        f"- {run_stamp(saved['machine'])}. Simulated (`tooling.sim`), not measured: profile "
         f"`{profile['name']}` ({profile['kind']}: cited figures and labelled assumptions, "
         f"profiles/README.md), device tier {profile['device_tier_mib']:,.0f} MiB per ranker, "
         f"{profile['kv_bytes_per_token']:,} bytes per cached token.",

@@ -18,17 +18,16 @@ import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import ROOT, save_results
-from report import add_render_arguments, machine_info, publish, run_stamp
-from verdict import seeds_note
-
+from bench.pipeline import ROOT, save_results
+from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.verdict import seeds_note
 from relaygr.cluster import MemoryCluster, PlacementRecord
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.membership import FleetEvent
-from relaygr.sim.profile import load_profile
-from relaygr.sim.sweep import SweepSpec, run_point
-from relaygr.sim.workload import light_visits
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.membership import FleetEvent
+from tooling.sim.profile import load_profile
+from tooling.sim.sweep import SweepSpec, run_point
+from tooling.sim.workload import light_visits
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

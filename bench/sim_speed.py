@@ -15,14 +15,13 @@ import statistics
 import time
 from pathlib import Path
 
-from pipeline import ROOT, save_results
-from report import add_render_arguments, machine_info, publish, run_stamp
-
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.profile import load_profile
-from relaygr.sim.sweep import VARIANTS, SweepSpec, run_point
-from relaygr.sim.workload import light_visits
+from bench.pipeline import ROOT, save_results
+from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.profile import load_profile
+from tooling.sim.sweep import VARIANTS, SweepSpec, run_point
+from tooling.sim.workload import light_visits
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,12 +2,12 @@
 
 Per seed, fresh local meshes as the relay benchmark starts them (etcd, two CPU rankers, router,
 trigger; its model, flags and defaults) for `cache only` and `relay sequence-aware`. Each
-mesh's measured profile is the mean of its rankers' Describe (relaygr.sim.measured), read once
+mesh's measured profile is the mean of its rankers' Describe (tooling.sim.measured), read once
 they have calibrated and before any traffic. The rate sweep runs on the real meshes (the relay
 benchmark's sweep: variants rotating at each rate; here every rate is run, so every point has
 a twin). A mesh's request overhead is the median, over its first point's answered Ranks, of
 the client's latency minus the ranker's own time (RankReply.server_ms). Then each variant's
-points go through the simulator (relaygr.sim.fleet): the very same arrivals (visits_of), each
+points go through the simulator (tooling.sim.fleet): the very same arrivals (visits_of), each
 point at its real offset from the variant's first (caches and the trigger's books carry over
 as they did), with the measured profile and the services' configurations parsed from the
 mesh's own flags. Compared per point: P50 and P99 (target: within 15%), hit rate and relayed
@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from pipeline import (
+from relay_bench import CACHE_ONLY, RELAY_AWARE, VARIANTS, add_mesh_arguments, mesh_spec, workload
+
+from bench.pipeline import (
     BENCH_MODEL,
     ROOT,
     Ran,
@@ -41,22 +43,20 @@ from pipeline import (
     save_results,
     sweep,
 )
-from relay_bench import CACHE_ONLY, RELAY_AWARE, VARIANTS, add_mesh_arguments, mesh_spec, workload
-from report import load_result, machine_info, max_compliant, run_stamp, write_section
-from verdict import labelled, ranks_note
-
+from bench.report import load_result, machine_info, max_compliant, run_stamp, write_section
+from bench.verdict import labelled, ranks_note
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
 from relaygr.cost import CostModel
-from relaygr.local.drive import OK, Point, RequestRecord
-from relaygr.local.mesh import LocalMesh, MeshSpec
-from relaygr.sim.fleet import FleetSettings, run_visits
-from relaygr.sim.measured import mean_profile, read_profile
-from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.workload import visits_of
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
 from services.trigger.config import Mode, TriggerConfig
+from tooling.local.drive import OK, Point, RequestRecord
+from tooling.local.mesh import LocalMesh, MeshSpec
+from tooling.sim.fleet import FleetSettings, run_visits
+from tooling.sim.measured import mean_profile, read_profile
+from tooling.sim.profile import DeviceProfile
+from tooling.sim.workload import visits_of
 
 NAME = "sim_validate"
 CHECKED = (CACHE_ONLY, RELAY_AWARE)
@@ -352,10 +352,10 @@ def render(saved: dict) -> str:
         f"first {args.warmup:.0%} of each point excluded; retrieval-to-ranking gap "
         f"{args.gap_ms:.0f} ms; SLO {args.slo_ms:.0f} ms, at risk above "
         f"{args.slo_ms - args.margin_ms:.0f} ms of predicted full inference.",
-        "- Simulated side: the same arrivals (`relaygr.sim.workload.visits_of`), each point at "
-        "its real start relative to the variant's first, through `relaygr.sim.fleet` with the "
+        "- Simulated side: the same arrivals (`tooling.sim.workload.visits_of`), each point at "
+        "its real start relative to the variant's first, through `tooling.sim.fleet` with the "
         "services' configurations parsed from the mesh's own flags and a measured profile: the "
-        "mean of the mesh's two rankers' Describe (`relaygr.sim.measured`), read after their "
+        "mean of the mesh's two rankers' Describe (`tooling.sim.measured`), read after their "
         "start-up calibration and before any traffic; `compute_noise` from the fit's median "
         "error; `request_overhead_ms` the median, over the variant's first point's answered "
         "Ranks, of client latency minus the ranker's `server_ms`.",

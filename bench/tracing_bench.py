@@ -29,15 +29,15 @@ from typing import Any
 import grpc
 import numpy as np
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from pipeline import BENCH_MODEL, ROOT
-from report import (
+
+from bench.pipeline import BENCH_MODEL, ROOT
+from bench.report import (
     add_render_arguments,
     machine_info,
     publish,
     reproduce_command,
     run_stamp,
 )
-
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
 from relaygr.v1 import common_pb2, ranker_pb2_grpc
@@ -74,7 +74,7 @@ class Ranker:
 
     def __init__(self, mode: str, model_config: Path, env: dict[str, str], hbm_mb: int) -> None:
         args = [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "tooling.cli", "ranker", "--listen", "127.0.0.1:0",
             "--plaintext", "--model-config", str(model_config), "--device", "cpu",
             "--instance-id", f"ranker-{mode}", "--hbm-budget-mb", str(hbm_mb),
             "--calibration-lengths", "256,1024", "--relay-window-ms", "600000",

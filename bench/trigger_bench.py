@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pipeline import (
+
+from bench.pipeline import (
     BENCH_MODEL,
     ROOT,
     Variant,
@@ -29,21 +30,20 @@ from pipeline import (
     save_results,
     sweep,
 )
-from report import load_result, machine_info, max_compliant, run_stamp, write_section
-from verdict import p99_ci, ranks_note
-
+from bench.report import load_result, machine_info, max_compliant, run_stamp, write_section
+from bench.verdict import p99_ci, ranks_note
 from relaygr.behaviours import Prefix, RankInput, UserId
 from relaygr.cli_help import HelpFormatter
 from relaygr.cluster import MemoryCluster, RankerRecord
-from relaygr.local.drive import Point, retrieval_event
-from relaygr.local.mesh import LocalMesh, MeshSpec
-from relaygr.local.workload import WorkloadSpec
 from relaygr.v1 import common_pb2
 from services.ranker.synthetic import random_behaviours
 from services.trigger.config import TriggerConfig
 from services.trigger.dispatch import Dispatcher
 from services.trigger.policy import AdmissionPolicy
 from services.trigger.service import TriggerServicer
+from tooling.local.drive import Point, retrieval_event
+from tooling.local.mesh import LocalMesh, MeshSpec
+from tooling.local.workload import WorkloadSpec
 
 MODES = ("off", "all", "sequence-aware")
 

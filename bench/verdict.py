@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from report import RatePoint, max_compliant
 
-from relaygr.local.search import grid_search
+from bench.report import RatePoint, max_compliant
+from tooling.local.search import grid_search
 
 __all__ = [
     "MIN_RANKS",

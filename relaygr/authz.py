@@ -18,7 +18,7 @@ from relaygr.errors import ConfigError
 
 SPIFFE_SCHEME = "spiffe://"
 PATH_ROOT = "relaygr"
-DEFAULT_TRUST_DOMAIN = "relaygr.local"
+DEFAULT_TRUST_DOMAIN = "tooling.local"
 
 
 class Role(StrEnum):

@@ -3,15 +3,9 @@ def` tests run on a fresh event loop each (tests/asyncio_plugin.py)."""
 
 import os
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-# The benchmarks' modules (bench/: pipeline, verdict, chaos, flood) import each other as top-level
-# scripts do; tests import them the same way.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 pytest_plugins = ("tests.asyncio_plugin",)
 

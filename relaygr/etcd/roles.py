@@ -2,7 +2,7 @@
 from, by the local mesh and by the chart's setup job.
 
 With `--client-cert-auth` and authentication on, etcd takes the common name of a client's
-certificate as its user: `relaygr-<role>`, as `relaygr.local.certs` and the chart's
+certificate as its user: `relaygr-<role>`, as `tooling.local.certs` and the chart's
 cert-manager examples issue them. Every mesh role reads the whole mesh prefix (views, watches,
 live config); rankers write their membership key and directory entries, routers the directory;
 nothing else writes (live config is the operator's, as etcd's root).

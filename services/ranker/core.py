@@ -2,7 +2,7 @@
 
 Events in (a request arrived, a step or a fetch ended, the worker is free, drain began, a tick),
 actions out (`core_types`: run this step, start this fetch, stop waiting, answer). No I/O, no
-clock read: the service (services/ranker/engine.py) and the simulator (relaygr/sim/ranker.py)
+clock read: the service (services/ranker/engine.py) and the simulator (tooling/sim/ranker.py)
 drive this one copy.
 """
 

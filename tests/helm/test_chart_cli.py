@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 
 import pytest
 
-from relaygr.cli import COMMANDS
 from relaygr.config import add_config_arguments, load_config
 from relaygr.telemetry import tracing_settings
 from services.ranker.config import ENV_PREFIX as RANKER_ENV
@@ -31,6 +30,7 @@ from tests.helm.chart import (
     render,
     values_of,
 )
+from tooling.cli import COMMANDS
 from tools import chart_schema
 from tools.chart_schema import CONFIGS
 
@@ -232,7 +232,7 @@ def test_image_entrypoint_is_what_the_chart_calls() -> None:
     stage = _final_stage()
     entrypoint = json.loads(_instruction(stage, "ENTRYPOINT"))
     assert entrypoint == ["relaygr"]
-    assert PYPROJECT["project"]["scripts"]["relaygr"] == "relaygr.cli:main"
+    assert PYPROJECT["project"]["scripts"]["relaygr"] == "tooling.cli:main"
     assert json.loads(_instruction(stage, "CMD")) == ["--help"]
     user = _instruction(stage, "USER")
     values = values_of([])

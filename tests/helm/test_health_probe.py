@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 
 from relaygr.grpc_server import GrpcServer, start_server
-from relaygr.local.certs import Pki, make_pki
 from tests.helm.chart import CHART
+from tooling.local.certs import Pki, make_pki
 
 PROBE = CHART / "files" / "grpc_health_probe.py"
 # The ranker's certificate names every pod of its headless Service with one wildcard.

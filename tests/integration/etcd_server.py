@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from relaygr.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
+from tooling.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 
 __all__ = ["EtcdServer", "etcd_server", "started_etcd"]
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from relaygr.authz import Role
-from relaygr.local.certs import Pki
 from relaygr.telemetry import Telemetry
 from relaygr.tls import open_channel
 from relaygr.tls_settings import PLAINTEXT, ClientTls
@@ -21,6 +20,7 @@ from services.router.server import RouterServer, start_router
 from services.trigger.config import TriggerConfig
 from services.trigger.server import TriggerServer, start_trigger
 from tests.integration.ranker_harness import BASE, COST, poll
+from tooling.local.certs import Pki
 
 
 def transport(pki: Pki | None, role: Role, instance: str) -> dict[str, object]:

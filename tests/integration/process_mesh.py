@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from relaygr.local.mesh import MeshSpec
-from relaygr.local.ports import free_port_range as free_ports  # noqa: F401 (re-exported for the tests)
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.mesh import MeshSpec
+from tooling.local.ports import free_port_range as free_ports  # noqa: F401 (re-exported for the tests)
 
 
 def tiny_mesh(**spec: Any) -> tuple[MeshSpec, RankingModel]:

@@ -17,8 +17,6 @@ from relaygr.authz import Role, mesh_policy
 from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.security import EtcdSecurity
-from relaygr.local.certs import Leaf, Pki, make_pki
-from relaygr.local.etcd_server import EtcdServer, EtcdTls
 from relaygr.tls import open_channel
 from relaygr.tls_settings import ClientTls
 from relaygr.v1 import router_pb2_grpc
@@ -28,6 +26,8 @@ from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import reply_scores, tiny_model
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.certs import Leaf, Pki, make_pki
+from tooling.local.etcd_server import EtcdServer, EtcdTls
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 SERVING = health_pb2.HealthCheckResponse.SERVING

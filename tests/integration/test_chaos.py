@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from chaos import (
+
+from bench.chaos import (
     CHAOS_MODEL,
     ChaosSettings,
     chaos_mesh_spec,
@@ -21,13 +22,9 @@ from chaos import (
     run_chaos,
     standard_faults,
 )
-from flood import FloodSettings, memory_flood
-
+from bench.flood import FloodSettings, memory_flood
 from relaygr.behaviours import RankInput
 from relaygr.etcd.client import EtcdClient
-from relaygr.local.etcd_server import find_etcd_binary
-from relaygr.local.mesh import LocalMesh
-from relaygr.local.workload import Population
 from relaygr.tls import open_blocking_channel
 from relaygr.v1 import router_pb2_grpc
 from relaygr.wire import rank_request_to_proto
@@ -35,6 +32,9 @@ from services.ranker.checkpoint import load_checkpoint, save_checkpoint
 from services.ranker.model import RankingModel
 from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.etcd_server import find_etcd_binary
+from tooling.local.mesh import LocalMesh
+from tooling.local.workload import Population
 
 pytestmark = pytest.mark.chaos
 

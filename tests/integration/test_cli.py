@@ -8,15 +8,15 @@ import sys
 import pytest
 
 from relaygr import __version__
-from relaygr.cli import COMMANDS
-from relaygr.local.bench_cli import BENCH_DIR, benchmarks
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.cli import COMMANDS
+from tooling.local.bench_cli import BENCH_DIR, benchmarks
 
 
 def relaygr(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "relaygr.cli", *args],
+        [sys.executable, "-m", "tooling.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

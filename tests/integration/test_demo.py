@@ -8,7 +8,7 @@ from pathlib import Path
 
 def test_quick_demo_runs_the_mesh_and_reports_both_phases(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "relaygr.cli", "demo", "--quick", "--duration", "6",
+        [sys.executable, "-m", "tooling.cli", "demo", "--quick", "--duration", "6",
          "--out", str(tmp_path)],
         capture_output=True,
         text=True,
@@ -40,8 +40,8 @@ def test_quick_demo_runs_the_mesh_and_reports_both_phases(tmp_path: Path) -> Non
 
 
 def test_a_chart_with_no_answered_rank_is_not_drawn(tmp_path: Path) -> None:
-    from relaygr.local.demo import chart
-    from relaygr.local.drive import Point
+    from tooling.local.demo import chart
+    from tooling.local.drive import Point
 
     assert not chart([Point("relay", 1.0), Point("cache only", 1.0)], 250.0, tmp_path / "c.png")
     assert not (tmp_path / "c.png").exists()

@@ -5,10 +5,10 @@ import asyncio
 import grpc
 import numpy as np
 
-from relaygr.local.drive import NO_RANK, OK, RequestRecord, drive
-from relaygr.local.workload import Arrival, WorkloadSpec, follow_ups
 from relaygr.v1 import common_pb2
 from tests.unit.ranker.factories import prefix, rank_input
+from tooling.local.drive import NO_RANK, OK, RequestRecord, drive
+from tooling.local.workload import Arrival, WorkloadSpec, follow_ups
 
 SERVER_DELAY_S = 0.3
 

@@ -14,7 +14,6 @@ import pytest
 
 from relaygr.behaviours import RankInput
 from relaygr.lifecycle import connect_mesh
-from relaygr.local.certs import make_pki
 from relaygr.placement import ranking
 from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc, router_pb2_grpc
@@ -29,6 +28,7 @@ from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import BASE, COST, reply_scores, running_ranker, tiny_model
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.certs import make_pki
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
 MISS = common_pb2.CACHE_OUTCOME_MISS

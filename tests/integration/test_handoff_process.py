@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 
 from relaygr.behaviours import RankInput
-from relaygr.local.etcd_server import find_etcd_binary
-from relaygr.local.mesh import LocalMesh, MeshSpec
 from relaygr.placement import ranking
 from relaygr.tls import open_blocking_channel
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc, router_pb2_grpc
@@ -23,6 +21,8 @@ from services.ranker.checkpoint import load_checkpoint, save_checkpoint
 from services.ranker.model import RankingModel
 from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err, tiny_config
+from tooling.local.etcd_server import find_etcd_binary
+from tooling.local.mesh import LocalMesh, MeshSpec
 
 RANKERS = ("ranker-0", "ranker-1", "ranker-2")
 TOKENS = 400  # ~0.46 MiB of KV each with the tiny model: 40 users take seconds at 1 MiB/s

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relaygr.local import loadgen
-from relaygr.local.loadgen_sut import DETAIL_LOG, SUMMARY_LOG
-from relaygr.local.mesh import LocalMesh
 from tests.integration.process_mesh import tiny_mesh
+from tooling.local import loadgen
+from tooling.local.loadgen_sut import DETAIL_LOG, SUMMARY_LOG
+from tooling.local.mesh import LocalMesh
 
 # Short histories, a generous SLO and a P90 target: LoadGen's early stopping can pass on ~60
 # queries, so a test takes a few seconds and most are valid on a loaded machine.
@@ -74,7 +74,7 @@ def test_the_search_runs_each_system_on_a_running_mesh(
 
 def test_smoke_prints_loadgen_s_verdict(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "relaygr.cli", "loadgen", "--smoke", "--min-duration-s", "3",
+        [sys.executable, "-m", "tooling.cli", "loadgen", "--smoke", "--min-duration-s", "3",
          "--qps-from", "10", "--seed", "5", "--out", str(tmp_path), *TRAFFIC[:6]],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip

@@ -16,14 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.cpu_quota import available_cpus
-from relaygr.local.drive import retrieval_event
-from relaygr.local.mesh import PROCESSES_FILE, LocalMesh, MeshSpec, ProcessEntry
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from tests.integration.process_mesh import free_ports, mesh_workdirs, tiny_mesh
 from tests.integration.ranker_harness import reply_scores
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.drive import retrieval_event
+from tooling.local.mesh import PROCESSES_FILE, LocalMesh, MeshSpec, ProcessEntry
 
 
 def _alive(pid: int) -> bool:
@@ -111,7 +111,7 @@ def test_relaygr_up_lists_its_pids_and_a_killed_ranker_leaves_the_rest_serving(
     before = mesh_workdirs()
     metrics_base = free_ports(4)
     up = subprocess.Popen(
-        [sys.executable, "-m", "relaygr.cli", "up", "--rankers", "2", "--model", "tiny",
+        [sys.executable, "-m", "tooling.cli", "up", "--rankers", "2", "--model", "tiny",
          "--ranker-arg", "--device=cpu", "--ranker-arg", "--calibration-lengths=32,64",
          "--metrics-base-port", str(metrics_base)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -174,7 +174,7 @@ def test_relaygr_up_reaps_a_ranker_stopped_by_sigterm_and_prints_its_exit(
     printed = tmp_path / "up.out"
     with printed.open("wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "relaygr.cli", "up", "--rankers", "2", "--model", "tiny",
+            [sys.executable, "-m", "tooling.cli", "up", "--rankers", "2", "--model", "tiny",
              "--ranker-arg", "--device=cpu", "--ranker-arg", "--calibration-lengths=32,64"],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip

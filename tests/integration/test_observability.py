@@ -25,8 +25,6 @@ from opentelemetry import trace
 from prometheus_client.parser import text_string_to_metric_families
 
 from relaygr.behaviours import Prefix
-from relaygr.local.drive import retrieval_event
-from relaygr.local.mesh import LocalMesh
 from relaygr.telemetry import Telemetry
 from relaygr.v1 import common_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import (
@@ -43,6 +41,8 @@ from tests.integration.ranker_harness import BASE, COST, tiny_model
 from tests.integration.test_ranker_process import wait_for_port
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input
+from tooling.local.drive import retrieval_event
+from tooling.local.mesh import LocalMesh
 
 # The harness's cost model predicts full inference of a 700-token history with 16 candidates at
 # ~9 ms and of a 30-token one at ~1.5 ms: an 8 ms SLO with 1 ms margin relays only the first.
@@ -338,7 +338,7 @@ def test_a_ranker_process_traces_serves_metrics_and_logs_json(
     metrics_port = free_ports(1)
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "tooling.cli", "ranker", "--listen", "127.0.0.1:0",
             "--plaintext", "--model", "tiny", "--device", "cpu",
             "--calibration-lengths", "32,64", "--instance-id", "ranker-obs",
             "--metrics-port", str(metrics_port), "--log-level", "INFO", "--log-format", "json",

@@ -15,7 +15,6 @@ import pytest
 
 from relaygr.behaviours import RankInput
 from relaygr.lifecycle import connect_mesh
-from relaygr.local.certs import make_pki
 from relaygr.placement import ranking
 from relaygr.pool import RankerPool
 from relaygr.tls_settings import PLAINTEXT
@@ -34,6 +33,7 @@ from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.ranker_harness import BASE, COST, poll, reply_scores, tiny_model
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.certs import make_pki
 
 Outcome = common_pb2.CacheOutcome
 # A transfer far cheaper than the tiny model's prefill under the harness's cost (~2 ms), and

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relaygr.local.mesh import LocalMesh
-from relaygr.local.prometheus import (
+from tests.helm.test_monitoring import dashboard_exprs
+from tests.integration.process_mesh import free_ports, tiny_mesh
+from tests.polling import eventually
+from tooling.local.mesh import LocalMesh
+from tooling.local.prometheus import (
     ALERTS_FILE,
     INSTALL_HINT,
     LocalPrometheus,
     PrometheusSpec,
     find_prometheus_binary,
 )
-from tests.helm.test_monitoring import dashboard_exprs
-from tests.integration.process_mesh import free_ports, tiny_mesh
-from tests.polling import eventually
 
 pytestmark = pytest.mark.skipif(
     find_prometheus_binary() is None, reason=f"{INSTALL_HINT} (.ci/run installs it)"
@@ -107,7 +107,7 @@ def test_relaygr_up_prometheus_prints_a_url_that_scrapes_the_mesh(tmp_path: Path
     printed = tmp_path / "up.out"
     with printed.open("wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "relaygr.cli", "up", "--rankers", "1", "--model", "tiny",
+            [sys.executable, "-m", "tooling.cli", "up", "--rankers", "1", "--model", "tiny",
              "--ranker-arg", "--device=cpu", "--ranker-arg", "--calibration-lengths=32,64",
              "--prometheus"],
             stdout=out, stderr=subprocess.STDOUT,

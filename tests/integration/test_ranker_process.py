@@ -41,7 +41,7 @@ def ranker_process(
     config_file.write_text('model = "tiny"\nhbm_budget_mb = 64\ncalibration_lengths = [32, 64]\n')
     return subprocess.Popen(
         [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--config", str(config_file),
+            sys.executable, "-m", "tooling.cli", "ranker", "--config", str(config_file),
             "--listen", "127.0.0.1:0", "--plaintext", "--device", "cpu", *args,
         ],
         stdout=subprocess.PIPE,
@@ -109,7 +109,7 @@ def test_ranker_process_runs_the_intra_op_threads_it_is_given(
 
 def test_bad_config_is_refused_with_the_field_named(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "relaygr.cli", "ranker", "--hbm-budget-mb", "-1"],
+        [sys.executable, "-m", "tooling.cli", "ranker", "--hbm-budget-mb", "-1"],
         capture_output=True,
         text=True,
         timeout=60,

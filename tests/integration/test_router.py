@@ -98,7 +98,7 @@ def _spawn_ranker(
 ) -> tuple[subprocess.Popen[str], int]:
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "relaygr.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
+            sys.executable, "-m", "tooling.cli", "ranker", "--listen", "127.0.0.1:0", "--plaintext",
             "--model", "tiny", "--model-seed", "0", "--device", "cpu",
             "--instance-id", instance_id, "--etcd-endpoints", endpoint, "--lease-ttl-s", "2",
             "--calibration-lengths", "32,64",

@@ -8,12 +8,12 @@ import time
 import grpc
 import numpy as np
 
-from relaygr.local.mesh import LocalMesh
 from relaygr.v1 import common_pb2, router_pb2_grpc
 from relaygr.wire import rank_request_to_proto
 from tests.integration.process_mesh import tiny_mesh
 from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.mesh import LocalMesh
 
 HEDGE_MS = 300
 DEADLINE_S = 20.0

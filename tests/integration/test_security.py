@@ -14,10 +14,6 @@ from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdAuthFailed, EtcdRejected
 from relaygr.etcd.security import EtcdSecurity
 from relaygr.grpc_server import start_server
-from relaygr.local.certs import Pki, make_pki
-from relaygr.local.drive import retrieval_event
-from relaygr.local.etcd_server import EtcdServer, EtcdTls
-from relaygr.local.mesh import LocalMesh
 from relaygr.tls import open_blocking_channel, open_channel, server_credentials
 from relaygr.tls_settings import PLAINTEXT, ClientTls, TlsSettings
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc, router_pb2_grpc, trigger_pb2_grpc
@@ -29,6 +25,10 @@ from tests.integration.process_mesh import mesh_workdirs, tiny_mesh
 from tests.integration.ranker_harness import reply_scores, tiny_model
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
+from tooling.local.certs import Pki, make_pki
+from tooling.local.drive import retrieval_event
+from tooling.local.etcd_server import EtcdServer, EtcdTls
+from tooling.local.mesh import LocalMesh
 
 HIT = common_pb2.CACHE_OUTCOME_HBM_HIT
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -15,7 +15,7 @@ from tests.integration.test_ranker_process import wait_for_port
 def test_trigger_process_serves_and_drains(etcd_server: EtcdServer) -> None:
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "relaygr.cli", "trigger", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "tooling.cli", "trigger", "--listen", "127.0.0.1:0",
             "--etcd-endpoints", etcd_server.endpoint, "--router-address", "127.0.0.1:9",
             "--plaintext",
         ],
@@ -47,7 +47,7 @@ def test_trigger_process_serves_and_drains(etcd_server: EtcdServer) -> None:
 
 def test_bad_trigger_config_is_refused_with_the_field_named() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "relaygr.cli", "trigger", "--slo-ms", "10", "--margin-ms", "10"],
+        [sys.executable, "-m", "tooling.cli", "trigger", "--slo-ms", "10", "--margin-ms", "10"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -43,10 +43,10 @@ async def test_refusals_are_counted_each_and_logged_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = Clock()
-    authz = AuthzInterceptor(mesh_policy(), "relaygr.local", clock=clock)
+    authz = AuthzInterceptor(mesh_policy(), "tooling.local", clock=clock)
     allowed = authz.policy.allowed(FETCH)
-    await authz.check(FETCH, allowed, Context("spiffe://relaygr.local/relaygr/ranker/r1"))
-    client = Context("spiffe://relaygr.local/relaygr/client/c")
+    await authz.check(FETCH, allowed, Context("spiffe://tooling.local/relaygr/ranker/r1"))
+    client = Context("spiffe://tooling.local/relaygr/client/c")
     caplog.set_level(logging.WARNING, logger="relaygr.authz_grpc")
     for now in (0.0, 1.0, 2.0, 11.0):
         clock.now = now
@@ -56,7 +56,7 @@ async def test_refusals_are_counted_each_and_logged_once_per_interval(
         assert "role 'client'" in refused.value.args[1]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
-    assert "spiffe://relaygr.local/relaygr/client/c at ipv4:127.0.0.1:5555" in lines[0]
+    assert "spiffe://tooling.local/relaygr/client/c at ipv4:127.0.0.1:5555" in lines[0]
     assert lines[1].endswith("; 2 more refusals like it not logged")
     assert authz.stats.refused == {(FETCH, "client"): 4}
     with pytest.raises(Aborted):  # another trust domain: no role at all

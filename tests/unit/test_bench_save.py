@@ -6,12 +6,12 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import pipeline
 import pytest
-from report import dumps_result
 
-from relaygr.local import run_stamp
-from relaygr.local.drive import Point
+import bench.pipeline as pipeline
+from bench.report import dumps_result
+from tooling.local import run_stamp
+from tooling.local.drive import Point
 
 
 def test_save_results_keeps_the_stamp_taken_at_the_start(

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from verdict import (
+
+from bench.verdict import (
     MIN_RANKS,
     MIN_SIM_SEEDS,
     PairedRatios,

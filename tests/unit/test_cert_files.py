@@ -9,8 +9,8 @@ from relaygr.authz import Role
 from relaygr.cert_files import CertificateFiles, check_key_matches
 from relaygr.channel_renewal import ChannelRenewal
 from relaygr.errors import ConfigError
-from relaygr.local.certs import Leaf, make_pki
 from relaygr.tls_settings import ClientTls
+from tooling.local.certs import Leaf, make_pki
 
 
 class Clock:

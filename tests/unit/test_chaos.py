@@ -1,17 +1,17 @@
 """The chaos books, pure: recovery time, score checks, the report table."""
 
 import numpy as np
-from chaos import (
+
+from bench.chaos import (
     ChaosSettings,
     FaultReport,
     recovery_s,
     render_table,
     wrong_scores,
 )
-
-from relaygr.local.drive import RequestRecord
-from relaygr.local.workload import Arrival
 from tests.unit.ranker.factories import prefix, rank_input
+from tooling.local.drive import RequestRecord
+from tooling.local.workload import Arrival
 
 
 def hit(at: float) -> RequestRecord:

@@ -1,8 +1,9 @@
 """The import rules of docs/architecture.md §10, read from the source (AST, no imports executed).
 
-- the base (`relaygr`, minus the tooling in `relaygr.local` and `relaygr.sim` and the `relaygr`
-  command line) never imports a service or the tooling;
-- a service never imports another service, nor the local tooling;
+- Three floors, from the bottom: the base `relaygr`, the services (`services.<name>`), and the
+  tooling (`tooling`: the command line, local mesh and simulator; `bench`: the benchmarks). A
+  module imports only its own floor and those below it;
+- a service never imports another service;
 - the cores (model, KV store, scheduler, engine, placement, relay room, router forwarder,
   admission policy, cost model) reach no transport and no tracing library, directly or through
   the project modules they import.
@@ -15,12 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("ranker", "router", "trigger")
-# The `relaygr` command dispatches to every service and to the local tooling by module name: the
-# entry point sits above everything and is the one base-level module allowed to reach up.
-ENTRY_POINT = "relaygr.cli"
-# Tooling sits above the services: the local mesh and drivers, and the simulator (which runs the
-# services' own cores).
-TOOLING = ("relaygr.local", "relaygr.sim")
+FLOORS = (("relaygr",), ("services",), ("tooling", "bench"))  # bottom first: packages per floor
 CORES = (
     "services.ranker.core",
     "services.ranker.core_types",
@@ -62,7 +58,7 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    files = [*ROOT.glob("relaygr/**/*.py"), *ROOT.glob("services/**/*.py")]
+    files = [p for packages in FLOORS for top in packages for p in ROOT.glob(f"{top}/**/*.py")]
     return {module_name(p): p for p in files if "relaygr/v1" not in p.as_posix()}
 
 
@@ -90,34 +86,39 @@ def within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def layer(name: str) -> str:
-    """'local' (tooling and entry point), 'service:<name>', or 'base'."""
-    if any(within(name, package) for package in TOOLING) or name == ENTRY_POINT:
-        return "local"
-    if within(name, "services"):
-        parts = name.split(".")
-        return f"service:{parts[1]}" if len(parts) > 1 else "services"
-    return "base"
+def floor(name: str) -> int | None:
+    """The floor of a project module (0 the base), None for anything else (a library)."""
+    return next(
+        (i for i, packages in enumerate(FLOORS) if any(within(name, top) for top in packages)),
+        None,
+    )
+
+
+def service(name: str) -> str | None:
+    """The service a module belongs to (`ranker`), None outside a service's folder."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "services" and len(parts) > 1 else None
 
 
 def violations(name: str) -> list[str]:
-    here = layer(name)
+    here = floor(name)
+    assert here is not None
     bad = []
     for target in IMPORTS[name]:
-        there = layer(target) if within(target, "relaygr") or within(target, "services") else ""
-        if not there or there in (here, "base"):
+        there = floor(target)
+        if there is None:
             continue
-        if here == "local":
-            continue  # the top floor may import every floor below it
-        if there == "services" and here.startswith("service:"):
-            continue  # the `services` package docstring module
-        bad.append(f"{name} ({here}) imports {target} ({there})")
+        if there > here:
+            bad.append(f"{name} (floor {here}) imports {target} (floor {there}): upwards")
+        elif None is not service(name) != service(target) is not None:
+            bad.append(f"{name} imports {target}: one service never imports another")
     return bad
 
 
-def test_the_rules_see_every_package() -> None:
-    layers = {layer(name) for name in MODULES}
-    assert {"base", "local", *(f"service:{s}" for s in SERVICES)} <= layers
+def test_the_rules_see_every_floor() -> None:
+    assert {floor(name) for name in MODULES} == set(range(len(FLOORS)))
+    assert {name.split(".")[0] for name in MODULES} == {top for tops in FLOORS for top in tops}
+    assert {service(name) for name in MODULES} >= set(SERVICES)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -125,14 +126,20 @@ def test_imports_only_downwards(name: str) -> None:
     assert violations(name) == []
 
 
-def test_a_cross_service_import_is_caught() -> None:
-    IMPORTS["services.trigger.__probe__"] = {"services.ranker.engine"}
-    IMPORTS["relaygr.__probe__"] = {"relaygr.local.mesh"}
+def test_an_upward_or_sideways_import_is_caught() -> None:
+    probes = {
+        "services.trigger.__probe__": {"services.ranker.engine"},
+        "relaygr.__probe__": {"tooling.local.mesh"},
+        "services.router.__probe2__": {"tooling.sim.fleet"},
+        "relaygr.__probe2__": {"services.ranker.engine"},
+    }
+    IMPORTS.update(probes)
     try:
-        assert violations("services.trigger.__probe__")
-        assert violations("relaygr.__probe__")
+        for probe in probes:
+            assert violations(probe), probe
     finally:
-        del IMPORTS["services.trigger.__probe__"], IMPORTS["relaygr.__probe__"]
+        for probe in probes:
+            del IMPORTS[probe]
 
 
 def reach(name: str) -> set[str]:
@@ -166,10 +173,13 @@ SYNC_CORES = (
     "services.ranker.core_types",
     "services.ranker.flight",
     "services.ranker.planner",
-    "services.ranker.flight",
-    "services.ranker.planner",
     "services.ranker.queues",
     "services.ranker.handoff_order",
+    "services.router.attempts",
+    "services.router.routes",
+    "services.trigger.policy",
+    "relaygr.room",
+    "relaygr.versions",
 )
 FORBIDDEN_IN_SYNC_CORES = ("asyncio", "threading", "concurrent", "torch")
 

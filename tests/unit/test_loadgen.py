@@ -8,9 +8,10 @@ from pathlib import Path
 import mlperf_loadgen as lg
 import pytest
 
-from relaygr.local.drive import Point
-from relaygr.local.loadgen import Settings, check_mode, is_valid, visits
-from relaygr.local.loadgen_sut import (
+from services.ranker.model_config import ModelPreset
+from tooling.local.drive import Point
+from tooling.local.loadgen import Settings, check_mode, is_valid, visits
+from tooling.local.loadgen_sut import (
     DETAIL_LOG,
     SUMMARY_LOG,
     Verdict,
@@ -18,8 +19,7 @@ from relaygr.local.loadgen_sut import (
     read_detail_log,
     verdict_of,
 )
-from relaygr.local.modes import CACHE_ONLY, NO_CACHE, RELAY_ALL
-from services.ranker.model_config import ModelPreset
+from tooling.local.modes import CACHE_ONLY, NO_CACHE, RELAY_ALL
 
 
 def loadgen_run(outdir: Path, target_latency_ns: int) -> int:
@@ -143,7 +143,7 @@ def test_each_test_gets_the_seed_s_visits_with_users_of_its_own() -> None:
 def test_the_command_imports_loadgen_only_when_a_test_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The base install (no `loadgen` extra) can import the command and read its --help."""
     done = subprocess.run(
-        [sys.executable, "-c", "import sys, relaygr.local.loadgen; "
+        [sys.executable, "-c", "import sys, tooling.local.loadgen; "
          "print('mlperf_loadgen' in sys.modules)"],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip

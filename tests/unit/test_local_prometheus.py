@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from relaygr.local.mesh import Exit, ProcessEntry
-from relaygr.local.prometheus import ALERTS_FILE, PrometheusSpec, held_rules, scrape_config
+from tooling.local.mesh import Exit, ProcessEntry
+from tooling.local.prometheus import ALERTS_FILE, PrometheusSpec, held_rules, scrape_config
 
 PROCESSES = [
     ProcessEntry("etcd", "etcd", "127.0.0.1:2379", 10, "http://127.0.0.1:2379/metrics"),

@@ -3,8 +3,8 @@ started)."""
 
 import pytest
 
-from relaygr.local.mesh import ranker_thread_share
-from relaygr.local.up import join_pass_through, parser
+from tooling.local.mesh import ranker_thread_share
+from tooling.local.up import join_pass_through, parser
 
 BASE = ("--device", "cpu")
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 from relay_bench import BASELINES, RELAYS, best_of, load_points, of_label, per_seed_figure
-from verdict import PairedRatios, Spread, compliant_throughput
 
-from relaygr.local.drive import max_compliant
+from bench.verdict import PairedRatios, Spread, compliant_throughput
+from tooling.local.drive import max_compliant
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -12,7 +12,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from relaygr.config import add_config_arguments, load_config
 from relaygr.errors import ConfigError, InvalidInput
 from relaygr.etcd.security import EtcdSecurity
-from relaygr.local.certs import make_pki
 from relaygr.tls import log_transport
 from relaygr.tls_settings import ClientTls
 from relaygr.v1 import common_pb2, router_pb2
@@ -22,6 +21,7 @@ from services.router.config import RouterConfig
 from services.router.limits import RequestLimits, check_limits, packed_count
 from services.trigger.config import ENV_PREFIX as TRIGGER_ENV
 from services.trigger.config import TriggerConfig
+from tooling.local.certs import make_pki
 
 CONFIGS = (RankerConfig, RouterConfig, TriggerConfig)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from relaygr.errors import InvalidInput
-from relaygr.local.workload import (
+from tooling.local.workload import (
     T0,
     Population,
     WorkloadSpec,

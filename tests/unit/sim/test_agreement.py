@@ -22,19 +22,7 @@ import pytest
 
 from relaygr.cost import CostModel
 from relaygr.errors import RelayGRError
-from relaygr.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 from relaygr.room import RoomReport
-from relaygr.sim.fleet import Fleet, FleetSettings, run_visits
-from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.ranker import (
-    MemoryUse,
-    PreInferReply,
-    RankReply,
-    SimRanker,
-    Status,
-    status_of,
-)
-from relaygr.sim.workload import Visit, visits_of
 from services.ranker.config import RankerConfig
 from services.ranker.core_types import (
     Action,
@@ -51,6 +39,18 @@ from services.ranker.model import RankingModel
 from services.ranker.queues import Job
 from services.trigger.config import Mode, TriggerConfig
 from tests.unit.ranker.factories import tiny_config
+from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
+from tooling.sim.fleet import Fleet, FleetSettings, run_visits
+from tooling.sim.profile import DeviceProfile
+from tooling.sim.ranker import (
+    MemoryUse,
+    PreInferReply,
+    RankReply,
+    SimRanker,
+    Status,
+    status_of,
+)
+from tooling.sim.workload import Visit, visits_of
 
 MODEL = RankingModel(tiny_config(), seed=11)
 BYTES_PER_TOKEN = MODEL.cfg.cache_bytes_per_token

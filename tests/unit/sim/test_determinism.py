@@ -3,11 +3,11 @@
 import random
 from dataclasses import replace
 
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.fleet import FleetSettings, run_visits
-from relaygr.sim.workload import light_visits
 from services.trigger.config import TriggerConfig
 from tests.unit.sim.test_agreement import PROFILE
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings, run_visits
+from tooling.sim.workload import light_visits
 
 SPEC = WorkloadSpec(users=10_000, median_long_term=120, max_long_term=400, gap_s=1.0)
 

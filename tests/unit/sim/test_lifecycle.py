@@ -7,14 +7,14 @@ from collections import Counter
 
 import pytest
 
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.events import EventLoop
-from relaygr.sim.fleet import Fleet, FleetSettings
-from relaygr.sim.membership import FleetEvent, schedule
-from relaygr.sim.workload import light_visits
 from services.ranker.config import RankerConfig
 from services.trigger.config import Mode, TriggerConfig
 from tests.unit.sim.test_agreement import PROFILE
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.events import EventLoop
+from tooling.sim.fleet import Fleet, FleetSettings
+from tooling.sim.membership import FleetEvent, schedule
+from tooling.sim.workload import light_visits
 
 SPEC = WorkloadSpec(
     users=60, median_long_term=80, long_term_sigma=0.5, min_long_term=16, max_long_term=200,

@@ -7,9 +7,9 @@ import pytest
 
 from relaygr.cost import CostModel
 from relaygr.errors import InvalidInput
-from relaygr.sim.measured import mean_profile, profile_of
-from relaygr.sim.profile import MIB
 from relaygr.v1 import ranker_pb2
+from tooling.sim.measured import mean_profile, profile_of
+from tooling.sim.profile import MIB
 
 WHEN = datetime(2026, 12, 5, 9, 30, 15, tzinfo=UTC)
 

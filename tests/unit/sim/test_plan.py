@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from relaygr.placement import ranking
-from relaygr.sim.plan import (
+from tests.unit.sim.test_agreement import PROFILE
+from tooling.sim.plan import (
     Goal,
     Run,
     Slice,
@@ -21,11 +22,10 @@ from relaygr.sim.plan import (
     search,
     slice_trace,
 )
-from relaygr.sim.plan_cli import main
-from relaygr.sim.profile import write_profile
-from relaygr.sim.ranker import MemoryUse
-from relaygr.sim.workload import Visit
-from tests.unit.sim.test_agreement import PROFILE
+from tooling.sim.plan_cli import main
+from tooling.sim.profile import write_profile
+from tooling.sim.ranker import MemoryUse
+from tooling.sim.workload import Visit
 
 SLO_MS = 100.0
 

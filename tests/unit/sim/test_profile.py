@@ -10,7 +10,7 @@ import pytest
 
 from relaygr.cost import CostModel
 from relaygr.errors import InvalidInput
-from relaygr.sim.profile import MIB, DeviceProfile, load_profile, write_profile
+from tooling.sim.profile import MIB, DeviceProfile, load_profile, write_profile
 
 PROFILES = sorted((Path(__file__).parents[3] / "profiles").glob("*.toml"))
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from relaygr.cost import CallShape, batch_speedup
-from relaygr.sim.profile import load_profile
+from tooling.sim.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILES = ROOT / "profiles"

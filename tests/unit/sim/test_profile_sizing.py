@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from relaygr.errors import InvalidInput
-from relaygr.sim.profile import MIB, DeviceMemory, DeviceProfile, load_profile, write_profile
 from tests.unit.sim.test_profile import BASE
+from tooling.sim.profile import MIB, DeviceMemory, DeviceProfile, load_profile, write_profile
 
 SIZED = BASE.replace(
     "device_tier_mib = 1024\n",

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from relaygr.errors import InvalidInput
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.membership import FleetEvent
-from relaygr.sim.profile import write_profile
-from relaygr.sim.simulate import main
-from relaygr.sim.sweep import SweepSpec, run_sweep
 from tests.unit.sim.test_agreement import PROFILE
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.membership import FleetEvent
+from tooling.sim.profile import write_profile
+from tooling.sim.simulate import main
+from tooling.sim.sweep import SweepSpec, run_sweep
 
 SMALL = ["--rankers", "3", "--users", "5000", "--median-long-term", "120",
          "--max-long-term", "400", "--candidates", "32", "--slo-ms", "40",

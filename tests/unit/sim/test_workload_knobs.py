@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from relaygr.errors import InvalidInput
-from relaygr.local.drive import NO_RANK
-from relaygr.local.workload import WorkloadSpec, follow_ups
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.profile import write_profile
-from relaygr.sim.simulate import parser, profile_of, workload_of
-from relaygr.sim.sweep import SweepSpec, run_sweep
-from relaygr.sim.workload import light_visits
 from tests.unit.sim.test_agreement import PROFILE
+from tooling.local.drive import NO_RANK
+from tooling.local.workload import WorkloadSpec, follow_ups
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.profile import write_profile
+from tooling.sim.simulate import parser, profile_of, workload_of
+from tooling.sim.sweep import SweepSpec, run_sweep
+from tooling.sim.workload import light_visits
 
 SPEC = WorkloadSpec(users=5000, median_long_term=120, max_long_term=400, candidates=32, gap_s=0.5)
 

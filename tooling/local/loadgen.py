@@ -1,7 +1,7 @@
 """`relaygr loadgen`: the highest QPS each system serves within gap + SLO at P99, by MLPerf LoadGen.
 
-For each system (no cache, cache only, relay all, relay sequence-aware: relaygr.local.modes) it
-runs LoadGen's Server scenario (relaygr.local.loadgen_sut) at target QPS on a grid of
+For each system (no cache, cache only, relay all, relay sequence-aware: tooling.local.modes) it
+runs LoadGen's Server scenario (tooling.local.loadgen_sut) at target QPS on a grid of
 `--qps-step`: doubling from `--qps-from` until a test is not valid (halving down to `--qps-min`
 when the first one is not), then bisecting, never above `--qps-max`. A test is
 valid when LoadGen says VALID (P99 of gap + ranking latency within gap + SLO, minimum duration
@@ -39,8 +39,9 @@ import numpy as np
 from relaygr.behaviours import RankInput
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, Bounded
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.drive import Point, set_trigger_mode
-from relaygr.local.loadgen_sut import (
+from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.drive import Point, set_trigger_mode
+from tooling.local.loadgen_sut import (
     PERCENTILE,
     PERCENTILES,
     ServerTest,
@@ -48,12 +49,11 @@ from relaygr.local.loadgen_sut import (
     Verdict,
     run_server_test,
 )
-from relaygr.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
-from relaygr.local.modes import BY_LABEL, RELAY_AWARE, SYSTEMS, System
-from relaygr.local.run_stamp import machine_info
-from relaygr.local.search import grid_search
-from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
-from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
+from tooling.local.modes import BY_LABEL, RELAY_AWARE, SYSTEMS, System
+from tooling.local.run_stamp import machine_info
+from tooling.local.search import grid_search
+from tooling.local.workload import Population, WorkloadSpec, poisson_arrivals
 
 RESULT_FILE = "loadgen.json"
 
@@ -297,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
         "--users",
         type=Bounded(int, AT_LEAST_ONE),
         default=100_000,
-        help="the population (Zipf session starts, relaygr.local.workload)",
+        help="the population (Zipf session starts, tooling.local.workload)",
     )
     mesh.add_argument(
         "--median-long-term",

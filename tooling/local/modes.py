@@ -19,7 +19,7 @@ BYPASS_FLAG = "--no-relay-enabled"
 @dataclass(frozen=True, slots=True)
 class System:
     label: str
-    trigger_mode: str  # the trigger's live-config mode (relaygr.local.drive.set_trigger_mode)
+    trigger_mode: str  # the trigger's live-config mode (tooling.local.drive.set_trigger_mode)
     bypass: bool  # rankers run with BYPASS_FLAG
 
     def ranker_flags(self) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""`relaygr up`: the local mesh (relaygr.local.mesh) from the command line, until Ctrl-C."""
+"""`relaygr up`: the local mesh (tooling.local.mesh) from the command line, until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 from relaygr.bounds import AT_LEAST_ONE, Bound, Bounded
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.mesh import PROCESSES_FILE, LocalMesh, MeshSpec
-from relaygr.local.ports import free_port_range
-from relaygr.local.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus_binary
 from services.ranker.model_config import ModelPreset
+from tooling.local.mesh import PROCESSES_FILE, LocalMesh, MeshSpec
+from tooling.local.ports import free_port_range
+from tooling.local.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus_binary
 
 # Options whose value is a flag of a service: `--ranker-arg --device=cpu` passes `--device=cpu`.
 PASS_THROUGH = ("--ranker-arg", "--router-arg", "--trigger-arg")

@@ -14,23 +14,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("services.router.server", "serve RouterService: affine placement of relays"),
     "trigger": ("services.trigger.server", "serve TriggerService: which requests to relay"),
     "up": (
-        "relaygr.local.up",
+        "tooling.local.up",
         "run the local mesh (etcd, rankers, router, trigger) until Ctrl-C",
     ),
-    "demo": ("relaygr.local.demo", "the local mesh driven with and without relays, compared"),
+    "demo": ("tooling.local.demo", "the local mesh driven with and without relays, compared"),
     "simulate": (
-        "relaygr.sim.simulate",
+        "tooling.sim.simulate",
         "simulate a fleet on a virtual clock with a device profile (the services' own policies)",
     ),
     "plan": (
-        "relaygr.sim.plan_cli",
+        "tooling.sim.plan_cli",
         "how many rankers, and how much device and host memory each, meet a P99 SLO (simulated)",
     ),
     "loadgen": (
-        "relaygr.local.loadgen",
+        "tooling.local.loadgen",
         "MLPerf LoadGen's Server scenario on the mesh: the highest valid QPS of each system",
     ),
-    "bench": ("relaygr.local.bench_cli", "run a benchmark from the source tree's bench/"),
+    "bench": ("tooling.local.bench_cli", "run a benchmark from the source tree's bench/"),
 }
 
 

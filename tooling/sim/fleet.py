@@ -17,22 +17,7 @@ from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
 from relaygr.cost import TransferCost
-from relaygr.local.drive import NO_RANK, OK, RequestRecord
 from relaygr.room import RelayRoom
-from relaygr.sim.events import EventLoop
-from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.ranker import (
-    MODEL_VERSION,
-    MemoryUse,
-    PreInferReply,
-    Ranker,
-    RankReply,
-    SimFetch,
-    SimRanker,
-    Status,
-    ranker_record,
-)
-from relaygr.sim.workload import Visit
 from relaygr.versions import VersionIndexer, choose_version
 from services.ranker.config import RankerConfig
 from services.ranker.handoff import HandoffSettings, plan
@@ -46,6 +31,21 @@ from services.router.routes import CallFailed, Method, Refused, Route, Served
 from services.router.routes import Status as CallStatus
 from services.trigger.config import TriggerConfig
 from services.trigger.policy import AdmissionPolicy, Decision, Event, Settled, fallback_order
+from tooling.local.drive import NO_RANK, OK, RequestRecord
+from tooling.sim.events import EventLoop
+from tooling.sim.profile import DeviceProfile
+from tooling.sim.ranker import (
+    MODEL_VERSION,
+    MemoryUse,
+    PreInferReply,
+    Ranker,
+    RankReply,
+    SimFetch,
+    SimRanker,
+    Status,
+    ranker_record,
+)
+from tooling.sim.workload import Visit
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """`relaygr plan`: how many rankers, and how much device and host memory each, meet a P99 SLO at a
-target rate, found by simulating the fleet (`relaygr.sim.plan` searches; this module wires the
+target rate, found by simulating the fleet (`tooling.sim.plan` searches; this module wires the
 simulator in, and prints the answer with its assumptions).
 
     relaygr plan --profile profiles/nvidia-h200.toml --qps 320 --slo-ms 20 --gap-ms 100 \
@@ -23,10 +23,10 @@ from pathlib import Path
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, Bounded
 from relaygr.cli_help import HelpFormatter
 from relaygr.errors import ConfigError, InvalidInput
-from relaygr.sim.plan import Goal, Run, Slice, default_step, search, slice_trace
-from relaygr.sim.plan_report import Ask, SliceCheck, report, size, to_json
-from relaygr.sim.profile import MIB
-from relaygr.sim.simulate import (
+from tooling.sim.plan import Goal, Run, Slice, default_step, search, slice_trace
+from tooling.sim.plan_report import Ask, SliceCheck, report, size, to_json
+from tooling.sim.profile import MIB
+from tooling.sim.simulate import (
     add_device_args,
     add_fleet_args,
     add_workload_args,
@@ -36,8 +36,8 @@ from relaygr.sim.simulate import (
     with_seeds,
     workload_of,
 )
-from relaygr.sim.sweep import VARIANTS, PointResult, SweepSpec, run_point
-from relaygr.sim.workload import Visit, light_visits
+from tooling.sim.sweep import VARIANTS, PointResult, SweepSpec, run_point
+from tooling.sim.workload import Visit, light_visits
 
 VARIANT = "relay sequence-aware"
 
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     started: dict[str, object] | None = None
     if args.json is not None:  # the commit this run measures, stamped before it runs
-        from relaygr.local.run_stamp import machine_info  # torch: only when a file is written
+        from tooling.local.run_stamp import machine_info  # torch: only when a file is written
 
         started = machine_info(threads=1)
     if args.seeds is None:

@@ -28,9 +28,9 @@ from types import ModuleType
 from typing import Any
 
 from relaygr.behaviours import RankInput
-from relaygr.local.drive import OpenLoopDriver, PipelineStubs, RequestRecord, pipeline_stubs
-from relaygr.local.workload import Arrival
 from relaygr.tls_settings import PLAINTEXT, TlsSettings
+from tooling.local.drive import OpenLoopDriver, PipelineStubs, RequestRecord, pipeline_stubs
+from tooling.local.workload import Arrival
 
 DETAIL_LOG = "mlperf_log_detail.txt"
 SUMMARY_LOG = "mlperf_log_summary.txt"

@@ -25,10 +25,10 @@ import numpy as np
 
 from relaygr.bounds import POSITIVE, Bounded
 from relaygr.cli_help import HelpFormatter
-from relaygr.local.drive import Point, drive_mesh
-from relaygr.local.mesh import LocalMesh, MeshSpec
-from relaygr.local.workload import Population, WorkloadSpec, poisson_arrivals
 from services.ranker.model_config import PRESETS, ModelPreset
+from tooling.local.drive import Point, drive_mesh
+from tooling.local.mesh import LocalMesh, MeshSpec
+from tooling.local.workload import Population, WorkloadSpec, poisson_arrivals
 
 # (label, trigger mode, mesh): the phases, in the order they run.
 PHASES = (("cache only", "off", "cached"), ("relay", "sequence-aware", "cached"),

@@ -5,8 +5,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from relaygr.sim.plan import Plan, Run, Slice, Trial, host_estimate, round_up
-from relaygr.sim.sweep import VARIANTS, SweepSpec
+from tooling.sim.plan import Plan, Run, Slice, Trial, host_estimate, round_up
+from tooling.sim.sweep import VARIANTS, SweepSpec
 
 # What slicing cost where the whole fleet could be simulated beside it (docs/simulator.md,
 # "Planning a fleet"); --check-slice measures it for the case at hand.

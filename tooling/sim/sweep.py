@@ -1,5 +1,5 @@
 """A simulated benchmark: variants x rates x seeds through fresh fleets, summed as the real
-benchmark sums its runs (`relaygr.local.drive.Point`), with what sizing needs besides."""
+benchmark sums its runs (`tooling.local.drive.Point`), with what sizing needs besides."""
 
 import dataclasses
 import statistics
@@ -9,15 +9,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relaygr.local.drive import HIT_OUTCOMES, OK, Point, RequestRecord, max_compliant
-from relaygr.local.workload import WorkloadSpec
-from relaygr.sim.events import EventLoop
-from relaygr.sim.fleet import Fleet, FleetSettings
-from relaygr.sim.membership import FleetEvent, schedule
-from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.ranker import MemoryUse
-from relaygr.sim.workload import Visit, light_visits
 from services.trigger.config import Mode
+from tooling.local.drive import HIT_OUTCOMES, OK, Point, RequestRecord, max_compliant
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.events import EventLoop
+from tooling.sim.fleet import Fleet, FleetSettings
+from tooling.sim.membership import FleetEvent, schedule
+from tooling.sim.profile import DeviceProfile
+from tooling.sim.ranker import MemoryUse
+from tooling.sim.workload import Visit, light_visits
 
 # label -> (trigger mode, rankers serve from caches): the measurement benchmark's variants.
 VARIANTS: dict[str, tuple[Mode, bool]] = {

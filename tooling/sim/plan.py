@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from relaygr.placement import ranking
-from relaygr.sim.ranker import MemoryUse
-from relaygr.sim.workload import Visit
+from tooling.sim.ranker import MemoryUse
+from tooling.sim.workload import Visit
 
 
 @dataclass(frozen=True, slots=True)

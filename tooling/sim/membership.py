@@ -5,7 +5,7 @@ is replaced: a new one joins, then the old one drains). T is seconds from the st
 from dataclasses import dataclass
 
 from relaygr.errors import InvalidInput
-from relaygr.sim.fleet import Fleet
+from tooling.sim.fleet import Fleet
 
 KINDS = ("kill", "drain", "start", "scale-out", "rolling-restart")
 

@@ -19,17 +19,17 @@ from pathlib import Path
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, SHARE, Bound, Bounded
 from relaygr.cli_help import HelpFormatter
 from relaygr.errors import ConfigError, InvalidInput
-from relaygr.local.workload import WorkloadSpec, read_trace
-from relaygr.sim import output
-from relaygr.sim.fleet import FleetSettings
-from relaygr.sim.membership import FleetEvent
-from relaygr.sim.profile import DeviceProfile, load_profile, write_profile
-from relaygr.sim.progress import Progress
-from relaygr.sim.sweep import VARIANTS, SweepSpec, run_sweep
-from relaygr.sim.workload import Visit, visits_of
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
 from services.trigger.config import TriggerConfig
+from tooling.local.workload import WorkloadSpec, read_trace
+from tooling.sim import output
+from tooling.sim.fleet import FleetSettings
+from tooling.sim.membership import FleetEvent
+from tooling.sim.profile import DeviceProfile, load_profile, write_profile
+from tooling.sim.progress import Progress
+from tooling.sim.sweep import VARIANTS, SweepSpec, run_sweep
+from tooling.sim.workload import Visit, visits_of
 
 DEFAULTS = WorkloadSpec()
 
@@ -250,7 +250,7 @@ def profile_of(args: argparse.Namespace) -> DeviceProfile:
     if args.profile is not None:
         profile = load_profile(args.profile)
     else:
-        from relaygr.sim.measured import read_profile  # grpc only when asked
+        from tooling.sim.measured import read_profile  # grpc only when asked
 
         profile = read_profile(args.profile_from)
     if args.utilisation is not None:

@@ -24,13 +24,13 @@ import numpy as np
 from relaygr.behaviours import RankInput
 from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.security import EtcdSecurity
-from relaygr.local.mesh import LocalMesh
-from relaygr.local.workload import Arrival
 from relaygr.tls import ChannelOption, open_channel
 from relaygr.tls_settings import PLAINTEXT, TlsSettings
 from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
 from services.trigger.live_config import live_config_key
+from tooling.local.mesh import LocalMesh
+from tooling.local.workload import Arrival
 
 OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
 REASONS = {
@@ -277,7 +277,7 @@ class OpenLoopDriver:
     unanswered `hang_grace_s` past it is abandoned as HUNG. Each sent arrival gets one record,
     appended once both its calls are over. `stop_after` (seconds from the start; may be set
     from another thread) ends the schedule: arrivals after it are not sent. `follow`
-    (`relaygr.local.workload.follow_ups`), when given, sets each arrival's own gap and whether
+    (`tooling.local.workload.follow_ups`), when given, sets each arrival's own gap and whether
     a Rank follows at all: a no-show sends its RetrievalEvent only, and is recorded NO_RANK.
     """
 

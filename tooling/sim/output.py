@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from relaygr.sim.sweep import BASELINES, RELAYS, SweepResult
+from tooling.sim.sweep import BASELINES, RELAYS, SweepResult
 
 
 def to_json(result: SweepResult, command: str) -> dict[str, Any]:

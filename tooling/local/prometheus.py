@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaygr.local.mesh import LOOPBACK, Exit, ProcessEntry
-from relaygr.local.ports import free_port
-from relaygr.local.processes import dying_with_parent, terminate
+from tooling.local.mesh import LOOPBACK, Exit, ProcessEntry
+from tooling.local.ports import free_port
+from tooling.local.processes import dying_with_parent, terminate
 
 # The one rule file: the chart renders it into its PrometheusRule; here it is loaded as is.
 ALERTS_FILE = Path(__file__).resolve().parents[2] / "helm" / "relaygr" / "files" / "alerts.yaml"

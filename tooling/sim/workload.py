@@ -1,6 +1,6 @@
 """The simulator's requests: lengths, not behaviours.
 
-A `Visit` is an arrival of the workload generator (`relaygr.local.workload`) reduced to what
+A `Visit` is an arrival of the workload generator (`tooling.local.workload`) reduced to what
 costs time and memory: who, how many user features, long-term and short-term behaviours, and
 candidates. `visits_of` reduces the real arrivals (a trace file, or the generator's), so the
 real mesh and the simulator can run the same trace; `light_visits` draws the same process
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from relaygr.local.workload import (
+from tooling.local.workload import (
     Arrival,
     WorkloadSpec,
     burn_in_s,
@@ -64,7 +64,7 @@ def visits_of(arrivals: Iterable[Arrival]) -> list[Visit]:
 
 def light_visits(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) -> list[Visit]:
     """Open-loop visits at `rate` per second for `duration_s`: the process of
-    `relaygr.local.workload.poisson_arrivals`, drawn in bulk and in lengths only.
+    `tooling.local.workload.poisson_arrivals`, drawn in bulk and in lengths only.
 
     Sessions start as a Poisson process at rate * (1 - revisit_p) from `burn_in_s` before 0;
     each is a user drawn Zipf-wise and a chain of visits, each followed by another with

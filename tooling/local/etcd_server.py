@@ -17,7 +17,7 @@ from pathlib import Path
 
 from relaygr.etcd.roles import etcdctl_commands
 from relaygr.etcd.security import EtcdSecurity
-from relaygr.local.processes import dying_with_parent, terminate
+from tooling.local.processes import dying_with_parent, terminate
 
 _READY_TIMEOUT_S = 20.0
 _STOP_TIMEOUT_S = 5.0
@@ -110,7 +110,7 @@ class EtcdServer:
 
     def client_security(self, user: str = "", password: str = "") -> EtcdSecurity:
         """What a client needs to reach this etcd: its CA and, for `--client-cert-auth`, the
-        server's own certificate (it carries client usage too; see relaygr.local.certs)."""
+        server's own certificate (it carries client usage too; see tooling.local.certs)."""
         if self.tls is None:
             return EtcdSecurity(user=user, password=password)
         return EtcdSecurity(

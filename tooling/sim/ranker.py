@@ -17,9 +17,6 @@ from relaygr.cluster import RankerRecord
 from relaygr.cost import TransferCost
 from relaygr.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from relaygr.room import RoomReport
-from relaygr.sim.events import EventLoop
-from relaygr.sim.profile import DeviceProfile
-from relaygr.sim.workload import Visit
 from services.ranker.core import RankerCore
 from services.ranker.core_types import (
     Action,
@@ -43,6 +40,9 @@ from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.plan import Held
 from services.ranker.queues import Job
+from tooling.sim.events import EventLoop
+from tooling.sim.profile import DeviceProfile
+from tooling.sim.workload import Visit
 
 MODEL_VERSION = ModelVersion("sim")
 

@@ -1,6 +1,6 @@
 """The local mesh: etcd, N rankers, a router and a trigger as separate processes on loopback.
 
-`relaygr up` (relaygr.local.up) runs it until Ctrl-C or SIGTERM; benchmarks, the demo and tests
+`relaygr up` (tooling.local.up) runs it until Ctrl-C or SIGTERM; benchmarks, the demo and tests
 use `LocalMesh` directly. Every process it starts is stopped when it stops (and, on Linux, is also
 sent SIGTERM if this process dies), and its work directory is removed. While it runs, the work
 directory's `processes.json` lists every process: name, role, address, pid, /metrics URL and
@@ -29,11 +29,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from relaygr.authz import Role
 from relaygr.cpu_quota import available_cpus
 from relaygr.etcd.security import EtcdSecurity
-from relaygr.local.certs import Pki, make_pki
-from relaygr.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
-from relaygr.local.processes import dying_with_parent, terminate
 from relaygr.tls import open_blocking_channel
 from relaygr.tls_settings import PLAINTEXT, ClientTls
+from tooling.local.certs import Pki, make_pki
+from tooling.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
+from tooling.local.processes import dying_with_parent, terminate
 
 _PORT_LINE = re.compile(r"listening on port (\d+)")
 _STOP_TIMEOUT_S = 30.0
@@ -58,7 +58,7 @@ class MeshSpec:
     start_timeout_s: float = 300.0  # rankers load their model and calibrate first
     log_dir: Path | None = None  # keep the services' logs here (default: removed with the mesh)
     # Mutual TLS on every hop and to etcd, with a throwaway CA in the mesh's temporary
-    # directory (relaygr.local.certs); otherwise every service runs with --plaintext.
+    # directory (tooling.local.certs); otherwise every service runs with --plaintext.
     tls: bool = False
     # Prometheus /metrics of each service on loopback, on consecutive ports from this one, in
     # start order (rankers, routers, trigger); 0: none.
@@ -448,7 +448,7 @@ def _launch(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
     """`relaygr <args>` as a child that dies with this thread, its output going to `log`."""
     with log.open("wb") as out:
         return subprocess.Popen(
-            dying_with_parent([sys.executable, "-m", "relaygr.cli", *args]),
+            dying_with_parent([sys.executable, "-m", "tooling.cli", *args]),
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -7,10 +7,10 @@ from statistics import fmean
 
 from relaygr.cost import CostModel
 from relaygr.errors import InvalidInput
-from relaygr.sim.profile import DeviceProfile
 from relaygr.tls import open_blocking_channel
 from relaygr.tls_settings import PLAINTEXT, TlsSettings
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc
+from tooling.sim.profile import DeviceProfile
 
 # For a normal spread, the median |deviation| is 0.6745 standard deviations.
 _MEDIAN_ABS_PER_SD = 0.6745
