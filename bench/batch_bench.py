@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from model_bench import matmul_peak, matmul_rates, random_behaviours, rank_flops
 
+from bench.model_bench import matmul_peak, matmul_rates, random_behaviours, rank_flops
 from bench.report import add_render_arguments, load_result, machine_info, run_stamp, write_section
 from relaygr.behaviours import Prefix
 from relaygr.bounds import AT_LEAST_ONE, Bounded

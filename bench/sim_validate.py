@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from relay_bench import CACHE_ONLY, RELAY_AWARE, VARIANTS, add_mesh_arguments, mesh_spec, workload
 
 from bench.pipeline import (
     BENCH_MODEL,
@@ -42,6 +41,14 @@ from bench.pipeline import (
     result_name,
     save_results,
     sweep,
+)
+from bench.relay_bench import (
+    CACHE_ONLY,
+    RELAY_AWARE,
+    VARIANTS,
+    add_mesh_arguments,
+    mesh_spec,
+    workload,
 )
 from bench.report import load_result, machine_info, max_compliant, run_stamp, write_section
 from bench.verdict import labelled, ranks_note

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from relaygr import cli
 from relaygr.authz import (
     MESH,
     AuthzStats,
@@ -25,6 +24,7 @@ from relaygr.etcd.roles import ETCD_GRANTS, etcd_user, etcdctl_commands
 from relaygr.v1 import ranker_pb2, router_pb2, trigger_pb2
 from services.router.config import RouterConfig
 from services.trigger.config import TriggerConfig
+from tooling import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 RANKER = "/relaygr.v1.RankerService/"

@@ -139,7 +139,7 @@ def test_a_simulated_comparison_on_fewer_than_5_seeds_is_refused_unless_indicati
 
 
 def test_sim_paper_refuses_two_seeds() -> None:
-    import sim_paper
+    import bench.sim_paper as sim_paper
 
     with pytest.raises(SystemExit):
         sim_paper.parse(["--seeds", "2"])

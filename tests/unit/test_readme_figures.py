@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relay_bench import BASELINES, RELAYS, best_of, load_points, of_label, per_seed_figure
 
+from bench.relay_bench import BASELINES, RELAYS, best_of, load_points, of_label, per_seed_figure
 from bench.verdict import PairedRatios, Spread, compliant_throughput
 from tooling.local.drive import max_compliant
 

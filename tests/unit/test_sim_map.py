@@ -4,7 +4,18 @@ import math
 import random
 from pathlib import Path
 
-from sim_map import AXES, CENTRE, CORNERS, chart, map_points, measure, parse, ratios, render, spread
+from bench.sim_map import (
+    AXES,
+    CENTRE,
+    CORNERS,
+    chart,
+    map_points,
+    measure,
+    parse,
+    ratios,
+    render,
+    spread,
+)
 
 
 def test_the_grid_is_one_axis_at_a_time_around_the_centre_plus_the_corners() -> None:
