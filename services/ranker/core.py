@@ -195,7 +195,7 @@ class RankerCore(Generic[KV]):
         """A Rank arrived; `origin`: the request as the producer of what it computes."""
         rid = self._new_id()
         r = Pending(rid, Role.SCORING, None, request.prefix, deadline, rank=request, own=origin,
-                     tag=tag)  # fmt: skip
+                     tag=tag, arrived=self.clock())  # fmt: skip
         self._requests[rid] = r
         try:
             self._rank(r)
@@ -402,10 +402,10 @@ class RankerCore(Generic[KV]):
             return
         flight = self.flights.get(key)
         if flight is not None:
-            if self._take_over(key, flight, r.prefix, r.deadline, r.own):
+            if self._take_over(key, flight, r.prefix, r.deadline, r.own, r.arrived):
                 r.role = Role.OWN
             else:
-                self._hasten(flight, r.deadline)
+                self._hasten(flight, r.deadline, r.arrived)
                 r.role, r.outcome = Role.WAITING, CacheOutcome.WAITED_INFLIGHT
                 r.consumed, r.relayed = flight.origin, flight.relay
             flight.waiters.append(r.rid)
@@ -414,7 +414,9 @@ class RankerCore(Generic[KV]):
 
     def _compute_own(self, r: Pending) -> None:
         assert r.key is not None
-        flight = self._start(r.key, r.prefix, Priority.RANK, r.deadline, None, r.own, tag=r.tag)
+        flight = self._start(
+            r.key, r.prefix, Priority.RANK, r.deadline, None, r.own, tag=r.tag, place=r.arrived
+        )
         r.role = Role.OWN
         flight.waiters.append(r.rid)
 
@@ -424,7 +426,8 @@ class RankerCore(Generic[KV]):
 
     def _score(self, r: Pending, spec: Spec, name: str, step_ms: tuple[float, ...]) -> None:
         r.role = Role.SCORING
-        job = self._queue(name, spec, Priority.RANK, r.deadline, None, step_ms, r.tag)
+        # In the Rank's place: a miss scored after its prefill lands keeps the place it had.
+        job = self._queue(name, spec, Priority.RANK, r.deadline, None, step_ms, r.tag, r.arrived)
         r.job = job
         self._owner[job] = r.rid
 
@@ -448,9 +451,11 @@ class RankerCore(Generic[KV]):
         origin: Origin | None,
         due: float | None = None,
         tag: Any = None,
+        place: float | None = None,
     ) -> Flight:
         """The cheapest way to make `key` device-resident, as the key's one flight. Background
-        work runs in chunks, so that ranks overtake it; rank work in one call."""
+        work runs in chunks, so that ranks overtake it; rank work in one call, in `place` (the
+        arrival of the Rank it serves)."""
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
         peers = self._planner.fetch_peers(key)
         source, spec, computed, step_ms = self._planner.plan(key, prefix, chunk, peers)
@@ -464,7 +469,7 @@ class RankerCore(Generic[KV]):
             return flight
         if source is Source.RELOAD and pin_for is None:
             origin = self._planner.reload_origin(key, origin)
-        job = self._submit(key, source, spec, step_ms, priority, deadline, due, tag)
+        job = self._submit(key, source, spec, step_ms, priority, deadline, due, tag, place)
         flight = Flight(key, prefix, FlightState.COMPUTING, source, computed, pin_for, due,
                         origin, job, tag=tag)  # fmt: skip
         self.flights[key] = flight
@@ -481,8 +486,10 @@ class RankerCore(Generic[KV]):
         deadline: float | None,
         due: float | None,
         tag: Any,
+        place: float | None = None,
     ) -> Job:
-        return self._queue(f"{source}:{key.user_id}", spec, priority, deadline, due, step_ms, tag)
+        name = f"{source}:{key.user_id}"
+        return self._queue(name, spec, priority, deadline, due, step_ms, tag, place)
 
     def _queue(
         self,
@@ -493,10 +500,11 @@ class RankerCore(Generic[KV]):
         due: float | None,
         step_ms: tuple[float, ...],
         tag: Any = None,
+        place: float | None = None,
     ) -> Job:
         try:
             job = self.queues.submit(name, spec, priority, deadline, due=due, step_ms=step_ms,
-                                     submitted_ns=self._wall_ns())  # fmt: skip
+                                     submitted_ns=self._wall_ns(), place=place)  # fmt: skip
         except Overloaded as err:
             raise ResourceExhausted(str(err)) from err
         job.tag = tag
@@ -509,6 +517,7 @@ class RankerCore(Generic[KV]):
         prefix: PrefixRef,
         deadline: float | None,
         origin: Origin | None,
+        place: float | None = None,
     ) -> bool:
         """Whether a Rank computes its prefix itself rather than wait for its in-flight job:
         background work still queued is restarted as the Rank's one call when the cost model
@@ -519,7 +528,7 @@ class RankerCore(Generic[KV]):
             return False
         source, spec, computed, step_ms = self._planner.plan(key, prefix, None)
         if not sooner(sum(step_ms), job.remaining_ms) or not self.queues.restart(
-            job, spec, step_ms, deadline
+            job, spec, step_ms, deadline, place
         ):
             return False
         flight.source, flight.computed_tokens = source, computed
@@ -528,11 +537,12 @@ class RankerCore(Generic[KV]):
             flight.origin = self._planner.reload_origin(key, origin)
         return True
 
-    def _hasten(self, flight: Flight, deadline: float | None) -> None:
-        """A Rank waits for `flight`: its job runs next, at rank priority; a running fetch's
-        fallback, should the fetch fail, computes at rank priority by the earliest deadline."""
+    def _hasten(self, flight: Flight, deadline: float | None, place: float | None = None) -> None:
+        """A Rank (arrived at `place`) waits for `flight`: its job runs at rank priority, in that
+        Rank's place; a running fetch's fallback, should the fetch fail, computes at rank
+        priority by the earliest deadline."""
         if flight.job is not None:
-            self.queues.promote(flight.job, deadline)
+            self.queues.promote(flight.job, deadline, place)
             return
         flight.fallback_priority = Priority.RANK
         if deadline is not None:

@@ -72,3 +72,4 @@ class Pending:
     consumed: Origin | None = None
     job: Job | None = None  # its scoring job
     tag: Any = None
+    arrived: float = 0.0  # when it arrived (a Rank's place in the rank line)

@@ -38,7 +38,11 @@ class Job:
     step_ms: tuple[float, ...] = ()
     remaining_ms: float = 0.0
     steps_run: int = 0
-    seq: int = 0  # submission order: ties of `due` go to the older job
+    seq: int = 0  # submission order: ties of `due` (or of `place`) go to the older job
+    # A rank job's place in line: when the Rank it serves arrived (its submission, for one
+    # serving no Rank). A Rank's prefill and its scoring share the Rank's place, so a miss
+    # keeps its place between the two (docs/architecture.md §7).
+    place: float = 0.0
     queued: bool = False  # in a queue (False: taken, or finished)
     counted: Priority | None = None  # the priority whose total holds its remaining_ms
     started: bool = False  # its first step was taken
@@ -76,9 +80,11 @@ class Overloaded(Exception):
 class ComputeQueues:
     """The order in which one worker runs jobs, one step at a time.
 
-    Between any two steps the worker takes the oldest rank-priority job if there is one, so a
-    rank waits at most for the step already running (one prefill chunk), never for a whole
-    background job. Rank jobs run first-in first-out, a started one resumed before younger ones.
+    Between any two steps the worker takes a rank-priority job if there is one, so a rank waits
+    at most for the step already running (one prefill chunk), never for a whole background job.
+    Rank jobs run in the order their Ranks arrived (`Job.place`, ties in submission order), a
+    started one resumed first: a miss's scoring, queued when its prefill lands, goes before
+    every Rank that arrived after it.
     Background jobs run earliest `due` first (no `due`: after every dated job), ties in
     submission order; a background job goes back to that order after each step, so one due
     sooner that arrived meanwhile overtakes it between chunks (preemptive EDF). `promote` lifts a
@@ -92,7 +98,8 @@ class ComputeQueues:
     def __init__(
         self, max_queued: dict[Priority, int], clock: Callable[[], float], event_log: int = 4096
     ) -> None:
-        self._ranks: deque[Job] = deque()
+        # (not started, place, seq, job): a started rank job resumes first, then by place.
+        self._ranks: list[tuple[bool, float, int, Job]] = []
         # (due, seq, job) entries; a promoted job's entry stays behind, skipped when popped.
         self._background: list[tuple[float, int, Job]] = []
         self._background_queued = 0  # live entries of _background
@@ -114,11 +121,14 @@ class ComputeQueues:
         due: float | None = None,
         step_ms: Sequence[float] = (),
         submitted_ns: int = 0,
+        place: float | None = None,
     ) -> Job:
-        """Queue a job; `due` orders background work, `step_ms` predicts each step's time."""
+        """Queue a job; `due` orders background work, `place` rank work (None: now), `step_ms`
+        predicts each step's time."""
         costs = tuple(step_ms)
         job = Job(name, spec, priority, deadline, due, costs, sum(costs))
         job.submitted_ns = submitted_ns
+        job.place = self.clock() if place is None else place
         return self.add(job)
 
     def add(self, job: Job) -> Job:
@@ -135,29 +145,42 @@ class ComputeQueues:
         self._log("submitted", job)
         return job
 
-    def promote(self, job: Job, deadline: float | None = None) -> None:
-        """Run `job` at rank priority, keeping it alive until `deadline` (None: no deadline)."""
+    def promote(self, job: Job, deadline: float | None = None, place: float | None = None) -> None:
+        """Run `job` at rank priority, keeping it alive until `deadline` (None: no deadline), in
+        the place of the Rank that waits for it (`place`, its arrival; None: now)."""
         if job.deadline is not None:
             job.deadline = None if deadline is None else max(job.deadline, deadline)
+        place = self.clock() if place is None else place
         if job.priority is Priority.RANK:
+            if place < job.place and job.queued:  # an earlier Rank waits for it: move it up
+                self._ranks = [e for e in self._ranks if e[3] is not job]
+                heapq.heapify(self._ranks)
+                job.place = place
+                self._push_rank(job)
             return
         self._uncount(job)
         job.priority = Priority.RANK
+        job.place = place
         self._count(job)
         if job.queued:  # its heap entry is now stale: skipped when it comes up
             self._background_queued -= 1
-            self._ranks.append(job)
+            self._push_rank(job)
         self._log("promoted", job)
 
     def restart(
-        self, job: Job, spec: Any, step_ms: Sequence[float], deadline: float | None = None
+        self,
+        job: Job,
+        spec: Any,
+        step_ms: Sequence[float],
+        deadline: float | None = None,
+        place: float | None = None,
     ) -> bool:
         """Replace what `job`, which sits in a queue, computes, and run it at rank priority as
         `promote` does; False (nothing changed) when it is taken or finished. Its earlier steps'
         partial work is dropped; its first-step checks stay."""
         if not job.queued or job.cancelled:
             return False
-        self.promote(job, deadline)
+        self.promote(job, deadline, place)
         self._uncount(job)
         job.spec, job.partial = spec, None
         job.step_ms, job.steps_run = tuple(step_ms), 0
@@ -224,18 +247,18 @@ class ComputeQueues:
         """Queue `job`; `resume`: it just ran a step (a rank job then goes first)."""
         job.queued = True
         if job.priority is Priority.RANK:
-            if resume:
-                self._ranks.appendleft(job)
-            else:
-                self._ranks.append(job)
+            self._push_rank(job)
         else:
             due = math.inf if job.due is None else job.due
             heapq.heappush(self._background, (due, job.seq, job))
             self._background_queued += 1
 
+    def _push_rank(self, job: Job) -> None:
+        heapq.heappush(self._ranks, (not job.started, job.place, job.seq, job))
+
     def _pop(self) -> Job | None:
         if self._ranks:
-            return self._ranks.popleft()
+            return heapq.heappop(self._ranks)[3]
         while self._background:
             _, _, job = heapq.heappop(self._background)
             if job.priority is Priority.BACKGROUND:  # else promoted: a stale entry

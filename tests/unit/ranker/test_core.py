@@ -444,3 +444,49 @@ def test_reading_the_stats_changes_nothing_and_a_tick_expires_relays() -> None:
     stats = core.stats()
     assert stats.tiers[Tier.HBM].pinned_bytes == 0
     assert stats.kv.relays_expired_unconsumed == 1
+
+
+# -- a miss keeps its place --------------------------------------------------------------------
+
+
+def test_a_miss_is_scored_before_ranks_that_arrived_after_it() -> None:
+    """A's Rank misses: its prefill runs, then its scoring; B's Rank (a hit) arrives while A's
+    prefill runs. A's scoring, queued when the prefill lands, goes before B's: the miss keeps
+    the place its Rank had in line (a cache-only server that ran a miss as one job would score A
+    first too)."""
+    core, d, clock = make()
+    b = prefix("b", start=1000)
+    d.pre_infer(b)
+    d.run()  # b is resident: its Rank is a hit
+    a = prefix("a")
+    miss = d.rank(R(a))  # arrives first
+    d.feed(core.worker_free())  # A's prefill is taken
+    assert d.running is not None and isinstance(d.running.spec, Prefill)
+    clock.now += 1.0
+    hit = d.rank(R(b))  # arrives while A's prefill runs: its scoring queues at once
+    clock.now += 1.0
+    ran = d.run()  # A's prefill lands, A's scoring queues behind B's by submission
+    scored = [j.name for j in ran if isinstance(j.spec, Score)]
+    assert scored == ["rank", "rank"]
+    first = next(j for j in ran if isinstance(j.spec, Score))
+    assert first.spec.request.prefix == a, "B's later Rank overtook A's miss"
+    assert isinstance(d.result(miss), RankAnswer) and isinstance(d.result(hit), RankAnswer)
+    assert d.result(miss).outcome is CacheOutcome.MISS  # type: ignore[union-attr]
+
+
+def test_a_rank_waiting_for_a_background_prefill_lifts_it_into_its_own_place() -> None:
+    _, d, clock = make(cost=replace(COST, fixed_ms=0.0))
+    b = prefix("b", start=1000)
+    d.pre_infer(b)
+    d.run()
+    a = prefix("a")
+    d.pre_infer(a)  # background prefill of a, queued
+    clock.now += 1.0
+    early = d.rank(R(a))  # waits for it: promoted in this Rank's place
+    clock.now += 1.0
+    d.rank(R(b))  # a later hit
+    ran = d.run()
+    first_rank_work = next(j for j in ran if j.priority is Priority.RANK)
+    assert isinstance(first_rank_work.spec, Prefill | Extend), first_rank_work
+    assert first_rank_work.spec.prefix == a  # before the later hit's scoring
+    assert d.result(early).outcome is CacheOutcome.WAITED_INFLIGHT  # type: ignore[union-attr]
