@@ -392,7 +392,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         help="smoke run: 256 tokens, B 1 and 4, one seed; writes "
         "bench/results/batch_bench.quick.json and leaves the docs alone",
     )
-    parser.add_argument("--output", type=Path, default=None, help="JSON result path")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON result path (default: bench/results/batch_bench.json; "
+        "batch_bench.quick.json with --quick)",
+    )
     parser.add_argument(
         "--docs", type=Path, default=None, help="Markdown to update (default: docs/benchmarks.md)"
     )

@@ -1,4 +1,4 @@
-"""`relaygr plan` as a stored result: its answer, the slice check and the printed report, with the
+r"""`relaygr plan` as a stored result: its answer, the slice check and the printed report, with the
 command, machine and commit stamped as the run starts, re-rendered into docs/benchmarks.md.
 
 Every option after `--` goes to `relaygr plan` unchanged; this script adds `--json` and saves
@@ -20,16 +20,17 @@ from pathlib import Path
 
 from bench.pipeline import ROOT
 from bench.report import add_render_arguments, dumps_result, publish, run_stamp
+from relaygr.cli_help import HelpFormatter
 from tooling.sim.plan_cli import main as plan_main
 
 NAME = "plan_bench"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--tag", default="", help="suffix of the result file and docs section (default: none)"
     )
-    p.add_argument("--tag", default="", help="suffix of the result file and docs section")
     add_render_arguments(p)
     p.add_argument("plan", nargs=argparse.REMAINDER, help="-- then `relaygr plan`'s options")
     args = p.parse_args(argv)

@@ -52,6 +52,7 @@ from bench.verdict import (
     ranks_note,
 )
 from relaygr.cli_help import HelpFormatter
+from services.trigger.policy import relays_admitted
 from tooling.local.drive import Point
 from tooling.local.mesh import LocalMesh, MeshSpec
 from tooling.local.modes import NO_CACHE as NO_CACHE_SYSTEM
@@ -235,7 +236,7 @@ def split_row(points: Sequence[Point]) -> str:
     hits = sum(p.hits for p in points)
     errors = sum(sum(p.errors.values()) for p in points)
     refused = sum(p.reasons.get(r, 0) for p in points for r in ("footprint_limit", "load_limit"))
-    admitted = sum(p.reasons.get("admitted", 0) for p in points)
+    admitted = sum(relays_admitted(p.reasons) for p in points)
     share = (lambda n: f"{n / ok:.0%}") if ok else (lambda n: "-")
     return (
         f"{ok} | {share(relayed)} | {share(hits - relayed)} | {share(ok - hits)} | {admitted} "

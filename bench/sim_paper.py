@@ -31,6 +31,7 @@ from bench.verdict import (
     labelled,
     seeds_note,
 )
+from services.trigger.policy import relays_admitted
 from tooling.local.drive import max_compliant
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
@@ -262,7 +263,7 @@ def render(saved: dict) -> str:
             f"| {p['variant']} | {p['seed']} | {p['rate']:g} | {p['p50_ms']:.1f} "
             f"| {p['p99_ms']:.1f} "
             f"| {p['hit_ratio']:.0%} | {p['relayed_ratio']:.0%} | {p['cached_ratio']:.0%} "
-            f"| {r.get('admitted', 0):,} | {r.get('not_at_risk', 0):,} | {refusals} "
+            f"| {relays_admitted(r):,} | {r.get('not_at_risk', 0):,} | {refusals} "
             f"| {p['fleet']['relays_refused']:,} | {p['sent'] - p['ok']:,} |"
         )
     return "\n".join(lines) + "\n"

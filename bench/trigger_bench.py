@@ -39,7 +39,7 @@ from relaygr.v1 import common_pb2
 from services.ranker.synthetic import random_behaviours
 from services.trigger.config import TriggerConfig
 from services.trigger.dispatch import Dispatcher
-from services.trigger.policy import AdmissionPolicy
+from services.trigger.policy import AdmissionPolicy, relays_admitted
 from services.trigger.service import TriggerServicer
 from tooling.local.drive import Point, retrieval_event
 from tooling.local.mesh import LocalMesh, MeshSpec
@@ -104,7 +104,7 @@ def render(
     ]
     for p in sorted(points, key=lambda p: (p.rate, MODES.index(p.label))):
         span = max(p.duration_s, 1e-9)
-        relays = p.reasons.get("admitted", 0) / span
+        relays = relays_admitted(p.reasons) / span
         decisions = ", ".join(f"{k} {v}" for k, v in sorted(p.reasons.items())) or "-"
         errs = ", ".join(f"{k} {v}" for k, v in p.errors.items()) or "-"
         rows.append(

@@ -4,7 +4,6 @@ import enum
 import hashlib
 import itertools
 import math
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
@@ -59,27 +58,25 @@ def ranking(user: str, instances: Iterable[str]) -> list[str]:
     if not members.names:
         return []
     key = (user, members.number)
-    with _ORDERS_LOCK:
-        order = _ORDERS.get(key)
-        if order is not None:
-            _ORDERS.move_to_end(key)
+    order = _ORDERS.get(key)
+    if order is not None:
+        _ORDERS.move_to_end(key)
     if order is None:
         weights = _mix(members.hashes ^ np.uint64(_h64(user)))
         # Descending weight; a stable sort keeps equal weights in ascending id order.
         order = np.argsort(~weights, kind="stable").astype(np.int32)
-        with _ORDERS_LOCK:
-            _ORDERS[key] = order
-            if len(_ORDERS) > _ORDERS_KEPT:
-                _ORDERS.popitem(last=False)
+        _ORDERS[key] = order
+        if len(_ORDERS) > _ORDERS_KEPT:
+            _ORDERS.popitem(last=False)
     names = members.names
     return [names[i] for i in order.tolist()]
 
 
 # Recent users' orders, as indices into their instance set's sorted ids (4 bytes an instance:
-# 65,536 users over 100 instances is about 26 MB).
+# 65,536 users over 100 instances is about 26 MB). Placement is decided on a service's event
+# loop (or the simulator's clock), never from two threads, so the caches take no lock.
 _ORDERS: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
 _ORDERS_KEPT = 1 << 16
-_ORDERS_LOCK = threading.Lock()
 
 
 _MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
@@ -112,21 +109,18 @@ class _Members:
         self._keep = keep
         self._sets: OrderedDict[frozenset[str], _Set] = OrderedDict()
         self._numbers = itertools.count()
-        self._lock = threading.Lock()
 
     def get(self, live: frozenset[str]) -> _Set:
-        with self._lock:
-            held = self._sets.get(live)
-            if held is not None:
-                self._sets.move_to_end(live)
-                return held
+        held = self._sets.get(live)
+        if held is not None:
+            self._sets.move_to_end(live)
+            return held
         names = sorted(live)
         hashes = np.array([_h64(n) for n in names], dtype=np.uint64)
-        with self._lock:
-            held = _Set(names, hashes, next(self._numbers))
-            self._sets[live] = held
-            while len(self._sets) > self._keep:
-                self._sets.popitem(last=False)
+        held = _Set(names, hashes, next(self._numbers))
+        self._sets[live] = held
+        while len(self._sets) > self._keep:
+            self._sets.popitem(last=False)
         return held
 
 

@@ -19,7 +19,7 @@ from services.trigger.config import Mode, TriggerConfig
 class Reason(enum.StrEnum):
     """Why an event was or was not admitted; the names match relaygr.v1.AdmissionReason."""
 
-    ADMITTED = "admitted"
+    ADMITTED = "admitted"  # at risk, relayed
     NOT_AT_RISK = "not_at_risk"
     FOOTPRINT_LIMIT = "footprint_limit"  # larger than every relay budget in the fallback order
     LOAD_LIMIT = "load_limit"  # where there is room, queued prefill would delay the Rank
@@ -28,6 +28,15 @@ class Reason(enum.StrEnum):
     RELAY_DISABLED = "relay_disabled"
     NO_RANKER = "no_ranker"
     NO_ROOM = "no_room"  # no ranker in the fallback order has room now
+    SPARE = "spare"  # not at risk, relayed into the owner's spare room (`relay_spare_share`)
+
+
+ADMITTING = frozenset({Reason.ADMITTED, Reason.SPARE})
+
+
+def relays_admitted(reasons: Mapping[str, int]) -> int:
+    """How many decisions of a count by reason (value) dispatched a relay."""
+    return sum(reasons.get(reason.value, 0) for reason in ADMITTING)
 
 
 class Settled(enum.StrEnum):
@@ -66,7 +75,7 @@ class Decision:
 
     @property
     def admitted(self) -> bool:
-        return self.reason is Reason.ADMITTED
+        return self.reason in ADMITTING
 
 
 class AdmissionPolicy:
@@ -150,7 +159,7 @@ class AdmissionPolicy:
             if not placed.admitted:
                 reason = placed.reason if at_risk else Reason.NOT_AT_RISK
                 return dataclasses.replace(decided, reason=reason)
-            decided = placed
+            decided = placed if at_risk else dataclasses.replace(placed, reason=Reason.SPARE)
         expires = now + cfg.relay_window_s  # in flight: until its dispatch deadline at most
         self.room.start(
             key,

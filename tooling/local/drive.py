@@ -49,9 +49,13 @@ _Reply = TypeVar("_Reply")
 
 # What a one-behaviour probe (never at risk, never cached) gets back in each trigger mode.
 _PROBE_EXPECTED = {
-    "off": trigger_pb2.ADMISSION_REASON_RELAY_DISABLED,
-    "all": trigger_pb2.ADMISSION_REASON_ADMITTED,
-    "sequence-aware": trigger_pb2.ADMISSION_REASON_NOT_AT_RISK,
+    "off": {trigger_pb2.ADMISSION_REASON_RELAY_DISABLED},
+    "all": {trigger_pb2.ADMISSION_REASON_ADMITTED},
+    # A one-behaviour probe is never at risk: refused, or relayed into spare room.
+    "sequence-aware": {
+        trigger_pb2.ADMISSION_REASON_NOT_AT_RISK,
+        trigger_pb2.ADMISSION_REASON_SPARE,
+    },
 }
 
 
@@ -85,7 +89,7 @@ async def set_trigger_mode(
                 long_term=common_pb2.Behaviours(item_ids=[1], actions=[0], timestamps=[1]),
                 expected_candidates=1,
             )
-            if (await stub.OnRetrieval(event, timeout=5)).reason == _PROBE_EXPECTED[mode]:
+            if (await stub.OnRetrieval(event, timeout=5)).reason in _PROBE_EXPECTED[mode]:
                 return
             await asyncio.sleep(0.05)  # poll interval under a deadline
     raise TimeoutError(f"trigger did not switch to mode {mode}")

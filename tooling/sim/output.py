@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from services.trigger.policy import relays_admitted
 from tooling.sim.sweep import BASELINES, RELAYS, SweepResult
 
 
@@ -94,7 +95,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"| {p['variant']} | {p['seed']} | {p['rate']:g} | {p['ok']:,} | {p['p50_ms']:.1f} "
             f"| {p['p99_ms']:.1f} | {p['hit_ratio']:.0%} | {p['relayed_ratio']:.0%} "
-            f"| {p['cached_ratio']:.0%} | {reasons.get('admitted', 0):,} "
+            f"| {p['cached_ratio']:.0%} | {relays_admitted(reasons):,} "
             f"| {reasons.get('not_at_risk', 0):,} | {refusals} | {p['sent'] - p['ok']:,} |"
         )
     return "\n".join(lines) + "\n"
