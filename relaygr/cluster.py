@@ -173,21 +173,36 @@ class MemoryCluster:
         # (model version, user id) -> (placement, holder instance id)
         self._placements: dict[tuple[str, str], tuple[PlacementRecord, str]] = {}
 
+    # The ports' async methods do no I/O here: each is its synchronous twin, which a caller
+    # on a virtual clock (the simulator) calls directly.
+
     async def register(self, record: RankerRecord, ttl_s: float) -> None:
+        self.join(record, ttl_s)
+
+    def join(self, record: RankerRecord, ttl_s: float) -> None:
+        """`register`, now."""
         if not ttl_s > 0:
             raise InvalidInput(f"lease ttl_s must be positive, got {ttl_s}")
         self._rankers = {**self._rankers, record.instance_id: record}
         self._view = types.MappingProxyType(self._rankers)
 
     async def deregister(self, instance_id: str) -> None:
+        self.leave(instance_id)
+
+    def leave(self, instance_id: str) -> None:
+        """`deregister`, now."""
         self._rankers = {k: v for k, v in self._rankers.items() if k != instance_id}
         self._view = types.MappingProxyType(self._rankers)
-        await self.forget_instance(instance_id)
+        self.forget(instance_id)
 
     def view(self) -> Mapping[str, RankerRecord]:
         return self._view
 
     async def record(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
+        return self.put(placement, holder_instance_id)
+
+    def put(self, placement: PlacementRecord, holder_instance_id: str) -> bool:
+        """`record`, now."""
         if holder_instance_id not in self._rankers:
             return False
         key = (placement.model_version, placement.user_id)
@@ -214,6 +229,10 @@ class MemoryCluster:
         return None if placement is None else placement.instance_id
 
     async def forget_instance(self, instance_id: str) -> None:
+        self.forget(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """`forget_instance`, now."""
         self._placements = {
             key: (placement, holder)
             for key, (placement, holder) in self._placements.items()

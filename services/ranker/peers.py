@@ -16,13 +16,10 @@ def successor(
     rendezvous hashing moves a user only onto a joining ranker, so the rest of the order keeps
     the previous owner first. None when no other ranker serves the version.
     """
-    others = [
-        instance
-        for instance, record in view.items()
-        if instance != self_id and record.model_version == model_version
-    ]
-    order = ranking(user, others)
-    return order[0] if order else None
+    # A rendezvous order without `self_id` is the whole version's order with it left out: rank
+    # over the version's rankers (one member set for every ranker, kept by `ranking`).
+    mine = [instance for instance, record in view.items() if record.model_version == model_version]
+    return next((instance for instance in ranking(user, mine) if instance != self_id), None)
 
 
 def fetch_peers(

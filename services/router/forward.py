@@ -363,14 +363,23 @@ class Forwarder:
             self.stats.refused_then_spilled += 1
         return Served(reply, instance, attempts, fallback)
 
+    def placement(self, user: str, instance: str, model_version: str) -> PlacementRecord:
+        """What the directory is told when the user's cache for `model_version` lives on
+        `instance`: that, for a relay window from now."""
+        expires_at = self._clock() + self.settings.relay_window_s
+        return PlacementRecord(user, instance, expires_at, model_version)
+
+    def recorded(self, written: bool) -> None:
+        """Count a directory write the store took (`written`) or had no use for."""
+        if written:
+            self.stats.directory_writes += 1
+
     async def record(self, user: str, instance: str, model_version: str) -> None:
         """Tell the directory that the user's cache for `model_version` lives on `instance`
         (for a relay window)."""
-        expires_at = self._clock() + self.settings.relay_window_s
-        placement = PlacementRecord(user, instance, expires_at, model_version)
+        placement = self.placement(user, instance, model_version)
         try:
-            if await self._directory.record(placement, instance):
-                self.stats.directory_writes += 1
+            self.recorded(await self._directory.record(placement, instance))
         except Unavailable as err:  # the store is down: affinity may degrade, serving goes on
             self.stats.directory_write_failures += 1
             _log.warning("placement of %s on %s not recorded: %s", user, instance, err)

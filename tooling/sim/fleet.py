@@ -11,7 +11,7 @@ fixed per-request overhead (the profile's `request_overhead_ms`, half each way).
 
 import random
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,16 +120,6 @@ def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
     )
 
 
-def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine that never suspends (the in-memory cluster's) to its end."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("a simulated call suspended")
-
-
 def _no_transport(address: str, method: Method) -> Any:
     raise AssertionError("the simulated router calls rankers through the fleet")
 
@@ -201,7 +191,7 @@ class Fleet:
         instance = f"ranker-{index}"
         self.rankers[instance] = self._make_ranker(instance, self)
         record = ranker_record(instance, index, self.profile)
-        run_now(self.cluster.register(record, self.settings.ranker.lease_ttl_s))
+        self.cluster.join(record, self.settings.ranker.lease_ttl_s)
         self.stats.registrations += 1
         self._changed_at = self.loop.now
         return instance
@@ -257,7 +247,7 @@ class Fleet:
 
     def _leave(self, instance: str) -> None:
         if instance in self.cluster.view():
-            run_now(self.cluster.deregister(instance))
+            self.cluster.leave(instance)
             self.stats.deregistrations += 1
             self._changed_at = self.loop.now
 
@@ -447,7 +437,8 @@ class Fleet:
 
     def _book(self, route: Route, served: Served) -> None:
         if self.forwarder.book(route, served):
-            run_now(self.forwarder.record(route.user, served.instance, route.model_version))
+            placement = self.forwarder.placement(route.user, served.instance, route.model_version)
+            self.forwarder.recorded(self.cluster.put(placement, served.instance))
 
     def _relay_done(self, relay: _Relay, landed: tuple[str, int] | None, refused: bool) -> None:
         """The trigger hears how its PreInfer ended (the dispatcher's `on_outcome`)."""
