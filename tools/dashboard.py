@@ -92,7 +92,7 @@ ROWS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
         (
             Chart(
                 "Retrieval events by admission reason",
-                "The trigger's decisions: admitted (relayed) and every reason to refuse",
+                "The trigger's decisions: admitted and spare (relayed) and every reason to refuse",
                 "ops",
                 (
                     Query(

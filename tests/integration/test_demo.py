@@ -30,7 +30,8 @@ def test_quick_demo_runs_the_mesh_and_reports_both_phases(tmp_path: Path) -> Non
     assert rows["cache only"][-3] == "0%", result.stdout  # nothing relayed without a trigger
     assert rows["relay"][-3] != "0%", result.stdout  # the relay relayed something
     assert "in-SLO" not in result.stdout  # no per-rate throughput that reads as equal
-    assert any(line.startswith("relay admissions: ") and "admitted" in line for line in lines)
+    relay_line = next(line for line in lines if line.startswith("relay admissions: "))
+    assert "admitted" in relay_line or "spare" in relay_line, relay_line  # it relayed some
     assert result.stdout.count("failed Ranks: none") == 3, result.stdout
     chart = tmp_path / "relay_demo.png"
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -697,9 +697,12 @@ def test_the_price_of_room_is_exact_and_follows_what_is_held() -> None:
 def test_a_relay_not_at_risk_goes_to_its_owner_while_room_and_time_are_spare() -> None:
     policy = AdmissionPolicy(config(relay_spare_share=0.5))  # relay room 0.9 * 10^9
     safe = policy.decide(event("a", candidates=SAFE), [ranker()], NOW)
-    assert safe == admitted(predicted=PREDICTED[SAFE])
-    # an at-risk relay is placed as before
-    assert policy.decide(event("b", candidates=AT_RISK), [ranker()], NOW).admitted
+    assert safe == dataclasses.replace(admitted(predicted=PREDICTED[SAFE]), reason=Reason.SPARE)
+    assert safe.admitted
+    # an at-risk relay is placed as before, and says it was at risk
+    assert policy.decide(event("b", candidates=AT_RISK), [ranker()], NOW).reason is (
+        Reason.ADMITTED
+    )
 
 
 def test_past_the_spare_mark_only_relays_at_risk_go() -> None:
