@@ -15,7 +15,7 @@ import torch
 from relaygr.aio import cancel_and_wait
 from relaygr.behaviours import UserId
 from relaygr.cluster import PlacementRecord, RankerRecord
-from relaygr.cost import CostModel, TransferCost
+from relaygr.cost import CostModel
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
@@ -216,9 +216,10 @@ def peer_fetch(
         changed_at=lambda: cluster.members_changed_at,
         window_s=cfg.peer_fetch_window_s,
     )
-    prior = TransferCost(cfg.transfer_fixed_ms, cfg.transfer_ms_per_mb)
     settings = FetchSettings(cap_s=cfg.fetch_timeout_ms / 1e3)
-    return PeerFetch(source, settings, prior, learn=learn, timings=metrics.observe_fetch)
+    return PeerFetch(
+        source, settings, cfg.transfer_prior(), learn=learn, timings=metrics.observe_fetch
+    )
 
 
 @dataclass(slots=True)
