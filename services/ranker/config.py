@@ -5,6 +5,7 @@ from pathlib import Path
 
 from relaygr.bounds import POSITIVE, non_negative
 from relaygr.config import check_bounds, helped
+from relaygr.cost import TransferCost
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
@@ -229,6 +230,11 @@ class RankerConfig(ServiceOptions):
             max_queued_ranks=self.max_queued_ranks,
             max_queued_prefills=self.max_queued_prefills,
         )
+
+    def transfer_prior(self) -> TransferCost:
+        """The peer-transfer cost assumed until fetches are timed (the server's and the
+        simulator's)."""
+        return TransferCost(self.transfer_fixed_ms, self.transfer_ms_per_mb)
 
     @property
     def hbm_budget_bytes(self) -> int:

@@ -1,17 +1,18 @@
 """The ranker's Prometheus metrics: latency observed per request; tiers, drops, relays and queues
 read from the engine's own stats and state when scraped."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from relaygr.metrics import LiveCollector, connectivity, counter, gauge
-from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
+from services.ranker.engine import CacheOutcome, PreInferOutcome
 from services.ranker.handoff import HandoffStats
 from services.ranker.kv_store import Drop, Tier
 from services.ranker.outcomes import FetchResult
 from services.ranker.transfer import Refusal
+from services.ranker.warm import Warming
 
 # Server-side time of one request: sub-millisecond HBM hits up to multi-second full inference.
 LATENCY_BUCKETS_S = (
@@ -34,13 +35,12 @@ class RankerMetrics:
 
     Latency histograms are observed by the servicer (`observe_rank`, `observe_pre_infer`);
     every series of theirs exists from the start, at zero. Everything else is read at scrape
-    time from `engine` (set once it is warm) and `etcd_connected`, so nothing is counted twice.
+    time from the warm ranker (`warming`: the engine, hand-off stats and etcd connectivity;
+    nothing while it warms up), so nothing is counted twice.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.engine: RankerEngine | None = None
-        self.handoff: HandoffStats | None = None  # hand-offs sent and received, once warm
-        self.etcd_connected: Callable[[], bool] | None = None
+    def __init__(self, registry: CollectorRegistry, warming: Warming) -> None:
+        self._warming = warming
         self.rank_latency = Histogram(
             "relaygr_ranker_rank_latency_seconds",
             "Server-side time of a Rank, by cache outcome",
@@ -110,13 +110,13 @@ class RankerMetrics:
         return counts
 
     def _collect(self) -> Iterator[Metric]:
-        connected = self.etcd_connected() if self.etcd_connected is not None else None
-        yield from connectivity(connected, None)
-        if self.handoff is not None:
-            yield from _handoff_metrics(self.handoff)
-        engine = self.engine
-        if engine is None:
+        warm = self._warming.warm
+        if warm is None:
             return  # warming up: nothing to report beyond the (empty) histograms
+        connected = None if warm.etcd_connected is None else warm.etcd_connected()
+        yield from connectivity(connected, None)
+        yield from _handoff_metrics(warm.handoff.stats)
+        engine = warm.engine
         ranks = self.ranks_by_outcome()
         total = sum(ranks.values())
         yield gauge(

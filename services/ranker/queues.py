@@ -1,7 +1,6 @@
 """Ranking-first compute queues: which job's step runs next. Synchronous, no lock, no thread.
 
-The ranker core (services/ranker/core.py) owns one and its drivers run the steps it takes; the
-threaded `ComputeScheduler` (services/ranker/scheduler.py) wraps one for generator jobs.
+The ranker core (services/ranker/core.py) owns one and its drivers run the steps it takes.
 """
 
 import heapq

@@ -1,4 +1,4 @@
-"""Wires a RankerConfig into a running ranker: model, calibration, KV store, scheduler, gRPC."""
+"""Wires a RankerConfig into a running ranker: model, calibration, KV store, engine, gRPC."""
 
 import asyncio
 import contextlib
@@ -7,14 +7,15 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from relaygr.aio import cancel_and_wait
 from relaygr.behaviours import UserId
 from relaygr.cluster import PlacementRecord, RankerRecord
-from relaygr.cost import CostModel, TransferCost
+from relaygr.cost import CostModel
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
@@ -38,6 +39,7 @@ from services.ranker.handoff import HandoffSender, HandoffSettings, HandoffStats
 from services.ranker.handoff_grpc import GrpcHandoffPort, HandoffReceiving
 from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
+from services.ranker.membership import Membership
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelConfig
@@ -50,6 +52,7 @@ from services.ranker.tracing_observer import (
     origin_from_traceparent,
     origin_traceparent,
 )
+from services.ranker.warm import Warm, Warming
 
 _log = logging.getLogger("services.ranker")
 SERVICE = "relaygr-ranker"  # the default OTEL service.name
@@ -158,15 +161,15 @@ def timing_sink(learner: CostLearner) -> ComputeSink:
 
 
 async def keep_learning(
-    ranker: "RankerServer",
+    engine: RankerEngine,
     learner: CostLearner,
     cfg: RankerConfig,
-    record: Callable[[CostModel], RankerRecord],
+    republish: Callable[[CostModel], Awaitable[None]] | None,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Refit the cost model every `cost_refit_interval_s` from what was served; the engine and
-    Describe use each refit at once, the membership gets it when it changed materially (at most
-    once per `cost_republish_interval_s`)."""
+    Describe use each refit at once, the membership gets it (`republish`; None: standalone)
+    when it changed materially (at most once per `cost_republish_interval_s`)."""
     probes = [(n, cfg.calibration_candidates) for n in cfg.calibration_lengths]
     republisher = Republisher(
         learner.model, clock(), probes, min_interval_s=cfg.cost_republish_interval_s
@@ -174,13 +177,13 @@ async def keep_learning(
     while True:
         await asyncio.sleep(cfg.cost_refit_interval_s)  # a period, not a synchronisation
         model = await asyncio.to_thread(learner.refit)
-        if model is None or ranker.engine is None:
+        if model is None:
             continue
-        ranker.engine.cost_model_refitted(model)
-        if ranker.mesh is not None and republisher.offer(model, clock()):
+        engine.cost_model_refitted(model)
+        if republish is not None and republisher.offer(model, clock()):
             _log.info("republishing the cost model refitted to served work: %s", model)
             with contextlib.suppress(Unavailable):  # etcd down: the next change goes
-                await ranker.mesh.cluster.register(record(model), cfg.lease_ttl_s)
+                await republish(model)
 
 
 async def keep_ticking(engine: RankerEngine, interval_s: float = TICK_S) -> None:
@@ -213,30 +216,37 @@ def peer_fetch(
         changed_at=lambda: cluster.members_changed_at,
         window_s=cfg.peer_fetch_window_s,
     )
-    prior = TransferCost(cfg.transfer_fixed_ms, cfg.transfer_ms_per_mb)
     settings = FetchSettings(cap_s=cfg.fetch_timeout_ms / 1e3)
-    return PeerFetch(source, settings, prior, learn=learn, timings=metrics.observe_fetch)
+    return PeerFetch(
+        source, settings, cfg.transfer_prior(), learn=learn, timings=metrics.observe_fetch
+    )
 
 
 @dataclass(slots=True)
 class RankerServer:
-    """A running ranker (a `RunningService`): its gRPC server, (once warm) its engine, and
-    (with etcd endpoints configured) its mesh link, which holds its registration until drained."""
+    """A running ranker (a `RunningService`), built whole once it is warm: its gRPC server, its
+    engine and the engine's clock tick, and (with etcd endpoints configured) its membership,
+    which holds its registration until drained."""
 
     server: GrpcServer
     servicer: RankerServicer
     instance_id: str
-    engine: RankerEngine | None = None
-    mesh: MeshLink | None = None
+    engine: RankerEngine
+    ticking: "asyncio.Task[None]"  # the engine's clock tick (expiry)
+    membership: Membership | None = None  # None: standalone
     metrics_server: MetricsServer | None = None
     learning: "asyncio.Task[None] | None" = None  # refits the cost model from served work
-    ticking: "asyncio.Task[None] | None" = None  # the engine's clock tick (expiry)
     peer_pool: RankerPool | None = None  # channels to the peers this ranker fetches from
     handoff: HandoffSender | None = None  # None: a drain hands nothing off
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def mesh(self) -> MeshLink | None:
+        """The link to the mesh while this ranker is in it (None: standalone, or left)."""
+        return None if self.membership is None else self.membership.link
 
     @property
     def metrics_port(self) -> int | None:
@@ -252,31 +262,21 @@ class RankerServer:
         Landing and the final compute are not bounded by `grace_s`: queued compute is
         finished, then the server's stop bounds the RPCs still waiting on it.
         """
-        for task in (self.learning, self.ticking):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self.learning = self.ticking = None
-        if self.engine is not None:
-            await self.engine.drain()  # no new PreInfer from here on; Ranks are still served
-            if self.handoff is not None and self.mesh is not None:
-                await self._hand_off(self.engine, self.mesh, grace_s)
-        if self.mesh is not None:
-            with contextlib.suppress(Unavailable):  # etcd down: the lease lapses by itself
-                await self.mesh.cluster.deregister(self.instance_id)
-            await self.mesh.close()
-            self.mesh = None
-        if self.engine is not None:
-            await self.engine.drain()
-            await self.engine.close()
+        await cancel_and_wait(self.learning, self.ticking)
+        await self.engine.drain()  # no new PreInfer from here on; Ranks are still served
+        mesh = self.mesh
+        if self.handoff is not None and mesh is not None:
+            await self._hand_off(self.handoff, mesh, grace_s)
+        if self.membership is not None:
+            await self.membership.leave()
+        await self.engine.drain()
+        await self.engine.close()
 
-    async def _hand_off(self, engine: RankerEngine, mesh: MeshLink, grace_s: float) -> None:
-        assert self.handoff is not None
+    async def _hand_off(self, handoff: HandoffSender, mesh: MeshLink, grace_s: float) -> None:
         view = mesh.cluster.view()
         try:
-            outcomes = await self.handoff.hand_off(
-                view, self.instance_id, engine.model.model_version, grace_s
+            outcomes = await handoff.hand_off(
+                view, self.instance_id, self.engine.model.model_version, grace_s
             )
         except Exception:  # never fail a drain over a hand-off: its users recompute
             _log.exception("hand-off failed")
@@ -290,11 +290,7 @@ class RankerServer:
             )  # fmt: skip
 
     async def close(self) -> None:
-        if self.ticking is not None:  # stopped without a drain
-            self.ticking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.ticking
-            self.ticking = None
+        await cancel_and_wait(self.ticking)  # stopped without a drain
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
@@ -307,16 +303,20 @@ class RankerServer:
 
 
 async def publish_placements(
-    ranker: RankerServer, users: list[UserId], sender: str, ttl_s: float
+    membership: Membership,
+    engine: RankerEngine,
+    users: list[UserId],
+    sender: str,
+    ttl_s: float,
 ) -> None:
     """Record in the directory where handed-off users' prefixes now live, for the users whose
     owner once `sender` has left is not this ranker (`placement.directory_write`): usually
-    none, as the sender sends each user to that owner. etcd down: Unavailable, for the caller
-    to log; serving goes on."""
-    mesh, engine = ranker.mesh, ranker.engine
-    if mesh is None or engine is None:
+    none, as the sender sends each user to that owner. Nothing once this ranker left the mesh.
+    etcd down: Unavailable, for the caller to log; serving goes on."""
+    mesh = membership.link
+    if mesh is None:
         return
-    view, version, me = mesh.cluster.view(), engine.model.model_version, ranker.instance_id
+    view, version, me = mesh.cluster.view(), engine.model.model_version, membership.instance_id
     for user in users:
         owner = successor(user, view, sender, version)
         held = mesh.cluster.entry(user, version)
@@ -325,6 +325,47 @@ async def publish_placements(
         if owner is None or not directory_write(me, owner, entry, now, ttl_s):
             continue
         await mesh.cluster.record(PlacementRecord(user, me, now + ttl_s, version), me)
+
+
+def handoff_receiving(
+    cfg: RankerConfig,
+    stats: HandoffStats,
+    telemetry: Telemetry,
+    engine: RankerEngine,
+    membership: Membership | None,
+) -> HandoffReceiving:
+    """The receiving side of hand-offs; the placements of what it takes are published through
+    `membership` (None: standalone, nothing to publish)."""
+    publish = None
+    if membership is not None:
+        joined = membership
+
+        def publish(users: list[UserId], sender: str) -> Awaitable[None]:
+            return publish_placements(joined, engine, users, sender, cfg.dram_ttl_s)
+
+    return HandoffReceiving(
+        stats, cfg.handoff_max_streams, telemetry.tracer, origin_from_traceparent, publish
+    )
+
+
+def handoff_sender(
+    cfg: RankerConfig,
+    instance_id: str,
+    stats: HandoffStats,
+    telemetry: Telemetry,
+    engine: RankerEngine,
+) -> HandoffSender | None:
+    """What a drain hands off through (None: hand-off is off)."""
+    if not cfg.handoff:
+        return None
+    port = GrpcHandoffPort(
+        instance_id,
+        cfg,
+        cfg.server_options().channel_args()[:2],
+        telemetry.client_interceptors(),
+        telemetry.tracer,
+    )
+    return HandoffSender(engine.core, port, HandoffSettings.of(cfg), stats, origin_traceparent)
 
 
 async def start_ranker(
@@ -343,8 +384,9 @@ async def start_ranker(
     is served; by default nothing is traced and metrics are served at `cfg.metrics_address`.
     """
     telemetry = telemetry or Telemetry(SERVICE, metrics_address=cfg.metrics_address)
-    metrics = RankerMetrics(telemetry.registry)
-    servicer = RankerServicer(cfg.instance_id, "pending", metrics)
+    warming = Warming()  # the servers answer before the model exists: see Warming
+    metrics = RankerMetrics(telemetry.registry, warming)
+    servicer = RankerServicer(warming, metrics)
     server, metrics_server = await start_service_servers(
         cfg,
         "ranker",
@@ -354,7 +396,6 @@ async def start_ranker(
         _log,
     )
     instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
-    ranker = RankerServer(server, servicer, instance_id, metrics_server=metrics_server)
     learner = None
     if cost_model is None:
         loaded, calibrated, samples = await asyncio.to_thread(calibrate_alone, cfg, model)
@@ -363,61 +404,42 @@ async def start_ranker(
     else:
         loaded = model if model is not None else await asyncio.to_thread(load_model, cfg)
     timings = None if learner is None else timing_sink(learner)
-    fetch = None
+    membership = pool = fetch = None
     if cfg.etcd_endpoints:  # nothing is dialled before the registration below
-        mesh = ranker.mesh = connect_mesh(cfg)
+        mesh = connect_mesh(cfg)
+        membership = Membership(mesh, instance_id, cfg.lease_ttl_s)
         if cfg.peer_fetch and cfg.relay_enabled:
-            pool = ranker.peer_pool = RankerPool(
+            pool = RankerPool(
                 cfg.server_options().channel_args()[:2], cfg, telemetry.client_interceptors()
             )
             fetch = peer_fetch(cfg, mesh, pool, instance_id, loaded, learner is not None, metrics)
-    ranker.engine = build_engine(
+    engine = build_engine(
         cfg, loaded, cost_model, observer=engine_observer(telemetry.tracer, timings),
         peer_fetch=fetch,
     )  # fmt: skip
-    metrics.engine = ranker.engine
-    ranker.ticking = asyncio.create_task(keep_ticking(ranker.engine))
-    handoff_stats = metrics.handoff = HandoffStats()
-    servicer.handoff = HandoffReceiving(
-        handoff_stats,
-        cfg.handoff_max_streams,
-        telemetry.tracer,
-        origin_from_traceparent,
-        lambda users, sender: publish_placements(ranker, users, sender, cfg.dram_ttl_s),
-    )
-    if cfg.handoff:
-        port = GrpcHandoffPort(
-            instance_id,
-            cfg,
-            cfg.server_options().channel_args()[:2],
-            telemetry.client_interceptors(),
-            telemetry.tracer,
-        )
-        ranker.handoff = HandoffSender(
-            ranker.engine.core, port, HandoffSettings.of(cfg), handoff_stats, origin_traceparent
-        )
-    servicer.configure(instance_id, str(loaded.device))
-    servicer.attach(ranker.engine)
+    ticking = asyncio.create_task(keep_ticking(engine))
+    handoff_stats = HandoffStats()  # sent and received, one set of books
+    receiving = handoff_receiving(cfg, handoff_stats, telemetry, engine, membership)
+    sender = handoff_sender(cfg, instance_id, handoff_stats, telemetry, engine)
+    connected = None if membership is None else membership.connected
+    warming.ready(Warm(engine, instance_id, receiving, connected))
     await server.set_serving(True)
-    if ranker.mesh is not None:
-        mesh = ranker.mesh
-        metrics.etcd_connected = lambda: ranker.mesh is not None and ranker.mesh.etcd.connected
-        address = cfg.advertise_address or f"127.0.0.1:{server.port}"
-        await mesh.cluster.register(
-            ranker_record(instance_id, address, loaded, cost_model, cfg), cfg.lease_ttl_s
-        )
-        # The peers' view: where a draining ranker hands its prefixes, whom a miss fetches from.
-        await mesh.cluster.start()
+    address = cfg.advertise_address or f"127.0.0.1:{server.port}"
+
+    def record(cost: CostModel) -> RankerRecord:
+        return ranker_record(instance_id, address, loaded, cost, cfg)
+
+    republish = None
+    if membership is not None:
+        joined = membership
+        await joined.join(record(cost_model))
+
+        async def republish(cost: CostModel) -> None:
+            await joined.register(record(cost))
+
+    learning = None
     if learner is not None:
-        address = cfg.advertise_address or f"127.0.0.1:{server.port}"
-        ranker.learning = asyncio.create_task(
-            keep_learning(
-                ranker,
-                learner,
-                cfg,
-                lambda cost: ranker_record(instance_id, address, loaded, cost, cfg),
-            )
-        )
+        learning = asyncio.create_task(keep_learning(engine, learner, cfg, republish))
     _log.info(
         "ranker %s serving on port %d: model %s on %s, relay %s",
         instance_id,
@@ -426,7 +448,10 @@ async def start_ranker(
         loaded.device,
         "on" if cfg.relay_enabled else "off (bypass)",
     )
-    return ranker
+    return RankerServer(
+        server, servicer, instance_id, engine, ticking, membership, metrics_server, learning,
+        pool, sender,
+    )  # fmt: skip
 
 
 async def _serve(cfg: RankerConfig) -> None:

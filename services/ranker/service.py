@@ -9,11 +9,11 @@ import torch
 
 from relaygr.authz_grpc import peer_identity
 from relaygr.behaviours import UserId
-from relaygr.errors import FailedPrecondition, Unavailable
+from relaygr.errors import FailedPrecondition
 from relaygr.grpc_server import absolute_deadline
 from relaygr.tracing import annotate, child_span, recording, root_span
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
-from relaygr.wire import InputLimits, prefix_from_proto, rank_input_from_proto
+from relaygr.wire import prefix_from_proto, rank_input_from_proto
 from services.ranker.digest import PrefixDigest
 from services.ranker.engine import CacheOutcome, PreInferOutcome, RankerEngine
 from services.ranker.handoff_grpc import SENDER_KEY, HandoffReceiving
@@ -25,6 +25,7 @@ from services.ranker.prefix_kv import ModelVersion
 from services.ranker.tracing_observer import origin_traceparent
 from services.ranker.transfer import chunks, encode
 from services.ranker.transfer_wire import header_from_proto, header_to_proto
+from services.ranker.warm import WARMING_UP, Warm, Warming
 
 SERVICE_NAME = "relaygr.v1.RankerService"
 
@@ -39,44 +40,27 @@ _CACHE_OUTCOME = {
 
 
 class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
-    """Proto in, engine call, proto out; errors travel as RelayGRError to the interceptor."""
+    """Proto in, engine call, proto out; errors travel as RelayGRError to the interceptor.
 
-    def __init__(self, instance_id: str, device: str, metrics: RankerMetrics | None = None) -> None:
+    It answers from the start; until `warming` is ready (the model loaded and calibrated) every
+    call is refused as UNAVAILABLE.
+    """
+
+    def __init__(self, warming: Warming, metrics: RankerMetrics | None = None) -> None:
+        self._warming = warming
         self._metrics = metrics  # latency histograms; None: not measured
-        self._engine: RankerEngine | None = None
-        self._limits: InputLimits | None = None
-        self._instance_id = instance_id
-        self._device = device
-        self.handoff: HandoffReceiving | None = None  # None: hand-offs refused (UNAVAILABLE)
-
-    def configure(self, instance_id: str, device: str) -> None:
-        self._instance_id, self._device = instance_id, device
-
-    def attach(self, engine: RankerEngine) -> None:
-        """Start serving with `engine` (the server answers health checks while it warms up)."""
-        cfg = engine.model.cfg
-        self._limits = InputLimits(
-            cfg.max_user_features, cfg.max_history_tokens, cfg.max_candidates
-        )
-        self._engine = engine
 
     @property
-    def engine(self) -> RankerEngine:
-        if self._engine is None:
-            raise Unavailable("ranker is loading its model and calibrating")
-        return self._engine
+    def handoff(self) -> HandoffReceiving | None:
+        """The receiving side of hand-offs; None while warming up (hand-offs refused)."""
+        warm = self._warming.warm
+        return None if warm is None else warm.handoff
 
-    @property
-    def limits(self) -> InputLimits:
-        """The model's input limits (Unavailable while warming up, like `engine`)."""
-        if self._limits is None:
-            raise Unavailable("ranker is loading its model and calibrating")
-        return self._limits
-
-    def _check_version(self, asked: str) -> None:
+    @staticmethod
+    def _check_version(warm: Warm, asked: str) -> None:
         """A request naming another model version than this ranker's is never served here:
         FailedPrecondition naming both (empty: any, the router chose this ranker's)."""
-        serving = self.engine.model.model_version
+        serving = warm.engine.model.model_version
         if asked and asked != serving:
             raise FailedPrecondition(
                 f"this ranker serves model version {serving!r}, the request asks for {asked!r}"
@@ -86,18 +70,19 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         self, request: common_pb2.PreInferRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.PreInferReply:
         start = time.perf_counter()
-        self._check_version(request.model_version)
-        prefix = prefix_from_proto(request, self.limits)
+        warm = self._warming.get()
+        self._check_version(warm, request.model_version)
+        prefix = prefix_from_proto(request, warm.limits)
         window = request.relay_window_ms / 1e3 if request.relay_window_ms else None
         expected = request.rank_expected_in_ms / 1e3 if request.rank_expected_in_ms else None
         deadline = absolute_deadline(context.time_remaining(), time.monotonic())
-        result = await self.engine.pre_infer(prefix, window, deadline, expected)
+        result = await warm.engine.pre_infer(prefix, window, deadline, expected)
         if self._metrics is not None:
             self._metrics.observe_pre_infer(result.outcome, time.perf_counter() - start)
         return common_pb2.PreInferReply(
             request_id=request.request_id,
             outcome=_PRE_INFER_OUTCOME[result.outcome],
-            instance_id=self._instance_id,
+            instance_id=warm.instance_id,
             model_version=result.key.model_version,
             prefix_digest=result.key.digest,
             prefix_tokens=result.tokens,
@@ -109,12 +94,13 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         self, request: common_pb2.RankRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.RankReply:
         start = time.perf_counter()
-        self._check_version(request.model_version)
-        rank_input = rank_input_from_proto(request, self.limits)
+        warm = self._warming.get()
+        self._check_version(warm, request.model_version)
+        rank_input = rank_input_from_proto(request, warm.limits)
         deadline = absolute_deadline(context.time_remaining(), time.monotonic())
-        result = await self.engine.rank(rank_input, deadline)
+        result = await warm.engine.rank(rank_input, deadline)
         scores = result.scores.numpy()
-        tasks = self.engine.model.cfg.tasks
+        tasks = warm.engine.model.cfg.tasks
         if self._metrics is not None:
             self._metrics.observe_rank(result.outcome, time.perf_counter() - start)
         return common_pb2.RankReply(
@@ -123,8 +109,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 common_pb2.TaskScores(task=task, scores=scores[i]) for i, task in enumerate(tasks)
             ],
             cache_outcome=_CACHE_OUTCOME[result.outcome],
-            instance_id=self._instance_id,
-            model_version=self.engine.model.model_version,
+            instance_id=warm.instance_id,
+            model_version=warm.engine.model.model_version,
             server_ms=(time.perf_counter() - start) * 1e3,
             computed_tokens=result.computed_tokens,
             relayed=result.relayed,
@@ -142,17 +128,16 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "Fetch needs user_id, model_version and prefix_digest",
             )
-        if self._engine is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "ranker is loading its model and calibrating"
-            )
-        assert self._engine is not None
+        warm = self._warming.warm
+        if warm is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, WARMING_UP)
+        assert warm is not None
         key = CacheKey(
             UserId(request.user_id),
             ModelVersion(request.model_version),
             PrefixDigest(request.prefix_digest),
         )
-        held = self._engine.held_for_peer(key)
+        held = warm.engine.held_for_peer(key)
         if held is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -174,10 +159,11 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> ranker_pb2.HandoffReply:
         # A streaming handler: the error interceptor passes it through, so it aborts itself.
-        receiving, engine = self.handoff, self._engine
-        if receiving is None or engine is None:
+        warm = self._warming.warm
+        if warm is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "ranker takes no hand-offs now")
-        assert receiving is not None and engine is not None
+        assert warm is not None
+        receiving, engine = warm.handoff, warm.engine
         if engine.draining:
             receiving.stats.refused_streams += 1
             await context.abort(
@@ -245,7 +231,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
     async def Describe(
         self, request: ranker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> ranker_pb2.RankerInfo:
-        engine = self.engine
+        warm = self._warming.get()
+        engine = warm.engine
         cfg = engine.model.cfg
         core = engine.stats()
         cost = core.cost_model
@@ -260,9 +247,9 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             )
 
         return ranker_pb2.RankerInfo(
-            instance_id=self._instance_id,
+            instance_id=warm.instance_id,
             model_version=engine.model.model_version,
-            device=self._device,
+            device=warm.device,
             dims=ranker_pb2.ModelDims(
                 layers=cfg.num_layers,
                 d_model=cfg.d_model,

@@ -240,13 +240,10 @@ def _admitted(ranker: RankerServer) -> int:
 async def _hard_stop(ranker: RankerServer) -> None:
     """Gone without a drain: the server stops at once (RPCs in flight cancelled), the lease
     lapses by itself."""
-    ranker.handoff = None
     await ranker.server.stop(0)
-    if ranker.mesh is not None:
-        await ranker.mesh.close()
-        ranker.mesh = None
-    if ranker.engine is not None:
-        await ranker.engine.close()
+    if ranker.membership is not None:
+        await ranker.membership.close()  # without deregistering
+    await ranker.engine.close()
     await ranker.close()
 
 

@@ -26,7 +26,6 @@ CORES = (
     "services.ranker.handoff_order",
     "services.ranker.engine",
     "services.ranker.kv_store",
-    "services.ranker.scheduler",
     "services.ranker.model",
     "services.ranker.cost_model",
     "services.ranker.plan",

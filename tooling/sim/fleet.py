@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
-from relaygr.cost import TransferCost
 from relaygr.room import RelayRoom
 from relaygr.versions import VersionIndexer, choose_version
 from services.ranker.config import RankerConfig
@@ -108,7 +107,7 @@ def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
     cfg = fleet.settings.ranker
     fetch = None
     if cfg.peer_fetch and cfg.relay_enabled:
-        fetch = SimFetch(fleet, TransferCost(cfg.transfer_fixed_ms, cfg.transfer_ms_per_mb))
+        fetch = SimFetch(fleet, cfg.transfer_prior())
     return SimRanker(
         instance,
         fleet.loop,
@@ -211,21 +210,22 @@ class Fleet:
         """The hand-off: entries in value order, over the shared bandwidth, each stored by its
         receiver when through; what would not be through within the budget is not sent."""
         cfg, sender = self.settings.ranker, self.rankers[instance]
+        settings = HandoffSettings.of(cfg)
         if not cfg.handoff or not sender.alive:
             self._leave(instance)
             return
         start, view = self.loop.now, self.cluster.view()
         ordered = sender.handoff_order()
-        routes = plan(ordered, view, instance, MODEL_VERSION, cfg.handoff_max_entries)
+        routes = plan(ordered, view, instance, MODEL_VERSION, settings.max_entries)
         self.stats.handoff_unsent += len(ordered) - sum(len(v) for v in routes.values())
         owner = {c.key: t.instance_id for t, entries in routes.items() for c in entries}
         marks = {t.instance_id: self.rankers[t.instance_id].use_mark() for t in routes}
-        free_at, end = start, start + HandoffSettings.of(cfg).within(cfg.drain_grace_s)
+        free_at, end = start, start + settings.within(cfg.drain_grace_s)
         for c in ordered:
             target = owner.get(c.key)
             if target is None:
                 continue
-            through = free_at + c.nbytes / cfg.handoff_bytes_per_s
+            through = free_at + c.nbytes / settings.bytes_per_s
             if through > end:  # a smaller one may still fit
                 self.stats.handoff_unsent += 1
                 continue

@@ -20,7 +20,7 @@ from services.ranker.host_lock import host_lock
 from services.ranker.kv_store import KVStore
 from services.ranker.model import RankingModel
 from services.ranker.observer import NoopObserver, Work
-from services.ranker.server import RankerServer, keep_learning
+from services.ranker.server import keep_learning
 from tests.polling import eventually
 
 from .factories import longer, prefix, rank_input, tiny_config
@@ -242,13 +242,12 @@ def test_the_engine_plans_with_each_refitted_cost_model(rng: np.random.Generator
     cfg = RankerConfig(plaintext=True, cost_refit_interval_s=0.001)
     a, b = (rank_input(rng, prefix(rng, TOKENS, user_id=u)) for u in ("a", "b"))
     with running_engine(hbm_prefixes=1.5, cost=calibrated) as (engine, _):
-        ranker = RankerServer(None, None, "r", engine=engine)  # type: ignore[arg-type]
 
         async def scenario() -> list[CacheOutcome]:
             outcomes = []
             for request in (a, b, a):  # each Rank pushes the other user's prefix to the host
                 outcomes.append((await engine.rank(request, None)).outcome)
-            learning = asyncio.create_task(keep_learning(ranker, learner, cfg, lambda _: None))
+            learning = asyncio.create_task(keep_learning(engine, learner, cfg, None))
             try:
                 await eventually(lambda: learner.refits >= 2, "the first refit handed on")
             finally:

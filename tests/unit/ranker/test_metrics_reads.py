@@ -6,8 +6,11 @@ import asyncio
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
+from services.ranker.handoff import HandoffStats
+from services.ranker.handoff_grpc import HandoffReceiving
 from services.ranker.kv_store import Tier
 from services.ranker.metrics import RankerMetrics
+from services.ranker.warm import Warm, Warming
 from tests.unit.ranker.factories import prefix
 from tests.unit.ranker.test_engine import TOKENS, running_engine
 
@@ -21,9 +24,10 @@ def _pinned(text: str) -> float:
 
 def test_a_scrape_expires_nothing(rng: np.random.Generator) -> None:
     registry = CollectorRegistry()
-    metrics = RankerMetrics(registry)
+    warming = Warming()
+    RankerMetrics(registry, warming)
     with running_engine() as (engine, _):
-        metrics.engine = engine
+        warming.ready(Warm(engine, "r", HandoffReceiving(HandoffStats(), max_streams=1)))
         asyncio.run(engine.pre_infer(prefix(rng, TOKENS, user_id="a"), 1.0, None))
         clock = engine.core.clock
         clock.now += 2.0  # type: ignore[attr-defined]  # past the relay window
