@@ -89,7 +89,8 @@ class ComputeQueues:
     Background jobs run earliest `due` first (no `due`: after every dated job), ties in
     submission order; a background job goes back to that order after each step, so one due
     sooner that arrived meanwhile overtakes it between chunks (preemptive EDF). `promote` lifts a
-    job to rank priority; `restart` replaces a queued job's remaining steps. Queues are bounded:
+    job to rank priority; `restart` replaces a queued job's remaining steps; `take_more` takes
+    the rank jobs right behind the one taken, for one batched call. Queues are bounded:
     `submit` raises Overloaded beyond `max_queued[priority]`. `queued_background_ms` and
     `queued_rank_ms` are the predicted compute time of the jobs of each priority queued or
     running: running totals, updated as steps complete and jobs are promoted or restarted, 0
