@@ -10,9 +10,15 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from relaygr.bucket_counts import BucketCounts
 from relaygr.errors import ConfigError
 
 _log = logging.getLogger(__name__)
@@ -53,6 +59,15 @@ def gauge(
         if not math.isnan(value):
             family.add_metric(list(label_values), value)
     return family
+
+
+def histogram(name: str, documentation: str, counts: BucketCounts) -> HistogramMetricFamily:
+    """A histogram family (no labels) from counts kept by the service (`BucketCounts`)."""
+    cumulative, buckets = 0, []
+    for bound, n in zip((*counts.bounds, math.inf), counts.counts, strict=True):
+        cumulative += n
+        buckets.append((str(float(bound)) if bound != math.inf else "+Inf", cumulative))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=counts.total)
 
 
 def connectivity(etcd_connected: bool | None, rankers: int | None) -> list[Metric]:

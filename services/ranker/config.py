@@ -69,6 +69,22 @@ class RankerConfig(ServiceOptions):
         default=256,
         metadata=helped("background jobs queued before refusing pre-inference", POSITIVE),
     )
+    max_batch_requests: int = field(
+        default=8,
+        metadata=helped(
+            "most Ranks scored in one model call: those queued together when the worker frees"
+            " (none is held back to wait for a batch); 1: every Rank its own call",
+            POSITIVE,
+        ),
+    )
+    max_batch_rows: int = field(
+        default=4096,
+        metadata=helped(
+            "most rows (short-term behaviours + candidates, summed over its Ranks; a full"
+            " inference's whole history) in one batched model call; a Rank with more runs alone",
+            POSITIVE,
+        ),
+    )
     calibration_lengths: tuple[int, ...] = field(
         # The quadratic (attention) term only shows at long lengths: a fit that stops at 2k
         # predicts an 8k history at half its real cost, and the trigger then misjudges risk.
@@ -229,6 +245,8 @@ class RankerConfig(ServiceOptions):
             max_relay_window_s=self.max_relay_window_ms / 1e3,
             max_queued_ranks=self.max_queued_ranks,
             max_queued_prefills=self.max_queued_prefills,
+            max_batch_requests=self.max_batch_requests,
+            max_batch_rows=self.max_batch_rows,
         )
 
     def transfer_prior(self) -> TransferCost:

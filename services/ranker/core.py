@@ -9,9 +9,13 @@ drive this one copy.
 from collections.abc import Callable
 from typing import Any, Generic
 
+from relaygr.bucket_counts import BucketCounts
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
+from services.ranker.batching import BatchRoom, batchable
 from services.ranker.core_types import (
+    BATCH_REQUEST_BOUNDS,
+    BATCH_ROW_BOUNDS,
     KV,
     Action,
     Answer,
@@ -28,6 +32,7 @@ from services.ranker.core_types import (
     RankRef,
     RankServed,
     RequestId,
+    RunBatch,
     RunStep,
     Score,
     Spec,
@@ -65,9 +70,16 @@ class RankerCore(Generic[KV]):
     missing prefix a peer may hold is fetched when that is predicted sooner than every local
     way; when no peer delivers it, the same flight computes it, so a fetch never fails a request.
 
-    The driver runs one step at a time: it asks `worker_free` for the next when its worker is
-    idle. Observations go to `observe`, in the order they happen; nothing it does changes a
-    decision.
+    The driver runs one model call at a time: it asks `worker_free` for the next when its
+    worker is idle. A call is one job's step, or the steps of several scoring jobs batched
+    (`RunBatch`): the Score steps (or full inferences) at the head of the rank queue when the
+    worker frees, in rank order, within `CoreSettings.max_batch_requests` and `max_batch_rows`
+    (`batching.BatchRoom`). A batch never waits for more to arrive, so batching delays no Rank;
+    a cancelled or expired Rank never joins one; background work never does. Each job of a batch
+    ends with its own result; if the call fails, its jobs return to the head of the rank queue,
+    in their places, and each runs alone (one bad request fails itself only, and a call too
+    large for the device still serves its requests). Observations go to `observe`, in the order
+    they happen; nothing it does changes a decision.
     """
 
     def __init__(
@@ -100,7 +112,10 @@ class RankerCore(Generic[KV]):
         self._requests: dict[RequestId, Pending] = {}
         self._owner: dict[Job, CacheKey | RequestId] = {}  # a job's flight key or Rank
         self._next_id = 0
-        self._running: Job | None = None
+        self._running: list[Job] = []  # the running call's jobs not yet reported
+        self._batched = False  # the running call is a batch of several jobs
+        self._batch_requests = BucketCounts.empty(BATCH_REQUEST_BOUNDS)
+        self._batch_rows = BucketCounts.empty(BATCH_ROW_BOUNDS)
         self.draining = False
         self._actions: list[Action] = []
         self._record = record
@@ -121,8 +136,7 @@ class RankerCore(Generic[KV]):
 
     def queued(self) -> int:
         """Jobs queued or running."""
-        running = 0 if self._running is None else 1
-        return running + sum(self.queues.depth(p) for p in Priority)
+        return len(self._running) + sum(self.queues.depth(p) for p in Priority)
 
     def stats(self) -> CoreStats:
         """A snapshot for the metrics and Describe (reading changes nothing)."""
@@ -134,6 +148,8 @@ class RankerCore(Generic[KV]):
             len(self.flights),
             self.cost_model,
             self.queues.queued_rank_ms(),
+            self._batch_requests,
+            self._batch_rows,
         )
 
     def key(self, prefix: PrefixRef) -> CacheKey:
@@ -218,22 +234,35 @@ class RankerCore(Generic[KV]):
     # -- events: compute -------------------------------------------------------------------
 
     def worker_free(self) -> list[Action]:
-        """The worker is idle: its next step, if any (jobs that must not start are settled)."""
-        assert self._running is None, "one step at a time"
+        """The worker is idle: its next call, if any (jobs that must not start are settled).
+        A scoring step takes the scoring steps queued right behind it into its call."""
+        assert not self._running, "one call at a time"
         job, dropped = self.queues.take()
-        for gone in dropped:
-            self._ended(gone, JobEnd.CANCELLED if gone.cancelled else JobEnd.EXPIRED)
-        if job is not None:
-            if not job.started_ns:
-                job.started_ns = self._wall_ns()
-            self._running = job
-            self._actions.append(RunStep(job))
+        self._settle(dropped)
+        if job is None:
+            return self._flush()
+        jobs = [job]
+        if batchable(job):
+            room = BatchRoom(job, self.settings, self._held_of)
+            if self.settings.max_batch_requests > 1:  # 1: as before batching, exactly
+                more, dropped = self.queues.take_more(room.joins)
+                jobs += more
+                self._settle(dropped)
+            self._batch_requests = self._batch_requests.observed(room.requests)
+            self._batch_rows = self._batch_rows.observed(room.rows)
+        now_ns = self._wall_ns()
+        for taken in jobs:
+            if not taken.started_ns:
+                taken.started_ns = now_ns
+        self._running, self._batched = jobs, len(jobs) > 1
+        self._actions.append(RunStep(job) if len(jobs) == 1 else RunBatch(tuple(jobs)))
         return self._flush()
 
     def step_done(self, job: Job, result: Any, seconds: float = 0.0) -> list[Action]:
-        """`job`'s step ran for `seconds` and produced `result` (its product so far)."""
-        assert self._running is job
-        self._running = None
+        """`job`'s step ran for `seconds` and produced `result` (its product so far); a job of a
+        batch: its own result, `seconds` the whole call's."""
+        assert job in self._running, "not a running step"
+        self._running.remove(job)
         job.seconds += seconds
         ms = job.next_step_ms
         if job.steps_run + 1 < len(job.step_ms):  # one prediction per step; a scoring job one
@@ -244,7 +273,8 @@ class RankerCore(Generic[KV]):
         job.finished_ns = self._wall_ns()
         job.partial = None
         self.queues.end(job, "done")
-        computed = computed_of(job, self._held_of)
+        # The cost learner fits single calls: a batch's time is no one request's alone.
+        computed = None if self._batched else computed_of(job, self._held_of)
         if computed is not None:
             self._observe(computed)
         self._ended(job, JobEnd.DONE, result)
@@ -252,11 +282,22 @@ class RankerCore(Generic[KV]):
 
     def step_failed(self, job: Job, error: BaseException) -> list[Action]:
         """`job`'s step raised `error`: the job fails, and with it what waits for it."""
-        assert self._running is job
-        self._running = None
+        assert self._running == [job], "not the running step"
+        self._running = []
         job.finished_ns = self._wall_ns()
         self.queues.end(job, "failed")
         self._ended(job, JobEnd.FAILED, error=error)
+        return self._flush()
+
+    def batch_failed(self, jobs: tuple[Job, ...], error: BaseException) -> list[Action]:
+        """The batched call of `jobs` raised `error`: each job goes back to the head of the rank
+        queue, in its place, to run alone (`Job.solo`); only a job that fails alone fails its
+        request."""
+        assert tuple(self._running) == jobs, "not the running batch"
+        self._running = []
+        for job in jobs:
+            job.solo = True
+            self.queues.enqueue(job, resume=True)
         return self._flush()
 
     # -- events: fetch ---------------------------------------------------------------------
@@ -620,6 +661,11 @@ class RankerCore(Generic[KV]):
                     self._answer(rid, error=err)
                 continue
             self._answer(rid, error=error)
+
+    def _settle(self, dropped: list[Job]) -> None:
+        """Jobs the queues dropped before their first step: cancelled or expired."""
+        for gone in dropped:
+            self._ended(gone, JobEnd.CANCELLED if gone.cancelled else JobEnd.EXPIRED)
 
     # -- plumbing --------------------------------------------------------------------------
 

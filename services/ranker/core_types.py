@@ -2,12 +2,13 @@
 them, the jobs it schedules (data), the actions it asks of its driver and what it reports."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, NewType, Protocol, TypeVar
 
 from relaygr.behaviours import UserId
-from relaygr.cost import CostModel
+from relaygr.bucket_counts import BucketCounts
+from relaygr.cost import CallShape, CostModel
 from services.ranker.digest import PrefixDigest
 from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
@@ -102,6 +103,21 @@ class FullForward:
 Spec = Prefill | Extend[Any] | Reload[Any] | Score[Any] | FullForward
 
 
+def call_shape(spec: Score[Any] | FullForward, held_of: Callable[[Any], Held]) -> CallShape:
+    """A scoring step's share of a model call (`relaygr.cost.CallShape`): a Score computes its
+    short-term behaviours on its cached prefix, a full inference its whole history."""
+    request = spec.request
+    if isinstance(spec, Score):
+        cached = held_of(spec.kv).num_tokens
+        return CallShape(cached, request.short_term, request.candidates)
+    return CallShape(0, history_tokens(request), request.candidates)
+
+
+def call_rows(shape: CallShape) -> int:
+    """The rows a request puts through a call's projections and feed-forward layers."""
+    return shape.new_tokens + shape.candidates
+
+
 def work_of(spec: Spec) -> Work:
     if isinstance(spec, Prefill):
         return Work.PREFILL
@@ -121,6 +137,16 @@ class RunStep:
     the compute worker; report `step_done` or `step_failed`."""
 
     job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class RunBatch:
+    """Run the one step of each of `jobs` (two or more scoring jobs of one kind, all Score or
+    all FullForward, in rank order) as one model call (`RankingModel.rank_batch` or
+    `full_forward_batch`); report each job's own result by `step_done` (the worker is free once
+    every job is reported), or the call's failure by `batch_failed`."""
+
+    jobs: tuple[Job, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +192,7 @@ class Answer:
     error: BaseException | None = None
 
 
-Action = RunStep | StartFetch | Waited | Answer
+Action = RunStep | RunBatch | StartFetch | Waited | Answer
 
 
 # -- observations: what the core reports (tracing, metrics and the cost learner subscribe) ---
@@ -245,6 +271,11 @@ class RankServed:
 Observation = JobEnded[Any] | Computed | PreInferServed[Any] | RankServed
 
 
+# Bucket bounds of the scoring calls' sizes: requests per call, rows (`call_rows`) per call.
+BATCH_REQUEST_BOUNDS: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+BATCH_ROW_BOUNDS: tuple[float, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass(frozen=True, slots=True)
 class CoreStats:
     """What a ranker core holds and has done, as of the last event (reading it changes
@@ -257,6 +288,11 @@ class CoreStats:
     inflight: int  # prefix computations, reloads and fetches
     cost_model: CostModel  # the one decisions use now
     queued_rank_ms: float = 0.0  # predicted compute of rank work queued or running
+    # Per scoring model call (a Rank's Score or full inference, batched or alone), since start.
+    batch_requests: BucketCounts = field(
+        default_factory=lambda: BucketCounts.empty(BATCH_REQUEST_BOUNDS)
+    )
+    batch_rows: BucketCounts = field(default_factory=lambda: BucketCounts.empty(BATCH_ROW_BOUNDS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +305,10 @@ class CoreSettings:
     max_relay_window_s: float = 60.0  # a longer pin asked for is refused: it would hold memory
     max_queued_ranks: int = 64
     max_queued_prefills: int = 256
+    # A scoring call takes at most this many Ranks, and this many rows (`call_rows`) unless
+    # its first Rank alone has more; 1: every Rank its own call.
+    max_batch_requests: int = 8
+    max_batch_rows: int = 4096
 
     def max_queued(self) -> dict[Priority, int]:
         return {Priority.RANK: self.max_queued_ranks, Priority.BACKGROUND: self.max_queued_prefills}

@@ -36,6 +36,7 @@ from services.ranker.core_types import (
     RankServed,
     Reload,
     RequestId,
+    RunBatch,
     RunStep,
     Score,
     StartFetch,
@@ -44,7 +45,7 @@ from services.ranker.core_types import (
 from services.ranker.digest import PrefixDigest, PrefixHasher
 from services.ranker.fetch import PeerFetch
 from services.ranker.kv_store import CacheKey, KVStore
-from services.ranker.model import RankingModel
+from services.ranker.model import RankingModel, RankItem
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.plan import Held
@@ -64,7 +65,8 @@ __all__ = [
 
 EngineSettings = CoreSettings  # the core's settings, by the name the service knew them
 
-# How the worker runs one step of a job (`step` computes it): tests advance a virtual clock.
+# How the worker runs one step of a job (`step` computes it): tests advance a virtual clock. A
+# batched call is run as the step of its first job.
 Executor = Callable[[Job, Callable[[], Any]], Any]
 
 
@@ -143,13 +145,24 @@ def _direct(job: Job, step: Callable[[], Any]) -> Any:
     return step()
 
 
+def _context_of(job: Job) -> contextvars.Context | None:
+    """The context (trace) of the request that caused `job`, if the engine tagged it."""
+    return job.tag if isinstance(job.tag, contextvars.Context) else None
+
+
+def _service_rank(request: Any) -> RankInput:
+    assert isinstance(request, ServiceRank)
+    return request.request
+
+
 class RankerEngine:
     """Serves PreInfer and Rank against one model through one `RankerCore`.
 
     Runs on one asyncio loop: the core is fed only from it. The model runs only on the compute
-    worker, one step at a time: the core's next step is asked for whenever the worker is idle,
-    and a step's result comes back to the loop as an event. Observations go to `observer`, in
-    the context (trace) of the request that caused them.
+    worker, one call at a time (a step, or a batch of scoring steps): the core's next call is
+    asked for whenever the worker is idle, and a call's results come back to the loop as
+    events, one per job. Observations go to `observer`, in the context (trace) of the request
+    that caused them: each job of a batch is reported in its own request's context.
     """
 
     def __init__(
@@ -329,7 +342,9 @@ class RankerEngine:
                 if waited is not None and not waited.done():
                     waited.set_result(None)
             elif isinstance(action, RunStep):
-                self._dispatch(action.job)
+                self._dispatch((action.job,))
+            elif isinstance(action, RunBatch):
+                self._dispatch(action.jobs)
             elif isinstance(action, StartFetch):
                 assert self._loop is not None
                 task = self._loop.create_task(self._fetch(action))
@@ -352,31 +367,52 @@ class RankerEngine:
 
     # -- compute ---------------------------------------------------------------------------
 
-    def _dispatch(self, job: Job) -> None:
+    def _dispatch(self, jobs: tuple[Job, ...]) -> None:
         assert self._loop is not None
         loop = self._loop
         self._stepping = True
-        context = job.tag if isinstance(job.tag, contextvars.Context) else None
+        context = _context_of(jobs[0])  # a batch's other jobs are reported in their own
 
         def done(result: Any, error: BaseException | None, seconds: float) -> None:
-            loop.call_soon_threadsafe(self._stepped, job, result, error, seconds, context=context)
+            loop.call_soon_threadsafe(self._stepped, jobs, result, error, seconds, context=context)
 
-        self.worker.run(lambda: self._timed_step(job), done)
+        self.worker.run(lambda: self._timed_call(jobs), done)
 
-    def _timed_step(self, job: Job) -> tuple[Any, float]:
+    def _timed_call(self, jobs: tuple[Job, ...]) -> tuple[Any, float]:
         start = time.perf_counter()
-        result = self._executor(job, lambda: self._step(job))
+        head = jobs[0]
+        step = (lambda: self._step(head)) if len(jobs) == 1 else (lambda: self._step_batch(jobs))
+        result = self._executor(head, step)
         if self.model.device.type == "cuda":
             # A GPU runs kernels asynchronously: wait for them, or the time is the launch's.
             torch.cuda.synchronize(self.model.device)
         return result, time.perf_counter() - start
 
-    def _stepped(self, job: Job, result: Any, error: BaseException | None, seconds: float) -> None:
-        self._stepping = False
+    def _stepped(
+        self, jobs: tuple[Job, ...], result: Any, error: BaseException | None, seconds: float
+    ) -> None:
+        """A call came back (in its first job's context): each job's end is reported in its
+        own request's context; the worker is asked for its next call once all of them are."""
+        core, single = self.core, len(jobs) == 1
         if error is not None:
-            self._apply(self.core.step_failed(job, error))
-        else:
-            self._apply(self.core.step_done(job, result, seconds))
+            self._stepping = False
+            self._apply(
+                core.step_failed(jobs[0], error) if single else core.batch_failed(jobs, error)
+            )
+            return
+        if single:
+            self._stepping = False
+            self._apply(core.step_done(jobs[0], result, seconds))
+            return
+        actions = core.step_done(jobs[0], result[0], seconds)
+        for job, own in zip(jobs[1:], result[1:], strict=True):
+            context = _context_of(job)
+            if context is None:
+                actions += core.step_done(job, own, seconds)
+            else:
+                actions += context.run(core.step_done, job, own, seconds)
+        self._stepping = False
+        self._apply(actions)
 
     def _step(self, job: Job) -> Any:
         """One step of `job`, on the worker: what the spec says, nothing decided here."""
@@ -412,6 +448,19 @@ class RankerEngine:
             return model.rank(spec.kv, r.short_term, r.candidates, r.request_ts)
         assert isinstance(spec, FullForward) and isinstance(spec.request, ServiceRank)
         return model.full_forward(spec.request.request)
+
+    def _step_batch(self, jobs: tuple[Job, ...]) -> list[torch.Tensor]:
+        """The steps of a batch (all Score or all FullForward), as one model call: each job's
+        scores, in order."""
+        ranks = [_service_rank(job.spec.request) for job in jobs]
+        if isinstance(jobs[0].spec, Score):
+            return self.model.rank_batch(
+                [
+                    RankItem(job.spec.kv, r.short_term, r.candidates, r.request_ts)
+                    for job, r in zip(jobs, ranks, strict=True)
+                ]
+            )
+        return self.model.full_forward_batch(ranks)
 
     # -- fetch -----------------------------------------------------------------------------
 

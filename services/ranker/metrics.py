@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
-from relaygr.metrics import LiveCollector, connectivity, counter, gauge
+from relaygr.metrics import LiveCollector, connectivity, counter, gauge, histogram
 from services.ranker.engine import CacheOutcome, PreInferOutcome
 from services.ranker.handoff import HandoffStats
 from services.ranker.kv_store import Drop, Tier
@@ -198,6 +198,18 @@ class RankerMetrics:
             "Compute jobs waiting for the worker, by priority",
             ["priority"],
             {(p.name.lower(),): n for p, n in core.queue_depth.items()},
+        )
+        yield histogram(
+            "relaygr_ranker_batch_requests",
+            "Ranks per scoring model call (a cached Rank's scoring or a full inference; 1: run"
+            " alone), counted as the call starts",
+            core.batch_requests,
+        )
+        yield histogram(
+            "relaygr_ranker_batch_rows",
+            "Rows per scoring model call: short-term behaviours + candidates of its Ranks (a"
+            " full inference: its whole history + candidates), summed",
+            core.batch_rows,
         )
         cost = core.cost_model
         yield gauge(

@@ -46,6 +46,7 @@ class Job:
     counted: Priority | None = None  # the priority whose total holds its remaining_ms
     started: bool = False  # its first step was taken
     cancelled: bool = False  # its caller left before it started: never run
+    solo: bool = False  # the batched call it ran in failed: it runs alone from now on
     partial: Any = None
     tag: Any = None  # the driver's, for the request that caused it (opaque here)
     seconds: float = 0.0  # compute time of its steps so far, as the driver measured it
@@ -87,7 +88,8 @@ class ComputeQueues:
     Background jobs run earliest `due` first (no `due`: after every dated job), ties in
     submission order; a background job goes back to that order after each step, so one due
     sooner that arrived meanwhile overtakes it between chunks (preemptive EDF). `promote` lifts a
-    job to rank priority; `restart` replaces a queued job's remaining steps. Queues are bounded:
+    job to rank priority; `restart` replaces a queued job's remaining steps; `take_more` takes
+    the rank jobs right behind the one taken, for one batched call. Queues are bounded:
     `submit` raises Overloaded beyond `max_queued[priority]`. `queued_background_ms` and
     `queued_rank_ms` are the predicted compute time of the jobs of each priority queued or
     running: running totals, updated as steps complete and jobs are promoted or restarted, 0
@@ -214,17 +216,48 @@ class ComputeQueues:
                 return None, dropped
             job.queued = False
             self._log("step", job)
-            if job.started:
-                return job, dropped
-            if not may_start(job):
-                job.cancelled = True
-                self.end(job, "cancelled")
-            elif job.deadline is not None and self.clock() > job.deadline:
-                self.end(job, "expired")
-            else:
-                job.started = True
+            if job.started or self._starts(job, may_start):
                 return job, dropped
             dropped.append(job)
+
+    def take_more(
+        self,
+        joins: Callable[[Job], bool],
+        may_start: Callable[[Job], bool] = lambda job: not job.cancelled,
+    ) -> tuple[list[Job], list[Job]]:
+        """Rank jobs to run in one call with the job just taken: those next in the rank queue,
+        in its order, while `joins` accepts them (the first refused, or one resuming its later
+        steps, stays at the head, so nothing overtakes it). Background work never joins: it is
+        not in the rank queue. Jobs met on the way that must not start (`take`'s rules) are
+        settled and returned as dropped: a cancelled or expired Rank is never in a batch."""
+        taken: list[Job] = []
+        dropped: list[Job] = []
+        while self._ranks:
+            job = self._ranks[0][3]
+            may = may_start(job) and not self._expired(job)
+            if job.started or (may and not joins(job)):
+                break
+            heapq.heappop(self._ranks)
+            job.queued = False
+            self._log("step", job)
+            (taken if self._starts(job, may_start) else dropped).append(job)
+        return taken, dropped
+
+    def _starts(self, job: Job, may_start: Callable[[Job], bool]) -> bool:
+        """Whether `job`, taken for its first step, starts; if not, it is settled (cancelled
+        or expired)."""
+        if not may_start(job):
+            job.cancelled = True
+            self.end(job, "cancelled")
+        elif self._expired(job):
+            self.end(job, "expired")
+        else:
+            job.started = True
+            return True
+        return False
+
+    def _expired(self, job: Job) -> bool:
+        return job.deadline is not None and self.clock() > job.deadline
 
     def stepped(self, job: Job, ms: float) -> None:
         """`job` ran a step predicted at `ms` and goes on: back to its queue (a rank job

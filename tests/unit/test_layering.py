@@ -19,6 +19,7 @@ SERVICES = ("ranker", "router", "trigger")
 FLOORS = (("relaygr",), ("services",), ("tooling", "bench"))  # bottom first: packages per floor
 CORES = (
     "services.ranker.core",
+    "services.ranker.batching",
     "services.ranker.core_types",
     "services.ranker.flight",
     "services.ranker.planner",
@@ -169,6 +170,7 @@ def test_cores_reach_no_transport_or_tracing(core: str) -> None:
 # The synchronous cores own no thread and never await; they run the model through their drivers.
 SYNC_CORES = (
     "services.ranker.core",
+    "services.ranker.batching",
     "services.ranker.core_types",
     "services.ranker.flight",
     "services.ranker.planner",

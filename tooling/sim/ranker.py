@@ -2,8 +2,9 @@
 driven with each step taking the time the device profile predicts and KV caches as sizes.
 
 The driver decides nothing: PreInfer and Rank go to the core, whose actions it carries out on
-the loop (a step after its predicted time, spread by the profile's `compute_noise`; a peer fetch
-after its simulated transfer) and whose answers it turns into replies.
+the loop (a step after its predicted time, a batched call after the cost model's batch time
+(`relaygr.cost.batch_ms`), spread by the profile's `compute_noise`; a peer fetch after its
+simulated transfer) and whose answers it turns into replies.
 """
 
 import random
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 
 from relaygr.behaviours import UserId
 from relaygr.cluster import RankerRecord
-from relaygr.cost import TransferCost
+from relaygr.cost import TransferCost, batch_ms
 from relaygr.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from relaygr.room import RoomReport
 from services.ranker.core import RankerCore
@@ -29,9 +30,11 @@ from services.ranker.core_types import (
     RankAnswer,
     Reload,
     RequestId,
+    RunBatch,
     RunStep,
     Score,
     StartFetch,
+    call_shape,
     history_tokens,
 )
 from services.ranker.digest import ModelVersion, PrefixDigest
@@ -216,7 +219,8 @@ class SimRanker:
     """A ranker instance: PreInfer and Rank answered through callbacks on the loop's clock.
 
     `kill` ends it at once: every call it has not answered gets UNAVAILABLE, as a client of a
-    dead process sees. Work runs one step at a time on one virtual worker, in the core's order.
+    dead process sees. Work runs one call at a time (a step or a batch of scoring steps) on one
+    virtual worker, in the core's order.
     """
 
     def __init__(
@@ -257,7 +261,7 @@ class SimRanker:
         self.alive = True
         self.busy_s = 0.0  # virtual seconds the worker computed
         self._replies: dict[RequestId, Callable[[Answer], None]] = {}
-        self._running: Job | None = None
+        self._running: tuple[Job, ...] = ()  # the call on the virtual worker
         self._landed: Callable[[], None] | None = None
 
     @property
@@ -333,7 +337,7 @@ class SimRanker:
         replies, self._replies = self._replies, {}
         for reply in replies.values():
             reply(Answer(RequestId(0), error=Unavailable("ranker is gone")))
-        self._running = None
+        self._running = ()
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -346,10 +350,12 @@ class SimRanker:
                 if reply is not None:
                     reply(action)
             elif isinstance(action, RunStep):
-                self._run(action.job)
+                self._run((action.job,))
+            elif isinstance(action, RunBatch):
+                self._run(action.jobs)
             elif isinstance(action, StartFetch):
                 self._start_fetch(action)
-        if self._running is None:
+        if not self._running:
             free = self.core.worker_free()
             if free:
                 self._apply(free)
@@ -357,14 +363,25 @@ class SimRanker:
             landed, self._landed = self._landed, None
             landed()
 
-    def _run(self, job: Job) -> None:
-        self._running = job
-        seconds = self._step_ms(job) / 1e3
+    def _run(self, jobs: tuple[Job, ...]) -> None:
+        self._running = jobs
+        seconds = self._call_ms(jobs) / 1e3
         noise = self.profile.compute_noise
         if noise:
             seconds *= max(0.0, self.rng.gauss(1.0, noise))
         self.busy_s += seconds
-        self.loop.after(seconds, self._stepped, job, seconds)
+        self.loop.after(seconds, self._stepped, jobs, seconds)
+
+    def _call_ms(self, jobs: tuple[Job, ...]) -> float:
+        """A call's time: a step's, or a batch's from the cost model's batch term (each
+        request's single call, less the per-call saving of every request after the first)."""
+        if len(jobs) == 1:
+            return self._step_ms(jobs[0])
+        shapes = []
+        for job in jobs:
+            assert isinstance(job.spec, Score | FullForward)
+            shapes.append(call_shape(job.spec, held))
+        return batch_ms(self.profile.cost, shapes)
 
     def _step_ms(self, job: Job) -> float:
         spec, cost = job.spec, self.profile.cost
@@ -376,11 +393,14 @@ class SimRanker:
             return cost.full_ms(history_tokens(spec.request), spec.request.candidates)
         return job.next_step_ms
 
-    def _stepped(self, job: Job, seconds: float) -> None:
-        if self._running is not job:
+    def _stepped(self, jobs: tuple[Job, ...], seconds: float) -> None:
+        if self._running is not jobs:
             return  # killed meanwhile
-        self._running = None
-        self._apply(self.core.step_done(job, self._product(job), seconds))
+        self._running = ()
+        actions: list[Action] = []
+        for job in jobs:
+            actions += self.core.step_done(job, self._product(job), seconds)
+        self._apply(actions)
 
     def _product(self, job: Job) -> SimKV | None:
         """What a step leaves: a prefix job its prefix's size (steps compute nothing), a scoring

@@ -22,6 +22,7 @@ from services.ranker.core_types import (
     RankAnswer,
     Reload,
     RequestId,
+    RunBatch,
     RunStep,
     Score,
     StartFetch,
@@ -122,7 +123,7 @@ class Driver:
         self.core = core
         self.log: list[Action] = []
         self.answers: dict[RequestId, Answer] = {}
-        self.running: Job | None = None
+        self.running: list[Job] = []  # the running call's jobs (a step, or a batch)
         self.fetches: list[StartFetch] = []
 
     def feed(self, actions: list[Action]) -> None:
@@ -131,7 +132,9 @@ class Driver:
             if isinstance(action, Answer):
                 self.answers[action.request] = action
             elif isinstance(action, RunStep):
-                self.running = action.job
+                self.running = [action.job]
+            elif isinstance(action, RunBatch):
+                self.running = list(action.jobs)
             elif isinstance(action, StartFetch):
                 self.fetches.append(action)
 
@@ -145,22 +148,25 @@ class Driver:
         self.feed(actions)
         return rid
 
-    def step(self) -> Job | None:
-        """Start the next step if the worker is free, and finish it."""
-        if self.running is None:
+    def call(self) -> list[Job]:
+        """Start the next call if the worker is free, and finish it: its jobs ([]: none)."""
+        if not self.running:
             self.feed(self.core.worker_free())
-        job = self.running
-        if job is None:
-            return None
-        self.running = None
-        self.feed(self.core.step_done(job, product(job)))
-        return job
+        jobs, self.running = self.running, []
+        for job in jobs:
+            self.feed(self.core.step_done(job, product(job)))
+        return jobs
+
+    def step(self) -> Job | None:
+        """`call`, its first job (None: nothing ran)."""
+        jobs = self.call()
+        return jobs[0] if jobs else None
 
     def run(self) -> list[Job]:
-        """Every step until the queues are empty."""
+        """Every call until the queues are empty: their jobs, in order."""
         ran = []
-        while (job := self.step()) is not None:
-            ran.append(job)
+        while jobs := self.call():
+            ran += jobs
         return ran
 
     def result(self, rid: RequestId) -> PreInferAnswer | RankAnswer:
@@ -185,13 +191,14 @@ def make(
     cost: CostModel = COST,
     peers: Peers | None = None,
     prefix_behaviours: int = 100,
+    settings: CoreSettings = SETTINGS,
 ) -> tuple[RankerCore[KV], Driver, Clock]:
     clock = Clock()
     one = (USER_FEATURES + prefix_behaviours) * BYTES_PER_TOKEN
     store: KVStore[KV] = KVStore(
         int(hbm_prefixes * one), 8 * one, 600.0, clock, lambda kv: replace(kv, on_device=False)
     )
-    settings = replace(SETTINGS, relay_enabled=relay)
+    settings = replace(settings, relay_enabled=relay)
     core = RankerCore(
         store, cost, settings, ModelVersion("v"), BYTES_PER_TOKEN, held, clock, peers=peers
     )
@@ -461,7 +468,8 @@ def test_a_miss_is_scored_before_ranks_that_arrived_after_it() -> None:
     a = prefix("a")
     miss = d.rank(R(a))  # arrives first
     d.feed(core.worker_free())  # A's prefill is taken
-    assert d.running is not None and isinstance(d.running.spec, Prefill)
+    [running] = d.running
+    assert isinstance(running.spec, Prefill)
     clock.now += 1.0
     hit = d.rank(R(b))  # arrives while A's prefill runs: its scoring queues at once
     clock.now += 1.0

@@ -29,6 +29,7 @@ from services.ranker.core_types import (
     Answer,
     PreInferAnswer,
     RankAnswer,
+    RunBatch,
     RunStep,
     StartFetch,
     Waited,
@@ -108,6 +109,8 @@ def normal(action: Action) -> tuple[object, ...]:
     if isinstance(action, RunStep):
         job = action.job
         return ("step", job.name, job.steps_run, job.priority.name, type(job.spec).__name__)
+    if isinstance(action, RunBatch):
+        return ("batch", *(normal(RunStep(job)) for job in action.jobs))
     if isinstance(action, StartFetch):
         return ("fetch", action.key.user_id, action.peers, action.nbytes)
     if isinstance(action, Waited):

@@ -1,0 +1,47 @@
+"""Which queued scoring steps join the one the worker takes next, as one model call
+(docs/architecture.md §7, "Batches")."""
+
+from collections.abc import Callable
+from typing import Any
+
+from services.ranker.core_types import CoreSettings, FullForward, Score, call_rows, call_shape
+from services.ranker.plan import Held
+from services.ranker.queues import Job
+
+
+def batchable(job: Job) -> bool:
+    """Whether `job` may lead or join a batched call: a scoring step (a cached Rank's Score or a
+    full inference) that has not already failed in one."""
+    return isinstance(job.spec, Score | FullForward) and not job.solo
+
+
+class BatchRoom:
+    """One scoring call as it is filled: its first step (`head`) is in; `joins` admits a further
+    step while the call stays within `CoreSettings.max_batch_requests` and `max_batch_rows`.
+
+    Only steps of the head's kind join (Score with Score, full inference with full inference:
+    one model entry point per call), and none that failed in a batch before. The head is in
+    whatever its rows, so a Rank larger than the row bound still runs, alone. The queues ask in
+    rank order and stop at the first refusal, so a step that does not fit keeps its place at
+    the head of the queue rather than being overtaken by a smaller one behind it.
+    """
+
+    def __init__(self, head: Job, settings: CoreSettings, held_of: Callable[[Any], Held]) -> None:
+        assert batchable(head)
+        self._kind = type(head.spec)
+        self._settings = settings
+        self._held_of = held_of
+        self.requests = 1
+        self.rows = call_rows(call_shape(head.spec, held_of))
+
+    def joins(self, job: Job) -> bool:
+        if type(job.spec) is not self._kind or job.solo:
+            return False
+        if self.requests >= self._settings.max_batch_requests:
+            return False
+        rows = call_rows(call_shape(job.spec, self._held_of))
+        if self.rows + rows > self._settings.max_batch_rows:
+            return False
+        self.requests += 1
+        self.rows += rows
+        return True

@@ -1,0 +1,231 @@
+"""RankerCore batches scoring steps: the Ranks queued together when the worker frees run as one
+call, within the max-batch bounds, in rank order, never with background work, never with a Rank
+that may no longer start; a failed call's Ranks run again alone. Pure: no model, no thread."""
+
+from dataclasses import replace
+
+from relaygr.errors import DeadlineExceeded
+from services.ranker.core import RankerCore
+from services.ranker.core_types import (
+    Action,
+    Answer,
+    CoreSettings,
+    FullForward,
+    Prefill,
+    RankAnswer,
+    RunBatch,
+    RunStep,
+    Score,
+)
+from services.ranker.outcomes import CacheOutcome
+from services.ranker.queues import Job, Priority
+from tests.unit.ranker.test_core import KV, SETTINGS, Driver, R, make, prefix, product
+
+ROWS = 8 + 16  # one R's short-term behaviours + candidates
+
+
+def batched(settings: CoreSettings = SETTINGS, **bounds: int) -> CoreSettings:
+    return replace(settings, **bounds)
+
+
+def resident(d: Driver, *users: str) -> None:
+    """Each user's prefix pre-inferred and resident (its relay pinned)."""
+    for user in users:
+        d.pre_infer(prefix(user, start=1000 * ord(user)))
+    d.run()
+
+
+def hit(user: str) -> R:
+    return R(prefix(user, start=1000 * ord(user)))
+
+
+def holding(core: RankerCore[KV], d: Driver, user: str) -> Job:
+    """A background prefill of `user` taken by the worker (its first chunk runs): what arrives
+    meanwhile queues."""
+    d.pre_infer(prefix(user, start=1000 * ord(user)))
+    d.feed(core.worker_free())
+    [job] = d.running
+    assert isinstance(job.spec, Prefill) and job.priority is Priority.BACKGROUND
+    return job
+
+
+def release(core: RankerCore[KV], d: Driver, job: Job) -> list[Action]:
+    """`job`'s step ends; the worker's next call (its actions)."""
+    d.running = []
+    d.feed(core.step_done(job, product(job)))
+    actions = core.worker_free()
+    d.feed(actions)
+    return actions
+
+
+def calls(actions: list[Action]) -> list[tuple[Job, ...]]:
+    out: list[tuple[Job, ...]] = []
+    for action in actions:
+        if isinstance(action, RunStep):
+            out.append((action.job,))
+        elif isinstance(action, RunBatch):
+            out.append(action.jobs)
+    return out
+
+
+def users(jobs: tuple[Job, ...] | list[Job]) -> list[str]:
+    return [job.spec.request.prefix.user for job in jobs]
+
+
+def finish(core: RankerCore[KV], d: Driver, jobs: list[Job]) -> None:
+    d.running = []
+    for job in jobs:
+        d.feed(core.step_done(job, f"scores of {job.spec.request.prefix.user}"))
+
+
+def test_ranks_queued_behind_a_running_step_run_as_one_call_bounded_by_max_requests() -> None:
+    core, d, _ = make(hbm_prefixes=12, settings=batched(max_batch_requests=3))
+    resident(d, "a", "b", "c", "d", "e")
+    chunk = holding(core, d, "g")
+    rids = {u: d.rank(hit(u)) for u in "abcde"}
+    assert core.queued() == 1 + 5 + 0  # the running chunk, five Ranks (g waits in neither)
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a", "b", "c"]  # the head of the rank queue, then in order
+    assert all(isinstance(j.spec, Score) and j.priority is Priority.RANK for j in first)
+    assert core.queued() == 3 + 2 + 1  # a call's jobs count as running until reported
+    finish(core, d, list(first))
+    [second] = calls(_next(core, d))
+    # The room left is never filled with background work: g's prefill waits for the Ranks.
+    assert users(second) == ["d", "e"]
+    finish(core, d, list(second))
+    for user, rid in rids.items():
+        answer = d.result(rid)
+        assert isinstance(answer, RankAnswer)
+        assert (answer.scores, answer.outcome) == (f"scores of {user}", CacheOutcome.HBM_HIT)
+    assert [type(j.spec) for j in d.run()] == [Prefill]  # then g's next chunk
+    stats = core.stats()
+    assert stats.batch_requests.counts[:3] == (0, 1, 1)  # calls of <=1, 2, 3 Ranks
+    assert stats.batch_rows.total == 5 * ROWS
+
+
+def _next(core: RankerCore[KV], d: Driver) -> list[Action]:
+    actions = core.worker_free()
+    d.feed(actions)
+    return actions
+
+
+def test_a_batch_stops_at_max_rows_and_the_rank_that_does_not_fit_keeps_its_place() -> None:
+    core, d, _ = make(hbm_prefixes=12, settings=batched(max_batch_rows=2 * ROWS + 4))
+    resident(d, "a", "b", "c", "e")
+    chunk = holding(core, d, "g")
+    for u in "abc":
+        d.rank(hit(u))
+    d.rank(R(prefix("e", start=1000 * ord("e")), short_term=2, candidates=2))  # 4 rows: fits
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a", "b"]  # c does not fit, and e is not taken past it
+    finish(core, d, list(first))
+    [second] = calls(_next(core, d))
+    assert users(second) == ["c", "e"]
+
+
+def test_a_rank_too_large_for_max_rows_runs_alone() -> None:
+    core, d, _ = make(hbm_prefixes=12, settings=batched(max_batch_rows=ROWS - 1))
+    resident(d, "a", "b")
+    chunk = holding(core, d, "g")
+    d.rank(hit("a"))
+    d.rank(hit("b"))
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a"]
+
+
+def test_a_rank_past_its_deadline_or_cancelled_is_not_in_the_batch() -> None:
+    core, d, clock = make(hbm_prefixes=12)
+    resident(d, "a", "b", "c", "e")
+    chunk = holding(core, d, "g")
+    a = d.rank(hit("a"))
+    late = d.rank(hit("b"), deadline=clock.now + 0.5)
+    left = d.rank(hit("c"))
+    e = d.rank(hit("e"))
+    d.feed(core.cancel(left))
+    clock.now += 1.0  # b's caller has given up by the time the worker frees
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a", "e"]
+    assert isinstance(d.answers[late].error, DeadlineExceeded)
+    assert left not in d.answers  # its caller left: nobody to answer
+    finish(core, d, list(first))
+    assert {d.result(a).outcome, d.result(e).outcome} == {CacheOutcome.HBM_HIT}  # type: ignore[union-attr]
+
+
+def test_a_miss_keeps_its_place_a_batch_does_not_jump_its_prefill() -> None:
+    """Rank order a (hit), m (miss), b (hit): m's prefill is rank work that is not a scoring
+    step, so a's call stops before it; m's scoring, queued when its prefill lands, keeps m's
+    place and is batched with b behind it."""
+    core, d, clock = make(hbm_prefixes=12)
+    resident(d, "a", "b")
+    chunk = holding(core, d, "g")
+    d.rank(hit("a"))
+    clock.now += 1.0
+    d.rank(R(prefix("m")))
+    clock.now += 1.0
+    d.rank(hit("b"))
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a"]
+    finish(core, d, list(first))
+    [prefill] = calls(_next(core, d))
+    assert isinstance(prefill[0].spec, Prefill) and prefill[0].priority is Priority.RANK
+    [after] = calls(release(core, d, prefill[0]))
+    assert users(after) == ["m", "b"]
+
+
+def test_full_inferences_batch_together() -> None:
+    core, d, _ = make(relay=False)
+    x = d.rank(R(prefix("x")))
+    d.feed(core.worker_free())
+    [running] = d.running
+    assert isinstance(running.spec, FullForward)
+    y, z = d.rank(R(prefix("y"))), d.rank(R(prefix("z")))
+    [call] = calls(release(core, d, running))
+    assert users(call) == ["y", "z"] and all(isinstance(j.spec, FullForward) for j in call)
+    finish(core, d, list(call))
+    for rid in (x, y, z):
+        assert d.result(rid).outcome is CacheOutcome.BYPASS  # type: ignore[union-attr]
+
+
+def test_a_failed_batch_runs_its_ranks_again_alone_in_their_places() -> None:
+    core, d, _ = make(hbm_prefixes=12)
+    resident(d, "a", "b", "c")
+    chunk = holding(core, d, "g")
+    rids = [d.rank(hit(u)) for u in "abc"]
+    [call] = calls(release(core, d, chunk))
+    assert users(call) == ["a", "b", "c"]
+    d.running = []
+    actions = core.batch_failed(call, RuntimeError("device out of memory"))
+    assert actions == [] and core.queued() == 3 + 1
+    singles = []
+    for _ in range(3):  # each alone, in its place, before the background prefill
+        [(job,)] = calls(_next(core, d))
+        singles.append(job)
+        d.running = []
+        if users([job]) == ["b"]:  # the bad one fails alone
+            d.feed(core.step_failed(job, ValueError("bad input")))
+        else:
+            d.feed(core.step_done(job, "scores"))
+    assert users(singles) == ["a", "b", "c"]
+    answers: list[Answer] = [d.answers[rid] for rid in rids]
+    assert [type(a.error) for a in answers] == [type(None), ValueError, type(None)]
+
+
+def test_max_batch_one_runs_every_rank_alone_as_before() -> None:
+    """The safety valve: with max_batch_requests=1 no call is a batch, and the steps run in the
+    same order as the batched run's, each Rank alone."""
+    shapes: dict[int, list[tuple[str, ...]]] = {}
+    for size in (1, 8):
+        core, d, _ = make(hbm_prefixes=12, settings=batched(max_batch_requests=size))
+        resident(d, "a", "b", "c")
+        chunk = holding(core, d, "g")
+        for u in "abc":
+            d.rank(hit(u))
+        release(core, d, chunk)
+        d.run()
+        assert (size == 1) is not any(isinstance(a, RunBatch) for a in d.log)
+        shapes[size] = [
+            tuple(users(jobs)) if isinstance(jobs[0].spec, Score) else ("prefill",)
+            for jobs in calls(d.log)
+        ]
+    assert shapes[1][-5:] == [("prefill",), ("a",), ("b",), ("c",), ("prefill",)]
+    assert shapes[8][-3:] == [("prefill",), ("a", "b", "c"), ("prefill",)]
