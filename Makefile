@@ -14,7 +14,7 @@ RELEASED_CONTRACT := protos/released.json
 DOCKER ?= docker
 IMAGE ?= relaygr:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup proto test lint contract contract-release buf helm-lint image bench bench-model bench-batch bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen demo clean
+.PHONY: setup proto test lint contract contract-release buf helm-lint image bench bench-model bench-batch bench-engine-batch bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen demo clean
 
 setup: $(STAMP) $(PROTO_OUT) $(HELM) $(BUF_STAMP)
 	@command -v promtool >/dev/null || echo "note: no promtool: the alert and Prometheus tests skip; as root: apt-get install -y --no-install-recommends prometheus"
@@ -75,13 +75,16 @@ helm-lint: setup
 image:
 	$(DOCKER) build -t $(IMAGE) .
 
-bench: bench-model bench-batch bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen
+bench: bench-model bench-batch bench-engine-batch bench-ranker bench-router bench-trigger bench-relay bench-tracing bench-chaos bench-kv bench-loadgen
 
 bench-model: setup
 	$(PY) bench/model_bench.py
 
 bench-batch: setup
 	$(PY) bench/batch_bench.py
+
+bench-engine-batch: setup
+	$(PY) bench/engine_batch_bench.py
 
 bench-ranker: setup
 	$(PY) bench/ranker_bench.py
