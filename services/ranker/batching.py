@@ -4,6 +4,7 @@
 from collections.abc import Callable
 from typing import Any
 
+from relaygr.cost import CallShape, CostModel, batch_ms
 from services.ranker.core_types import CoreSettings, FullForward, Score, call_rows, call_shape
 from services.ranker.plan import Held
 from services.ranker.queues import Job
@@ -24,24 +25,54 @@ class BatchRoom:
     whatever its rows, so a Rank larger than the row bound still runs, alone. The queues ask in
     rank order and stop at the first refusal, so a step that does not fit keeps its place at
     the head of the queue rather than being overtaken by a smaller one behind it.
+
+    A step also joins only while the call, predicted by the cost model's batch term from `now`,
+    still ends before the earliest deadline among its steps: every step of a batch is answered
+    when the call ends, so a join that would hold an earlier Rank past its deadline is refused
+    (that step runs in a later call).
     """
 
-    def __init__(self, head: Job, settings: CoreSettings, held_of: Callable[[Any], Held]) -> None:
+    def __init__(
+        self,
+        head: Job,
+        settings: CoreSettings,
+        held_of: Callable[[Any], Held],
+        cost: CostModel,
+        now: float,
+    ) -> None:
         assert batchable(head)
         self._kind = type(head.spec)
         self._settings = settings
         self._held_of = held_of
+        self._cost = cost
+        self._now = now
+        shape = call_shape(head.spec, held_of)
+        self._shapes: list[CallShape] = [shape]
+        self._deadline = head.deadline
         self.requests = 1
-        self.rows = call_rows(call_shape(head.spec, held_of))
+        self.rows = call_rows(shape)
 
     def joins(self, job: Job) -> bool:
         if type(job.spec) is not self._kind or job.solo:
             return False
         if self.requests >= self._settings.max_batch_requests:
             return False
-        rows = call_rows(call_shape(job.spec, self._held_of))
+        shape = call_shape(job.spec, self._held_of)
+        rows = call_rows(shape)
         if self.rows + rows > self._settings.max_batch_rows:
             return False
+        deadline = _earliest(self._deadline, job.deadline)
+        shapes = [*self._shapes, shape]
+        if deadline is not None and self._now + batch_ms(self._cost, shapes) / 1e3 > deadline:
+            return False
+        self._shapes, self._deadline = shapes, deadline
         self.requests += 1
         self.rows += rows
         return True
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    """The sooner of two deadlines (None: none)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

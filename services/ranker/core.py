@@ -243,7 +243,7 @@ class RankerCore(Generic[KV]):
             return self._flush()
         jobs = [job]
         if batchable(job):
-            room = BatchRoom(job, self.settings, self._held_of)
+            room = BatchRoom(job, self.settings, self._held_of, self.cost_model, self.clock())
             if self.settings.max_batch_requests > 1:  # 1: as before batching, exactly
                 more, dropped = self.queues.take_more(room.joins)
                 jobs += more

@@ -4,6 +4,7 @@ that may no longer start; a failed call's Ranks run again alone. Pure: no model,
 
 from dataclasses import replace
 
+from relaygr.cost import CallShape, batch_ms
 from relaygr.errors import DeadlineExceeded
 from services.ranker.core import RankerCore
 from services.ranker.core_types import (
@@ -19,9 +20,20 @@ from services.ranker.core_types import (
 )
 from services.ranker.outcomes import CacheOutcome
 from services.ranker.queues import Job, Priority
-from tests.unit.ranker.test_core import KV, SETTINGS, Driver, R, make, prefix, product
+from tests.unit.ranker.test_core import (
+    COST,
+    KV,
+    SETTINGS,
+    USER_FEATURES,
+    Driver,
+    R,
+    make,
+    prefix,
+    product,
+)
 
 ROWS = 8 + 16  # one R's short-term behaviours + candidates
+CACHED = USER_FEATURES + 100  # a resident prefix: user features + 100 long-term behaviours
 
 
 def batched(settings: CoreSettings = SETTINGS, **bounds: int) -> CoreSettings:
@@ -229,3 +241,31 @@ def test_max_batch_one_runs_every_rank_alone_as_before() -> None:
         ]
     assert shapes[1][-5:] == [("prefill",), ("a",), ("b",), ("c",), ("prefill",)]
     assert shapes[8][-3:] == [("prefill",), ("a", "b", "c"), ("prefill",)]
+
+
+def test_a_rank_joins_only_while_the_call_still_ends_before_every_deadline_in_it() -> None:
+    """Every Rank of a call is answered when the call ends: b, queued behind a, joins a's call
+    only if the pair, predicted from now, still ends before a's deadline."""
+    core, d, clock = make(hbm_prefixes=12)
+    resident(d, "a", "b")
+    one = batch_ms(COST, [CallShape(CACHED, 8, 16)]) / 1e3
+    two = batch_ms(COST, [CallShape(CACHED, 8, 16)] * 2) / 1e3
+    assert one < two
+    chunk = holding(core, d, "g")
+    a = d.rank(hit("a"), deadline=clock.now + (one + two) / 2)  # alone it ends in time
+    b = d.rank(hit("b"))
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a"]  # with b, a's answer would come after a's deadline
+    finish(core, d, list(first))
+    [second] = calls(_next(core, d))
+    assert users(second) == ["b"]
+    finish(core, d, list(second))
+    assert {d.result(a).outcome, d.result(b).outcome} == {CacheOutcome.HBM_HIT}  # type: ignore[union-attr]
+    # With room in a's deadline for both, they share one call.
+    core, d, clock = make(hbm_prefixes=12)
+    resident(d, "a", "b")
+    chunk = holding(core, d, "g")
+    d.rank(hit("a"), deadline=clock.now + 2 * two)
+    d.rank(hit("b"), deadline=clock.now + 2 * two)
+    [both] = calls(release(core, d, chunk))
+    assert users(both) == ["a", "b"]
