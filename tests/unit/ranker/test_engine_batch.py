@@ -86,6 +86,15 @@ def _call_sizes(log: list[Action]) -> list[int]:
     return sizes
 
 
+async def _cached_then_ranked_together(
+    engine: RankerEngine, requests: list[RankInput]
+) -> list[RankResult]:
+    """Every request's prefix pre-inferred, then the Ranks served together."""
+    for r in requests:
+        await engine.pre_infer(r.prefix, None, None)
+    return await _ranked_together(engine, requests)
+
+
 def test_ranks_served_in_one_batch_score_as_alone_and_as_the_dense_reference(
     rng: np.random.Generator,
 ) -> None:
@@ -93,13 +102,7 @@ def test_ranks_served_in_one_batch_score_as_alone_and_as_the_dense_reference(
     log: list[Action] = []
     engine = _engine(SETTINGS, log)
     try:
-
-        async def scenario() -> list[RankResult]:
-            for r in requests:
-                await engine.pre_infer(r.prefix, None, None)
-            return await _ranked_together(engine, requests)
-
-        results = asyncio.run(scenario())
+        results = asyncio.run(_cached_then_ranked_together(engine, requests))
     finally:
         engine.stop()
     [batch] = [a for a in log if isinstance(a, RunBatch)]
@@ -136,13 +139,7 @@ def test_max_batch_bounds_the_calls(rng: np.random.Generator, max_batch_requests
     log: list[Action] = []
     engine = _engine(replace(SETTINGS, max_batch_requests=max_batch_requests), log)
     try:
-
-        async def scenario() -> list[RankResult]:
-            for r in requests:
-                await engine.pre_infer(r.prefix, None, None)
-            return await _ranked_together(engine, requests)
-
-        results = asyncio.run(scenario())
+        results = asyncio.run(_cached_then_ranked_together(engine, requests))
     finally:
         engine.stop()
     sizes = _call_sizes(log)
