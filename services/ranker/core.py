@@ -74,8 +74,9 @@ class RankerCore(Generic[KV]):
     worker is idle. A call is one job's step, or the steps of several scoring jobs batched
     (`RunBatch`): the Score steps (or full inferences) at the head of the rank queue when the
     worker frees, in rank order, within `CoreSettings.max_batch_requests` and `max_batch_rows`
-    (`batching.BatchRoom`). A batch never waits for more to arrive, so batching delays no Rank;
-    a cancelled or expired Rank never joins one; background work never does. Each job of a batch
+    (`batching.BatchRoom`). A batch never waits for more to arrive; as every Rank of a call is
+    answered when the call ends, one joins only while the call is predicted to end before every
+    deadline in it. A cancelled or expired Rank never joins one; background work never does. Each job of a batch
     ends with its own result; if the call fails, its jobs return to the head of the rank queue,
     in their places, and each runs alone (one bad request fails itself only, and a call too
     large for the device still serves its requests). Observations go to `observe`, in the order

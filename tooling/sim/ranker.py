@@ -35,7 +35,6 @@ from services.ranker.core_types import (
     Score,
     StartFetch,
     call_shape,
-    history_tokens,
 )
 from services.ranker.digest import ModelVersion, PrefixDigest
 from services.ranker.handoff_order import Candidate, Declined
@@ -373,25 +372,16 @@ class SimRanker:
         self.loop.after(seconds, self._stepped, jobs, seconds)
 
     def _call_ms(self, jobs: tuple[Job, ...]) -> float:
-        """A call's time: a step's, or a batch's from the cost model's batch term (each
-        request's single call, less the per-call saving of every request after the first)."""
-        if len(jobs) == 1:
-            return self._step_ms(jobs[0])
+        """A call's time: a scoring call's (one Rank's, or a batch's) from the cost model's
+        batch term (each request's single call, less the per-call saving of every request
+        after the first); any other step's, as the core predicted it."""
+        if not isinstance(jobs[0].spec, Score | FullForward):
+            return jobs[0].next_step_ms
         shapes = []
         for job in jobs:
             assert isinstance(job.spec, Score | FullForward)
             shapes.append(call_shape(job.spec, held))
         return batch_ms(self.profile.cost, shapes)
-
-    def _step_ms(self, job: Job) -> float:
-        spec, cost = job.spec, self.profile.cost
-        if isinstance(spec, Score):
-            return cost.rank_ms(
-                spec.kv.num_tokens, spec.request.short_term, spec.request.candidates
-            )
-        if isinstance(spec, FullForward):
-            return cost.full_ms(history_tokens(spec.request), spec.request.candidates)
-        return job.next_step_ms
 
     def _stepped(self, jobs: tuple[Job, ...], seconds: float) -> None:
         if self._running is not jobs:

@@ -3,6 +3,7 @@ queued together behind a held worker, are scored in one model call, and each get
 scores, equal to its scores alone and to the dense reference. Random inputs, seed printed."""
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from relaygr.behaviours import RankInput
-from services.ranker.core_types import Action, FullForward, RunBatch, RunStep, Score
+from services.ranker.core_types import Action, CoreStats, FullForward, RunBatch, RunStep, Score
 from services.ranker.engine import EngineSettings, RankerEngine, RankResult
 from services.ranker.kv_store import KVStore
 from services.ranker.queues import Priority
@@ -86,6 +87,22 @@ def _call_sizes(log: list[Action]) -> list[int]:
     return sizes
 
 
+def _served(
+    settings: EngineSettings,
+    serve: Callable[[RankerEngine, list[RankInput]], Awaitable[list[RankResult]]],
+    requests: list[RankInput],
+) -> tuple[list[RankResult], list[Action], CoreStats]:
+    """`serve(engine, requests)` on a fresh engine of `settings`: its results, the actions the
+    engine's core took, and its stats after."""
+    log: list[Action] = []
+    engine = _engine(settings, log)
+    try:
+        results = asyncio.run(serve(engine, requests))
+        return results, log, engine.stats()
+    finally:
+        engine.stop()
+
+
 async def _cached_then_ranked_together(
     engine: RankerEngine, requests: list[RankInput]
 ) -> list[RankResult]:
@@ -99,12 +116,7 @@ def test_ranks_served_in_one_batch_score_as_alone_and_as_the_dense_reference(
     rng: np.random.Generator,
 ) -> None:
     requests = _requests(rng)
-    log: list[Action] = []
-    engine = _engine(SETTINGS, log)
-    try:
-        results = asyncio.run(_cached_then_ranked_together(engine, requests))
-    finally:
-        engine.stop()
+    results, log, stats = _served(SETTINGS, _cached_then_ranked_together, requests)
     [batch] = [a for a in log if isinstance(a, RunBatch)]
     assert [job.spec.request.request for job in batch.jobs] == requests  # one call, in order
     assert all(isinstance(job.spec, Score) for job in batch.jobs)
@@ -115,18 +127,14 @@ def test_ranks_served_in_one_batch_score_as_alone_and_as_the_dense_reference(
         for kv, r in zip(kvs, requests, strict=True)
     ]
     _check(requests, results, alone)
-    stats = engine.stats()
     assert stats.batch_requests.count == 1 and stats.batch_requests.total == USERS
 
 
 def test_full_inferences_served_in_one_batch_score_as_alone(rng: np.random.Generator) -> None:
     requests = _requests(rng)
-    log: list[Action] = []
-    engine = _engine(replace(SETTINGS, relay_enabled=False), log)
-    try:
-        results = asyncio.run(_ranked_together(engine, requests))
-    finally:
-        engine.stop()
+    results, log, _stats = _served(
+        replace(SETTINGS, relay_enabled=False), _ranked_together, requests
+    )
     [batch] = [a for a in log if isinstance(a, RunBatch)]
     assert all(isinstance(job.spec, FullForward) for job in batch.jobs)
     assert len(batch.jobs) == USERS
@@ -136,12 +144,11 @@ def test_full_inferences_served_in_one_batch_score_as_alone(rng: np.random.Gener
 @pytest.mark.parametrize("max_batch_requests", [1, 4])
 def test_max_batch_bounds_the_calls(rng: np.random.Generator, max_batch_requests: int) -> None:
     requests = _requests(rng)
-    log: list[Action] = []
-    engine = _engine(replace(SETTINGS, max_batch_requests=max_batch_requests), log)
-    try:
-        results = asyncio.run(_cached_then_ranked_together(engine, requests))
-    finally:
-        engine.stop()
+    results, log, _stats = _served(
+        replace(SETTINGS, max_batch_requests=max_batch_requests),
+        _cached_then_ranked_together,
+        requests,
+    )
     sizes = _call_sizes(log)
     assert sizes == ([1] * USERS if max_batch_requests == 1 else [4, 2])
     _check(requests, results, None)
