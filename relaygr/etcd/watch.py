@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,9 +153,17 @@ class Watch:
         await cancel_and_wait(task)
         stream, self._stream = self._stream, None
         if stream is not None:
-            # Best effort: unregister from aetcd's shared stream, which may already be closed.
-            with contextlib.suppress(Exception):
+            # Best effort: unregister from aetcd's shared stream, which may already be closed;
+            # one torn down under us cancels its own futures, which must not end this close
+            # (only a cancellation of this task does).
+            try:
                 await asyncio.wait_for(stream.cancel(), timeout=1.0)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+            except Exception:
+                pass
         self.connected = False
 
     async def cancel(self) -> None:
