@@ -1,4 +1,8 @@
-"""Throughput of cached Ranks batched across requests vs the same Ranks one call each, on this CPU.
+"""Throughput of cached Ranks batched across requests vs the same Ranks one call each.
+
+By default on this CPU with the default model in fp32; `--device cuda --model hstu-24x1024
+--precision bf16` measures an accelerator with the accelerator profiles' model shape
+(profiles/README.md), timing after a device synchronise.
 
 For each seed and prefix length, 16 users get their own prefix (prefilled, untimed), short-term
 behaviours and 128-256 candidates. For each batch size B the first B users' Ranks run as B
@@ -10,13 +14,15 @@ to JSON and to a marked section of docs/benchmarks.md.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
+import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,17 +31,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.model_bench import matmul_peak, matmul_rates, random_behaviours, rank_flops
+from bench.model_bench import device_sync, matmul_peak, matmul_rates, random_behaviours, rank_flops
 from bench.report import add_render_arguments, load_result, machine_info, run_stamp, write_section
 from relaygr.behaviours import Prefix
 from relaygr.bounds import AT_LEAST_ONE, Bounded
 from relaygr.cli_help import HelpFormatter
+from relaygr.device import select_device
 from services.ranker.model import RankingModel, RankItem
-from services.ranker.model_config import ModelConfig
+from services.ranker.model_config import KVDtype, ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ".venv/bin/python bench/batch_bench.py"
-SECTION = "batch_bench"  # docs/benchmarks.md section, between <!-- batch_bench:start/end -->
+# A result's docs/benchmarks.md section is its file's stem, between <!-- STEM:start/end -->
+# (batch_bench for the CPU run, batch_bench_cuda for a CUDA one).
 LENGTHS = (256, 1024, 4096)  # long-term behaviours; the prefix adds USER_FEATURES
 QUICK_LENGTHS = (256,)
 BATCHES = (1, 2, 4, 8, 16)
@@ -46,6 +54,20 @@ CANDIDATES = (128, 256)  # drawn per user, inclusive
 SPEEDUP_TARGET = 1.5  # issue 27: batched vs unbatched throughput
 PEAK_FRACTION_TARGET = 0.7
 REQUEST_TS = 1_700_000_000
+PREFILL_REPEATS = 3  # timed prefills of one user per seed and length
+# The model shapes a run can measure: the project's default (sized for two CPU cores) and the
+# accelerator profiles' HSTU (24 layers, d_model 1024, 4 heads of 256, no feed-forward block,
+# bf16 KV; profiles/nvidia-h200.toml).
+MODELS = {
+    "default": ModelConfig(),
+    "hstu-24x1024": ModelConfig(
+        num_layers=24, d_model=1024, num_heads=4, d_qk=256, d_v=256, ffn_mult=0,
+        kv_dtype=KVDtype.BFLOAT16,
+    ),
+}  # fmt: skip
+# How matrix products run: fp32 as the model is written, or tf32 (fp32 data, CUDA tensor
+# cores; the model's in-place products rule out autocasting it to bf16).
+PRECISIONS = ("fp32", "tf32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +76,9 @@ class Settings:
 
     seeds: tuple[int, ...]
     threads: int
+    device: str
+    model: str
+    precision: str
     quick: bool
     lengths: tuple[int, ...]
     batches: tuple[int, ...]
@@ -82,18 +107,35 @@ class Cell:
     max_rel_err: float  # batched vs single scores
 
 
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """One seed and prefix length: the median of timed prefills (full inference over the
+    prefix, what a relay pre-infers) of one user, milliseconds."""
+
+    seed: int
+    long_term: int
+    prefill_ms: float
+
+
+CUT_TS = REQUEST_TS - 3_600  # long-term behaviours end here, short-term ones start
+
+
+def _prefix(cfg: ModelConfig, rng: np.random.Generator, user: int, long_term: int) -> Prefix:
+    return Prefix(
+        user_id=f"bench-user-{user}",
+        user_features=rng.integers(0, 1 << 20, size=USER_FEATURES),
+        long_term=random_behaviours(cfg, rng, long_term, REQUEST_TS - 2 * 365 * 86_400, CUT_TS),
+    )
+
+
 def _items(
     model: RankingModel, rng: np.random.Generator, long_term: int, count: int
 ) -> list[RankItem]:
-    cfg, cut = model.cfg, REQUEST_TS - 3_600
+    cfg = model.cfg
     items = []
     for i in range(count):
-        prefix = Prefix(
-            user_id=f"bench-user-{i}",
-            user_features=rng.integers(0, 1 << 20, size=USER_FEATURES),
-            long_term=random_behaviours(cfg, rng, long_term, REQUEST_TS - 2 * 365 * 86_400, cut),
-        )
-        short = random_behaviours(cfg, rng, SHORT_TERM, cut, REQUEST_TS)
+        prefix = _prefix(cfg, rng, i, long_term)
+        short = random_behaviours(cfg, rng, SHORT_TERM, CUT_TS, REQUEST_TS)
         candidates = rng.integers(
             0, 1 << 40, size=int(rng.integers(CANDIDATES[0], CANDIDATES[1] + 1))
         )
@@ -101,10 +143,39 @@ def _items(
     return items
 
 
-def _ms(fn: Callable[[], object]) -> float:
+def _no_sync() -> None:
+    pass
+
+
+def _ms(fn: Callable[[], object], sync: Callable[[], None] = _no_sync) -> float:
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return (time.perf_counter() - start) * 1e3
+
+
+@contextlib.contextmanager
+def precision(device: torch.device, name: str) -> Iterator[None]:
+    """Matrix products in fp32, or in tf32 on a CUDA device's tensor cores."""
+    if name == "fp32":
+        yield
+        return
+    if device.type != "cuda":
+        raise SystemExit(f"precision {name} needs a CUDA device, not {device}")
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def bench_prefill(model: RankingModel, prefix: Prefix, seed: int) -> Prefill:
+    sync = device_sync(model.device)
+    model.prefill(prefix)  # warm-up
+    times = [_ms(lambda: model.prefill(prefix), sync) for _ in range(PREFILL_REPEATS)]
+    return Prefill(seed, len(prefix.long_term), statistics.median(times))
 
 
 def bench_cell(
@@ -124,9 +195,10 @@ def bench_cell(
         singles()
         batch()
     single_ms, batch_ms = [], []
+    sync = device_sync(model.device)
     for _ in range(settings.repeats):
-        single_ms.append(_ms(singles))
-        batch_ms.append(_ms(batch))
+        single_ms.append(_ms(singles, sync))
+        batch_ms.append(_ms(batch, sync))
     cfg = model.cfg
     return Cell(
         seed=seed,
@@ -155,7 +227,7 @@ LAYOUT_CASES = {
 
 
 def layout_times(
-    cfg: ModelConfig, keys: Sequence[int], repeats: int, seed: int
+    cfg: ModelConfig, keys: Sequence[int], repeats: int, seed: int, device: torch.device
 ) -> dict[str, float]:
     """Best-of-`repeats` ms of one layer's candidate attention (192 candidates a user, the
     model's heads and widths) over users with `keys` prefix keys each: jagged, a product per
@@ -164,10 +236,10 @@ def layout_times(
     so they add nothing: the same result)."""
     g = torch.Generator().manual_seed(seed)
     heads, rows = cfg.num_heads, 192
-    qs = [torch.randn(heads, rows, cfg.d_qk, generator=g) for _ in keys]
-    ks = [torch.randn(heads, n, cfg.d_qk, generator=g) for n in keys]
-    vs = [torch.randn(heads, n, cfg.d_v, generator=g) for n in keys]
-    biases = [torch.randn(n, generator=g) for n in keys]
+    qs = [torch.randn(heads, rows, cfg.d_qk, generator=g).to(device) for _ in keys]
+    ks = [torch.randn(heads, n, cfg.d_qk, generator=g).to(device) for n in keys]
+    vs = [torch.randn(heads, n, cfg.d_v, generator=g).to(device) for n in keys]
+    biases = [torch.randn(n, generator=g).to(device) for n in keys]
 
     def jagged() -> None:
         for q, k, v, b in zip(qs, ks, vs, biases, strict=True):
@@ -176,19 +248,20 @@ def layout_times(
 
     def padded() -> None:
         users, longest = len(keys), max(keys)
-        k_all = torch.zeros(users, heads, longest, cfg.d_qk)
-        v_all = torch.zeros(users, heads, longest, cfg.d_v)
-        b_all = torch.zeros(users, 1, 1, longest)
+        k_all = torch.zeros(users, heads, longest, cfg.d_qk, device=device)
+        v_all = torch.zeros(users, heads, longest, cfg.d_v, device=device)
+        b_all = torch.zeros(users, 1, 1, longest, device=device)
         for i, (k, v, b) in enumerate(zip(ks, vs, biases, strict=True)):
             k_all[i, :, : len(b)], v_all[i, :, : len(b)], b_all[i, 0, 0, : len(b)] = k, v, b
         scores = torch.matmul(torch.stack(qs), k_all.transpose(2, 3)).add_(b_all)
         torch.matmul(F.silu(scores, inplace=True), v_all)
 
     jagged(), padded()
+    sync = device_sync(device)
     times: dict[str, list[float]] = {"jagged_ms": [], "padded_ms": []}
     for _ in range(repeats):
-        times["jagged_ms"].append(_ms(jagged))
-        times["padded_ms"].append(_ms(padded))
+        times["jagged_ms"].append(_ms(jagged, sync))
+        times["padded_ms"].append(_ms(padded, sync))
     return {name: min(values) for name, values in times.items()}
 
 
@@ -264,6 +337,7 @@ def render_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 def interpret(result: dict[str, Any]) -> str:
     """Sentences judging the run against the issue's targets, length by length."""
     rows = result["summary"]
+    cpu = not _on_accelerator(result)
     sentences = []
     for long_term in sorted({r["long_term"] for r in rows}):
         at = [r for r in rows if r["long_term"] == long_term and r["batch"] > 1]
@@ -278,7 +352,7 @@ def interpret(result: dict[str, Any]) -> str:
             f"the {SPEEDUP_TARGET}x target, and the batch reaches at most {100 * peak:.0f}% of "
             f"the matmul peak (goal {100 * PEAK_FRACTION_TARGET:.0f}%)."
         )
-    for long_term, saving in savings(result["cells"]).items():
+    for long_term, saving in savings(result["cells"]).items() if cpu else ():
         single = statistics.median(
             r["single_rank_ms"]["median"] for r in rows if r["long_term"] == long_term
         )
@@ -287,6 +361,8 @@ def interpret(result: dict[str, Any]) -> str:
             f"{saving['median']:.1f} ms (range {saving['min']:.1f} to {saving['max']:.1f}) of "
             f"a {single:.0f} ms single Rank."
         )
+    if _on_accelerator(result):
+        return " ".join([*sentences, _accelerator_reading(result)])
     if max(r["batch_peak_fraction"]["max"] for r in rows) > 1:
         sentences.append(
             "Shares above 100% show that foreign load on the shared machine depressed the peak "
@@ -304,7 +380,45 @@ def interpret(result: dict[str, Any]) -> str:
     return " ".join(sentences)
 
 
-def render_layout(layout: dict[str, dict[str, float]]) -> list[str]:
+def _on_accelerator(result: dict[str, Any]) -> bool:
+    return not str(result.get("device", "cpu")).startswith("cpu")
+
+
+def _accelerator_reading(result: dict[str, Any]) -> str:
+    """What the accelerator run says about the profiles' batching assumption."""
+    per_length = "; ".join(
+        f"{n + USER_FEATURES:,} tokens {s['median']:.2f} ms ({s['min']:.2f} to {s['max']:.2f})"
+        for n, s in savings(result["cells"]).items()
+    )
+    return (
+        f"Each request after the first saves, median over seeds and batches (range): "
+        f"{per_length}; the "
+        "accelerator profiles assume 1.0 ms (`batch_saving_ms = fixed_ms`, "
+        "profiles/README.md). The model is the project's own code (a kernel or more per "
+        "operation, attention per user against its own prefix), not a fused production kernel."
+    )
+
+
+def render_prefills(result: dict[str, Any]) -> list[str]:
+    prefills = result.get("prefills", [])
+    if not prefills:
+        return []
+    lengths = sorted({p["long_term"] for p in prefills})
+    parts = []
+    for n in lengths:
+        times = [p["prefill_ms"] for p in prefills if p["long_term"] == n]
+        parts.append(
+            f"{n + USER_FEATURES:,} tokens {statistics.median(times):.1f} ms "
+            f"({min(times):.1f}-{max(times):.1f})"
+        )
+    return [
+        "",
+        f"Prefill of one user's prefix (full inference, what a relay pre-infers; median of "
+        f"{PREFILL_REPEATS} after a warm-up, median and range over seeds): {'; '.join(parts)}.",
+    ]
+
+
+def render_layout(layout: dict[str, dict[str, float]], where: str = "On this CPU") -> list[str]:
     if not layout:
         return []
     lines = [
@@ -320,7 +434,7 @@ def render_layout(layout: dict[str, dict[str, float]]) -> list[str]:
         lines.append(f"| {name} | {times['jagged_ms']:.1f} | {times['padded_ms']:.1f} |")
     if all(t["jagged_ms"] <= t["padded_ms"] for t in layout.values()):
         verdict = (
-            "On this CPU the jagged layout is as fast or faster whether lengths are equal (the "
+            f"{where} the jagged layout is as fast or faster whether lengths are equal (the "
             "copy into the padded block costs more than the calls it saves) or mixed (padding "
             "multiplies keys that are not there), so the model runs jagged."
         )
@@ -330,6 +444,8 @@ def render_layout(layout: dict[str, dict[str, float]]) -> list[str]:
 
 
 def render_section(result: dict[str, Any]) -> str:
+    if _on_accelerator(result):
+        return render_accelerator_section(result)
     machine = result["machine"]
     work = result["workload"]
     seeds = ", ".join(str(s) for s in result["seeds"])
@@ -341,7 +457,7 @@ def render_section(result: dict[str, Any]) -> str:
         "",
         f"- {run_stamp(machine)}; torch {machine['torch']}, {machine['threads']} torch "
         "thread(s): the machine is shared, so one thread is less disturbed by foreign load.",
-        f"- Model: default `ModelConfig()`. Each user: {work['user_features']} user features + "
+        f"- Model: {_model_name(result)}. Each user: {work['user_features']} user features + "
         f"the long-term prefix (cached, prefill untimed), {work['short_term']} short-term "
         f"behaviours, {work['candidates'][0]}-{work['candidates'][1]} candidates (drawn).",
         f"- Per seed, length and B: {result['repeats']} timed pairs (B single `rank` calls, "
@@ -360,6 +476,49 @@ def render_section(result: dict[str, Any]) -> str:
         "",
         interpret(result),
         *render_layout(result.get("layout", {})),
+    ]
+    return "\n".join(lines)
+
+
+def _model_name(result: dict[str, Any]) -> str:
+    name = result.get("model", "default")
+    if name == "default":
+        return "default `ModelConfig()`"
+    cfg = result["config"]
+    return (
+        f"`{name}` ({cfg['num_layers']} layers, d_model {cfg['d_model']}, {cfg['num_heads']} "
+        f"heads of {cfg['d_qk']}/{cfg['d_v']} (q.k/v), feed-forward x{cfg['ffn_mult']}, "
+        f"{cfg['kv_dtype']} KV)"
+    )
+
+
+def render_accelerator_section(result: dict[str, Any]) -> str:
+    machine, work = result["machine"], result["workload"]
+    seeds = ", ".join(str(s) for s in result["seeds"])
+    lines = [
+        f"## Model on {result['device']}: cached Ranks batched across requests",
+        "",
+        f"Reproduce, on a machine with the device: `{result['command']}` (this run: seeds "
+        f"{seeds}); about {result['wall_s'] / 60:.0f} minutes.",
+        "",
+        f"- {run_stamp(machine)}; torch {machine['torch']}, timed after a device synchronise.",
+        f"- Model: {_model_name(result)}, matrix products in {result['precision']}. Each user: "
+        f"{work['user_features']} user features + the long-term prefix (cached, prefill timed "
+        f"apart), {work['short_term']} short-term behaviours, {work['candidates'][0]}-"
+        f"{work['candidates'][1]} candidates (drawn).",
+        f"- Per seed, length and B: {result['repeats']} timed pairs (B single `rank` calls, "
+        f"then one `rank_batch` of the same B Ranks) after {result['warmup']} warm-up pair(s); "
+        "the table gives the median over seeds and (range).",
+        f"- Matmul peak (best-of-{result['matmul_peak']['tries']} `torch.mm` in "
+        f"{result['precision']} on the device, before and after the rows): "
+        f"{result['matmul_peak']['gflops_per_s'] / 1e3:.0f} TFLOP/s. FLOPs are analytic "
+        "matmul FLOPs (bench/model_bench.py `rank_flops`).",
+        "",
+        *render_table(result["summary"]),
+        *render_prefills(result),
+        "",
+        interpret(result),
+        *render_layout(result.get("layout", {}), where=f"On {result['device']}"),
     ]
     return "\n".join(lines)
 
@@ -387,6 +546,25 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed pairs per cell")
     parser.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda or npu (default: cpu)"
+    )
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="default", help="model shape (default: default)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32, or tf32 on CUDA tensor cores; the matmul peak is measured in the same "
+        "(default: fp32)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=None,
+        help=f"comma-separated batch sizes (default: {','.join(map(str, BATCHES))})",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 256 tokens, B 1 and 4, one seed; writes "
@@ -407,60 +585,68 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     quick = bool(args.quick)
     results = REPO_ROOT / "bench" / "results"
     seeds = args.seeds or tuple(secrets.randbits(31) for _ in range(1 if quick else 3))
+    stem = "batch_bench" if args.device == "cpu" else f"batch_bench_{args.device}"
     skip_docs = args.no_docs or (quick and args.docs is None)
     return Settings(
         seeds=seeds,
         threads=args.threads,
+        device=args.device,
+        model=args.model,
+        precision=args.precision,
         quick=quick,
         lengths=QUICK_LENGTHS if quick else LENGTHS,
-        batches=QUICK_BATCHES if quick else BATCHES,
+        batches=args.batches or (QUICK_BATCHES if quick else BATCHES),
         repeats=1 if quick else args.repeats,
         warmup=args.warmup,
-        peak_sizes=(1024,) if quick else (1024, 2048),
+        peak_sizes=(1024,) if quick else ((1024, 2048) if args.device == "cpu" else (4096, 8192)),
         peak_tries=3 if quick else 5,
-        output=args.output or results / ("batch_bench.quick.json" if quick else "batch_bench.json"),
+        output=args.output or results / (f"{stem}.quick.json" if quick else f"{stem}.json"),
         docs=None if skip_docs else (args.docs or REPO_ROOT / "docs" / "benchmarks.md"),
         from_json=args.from_json,
     )
 
 
-def run(settings: Settings) -> dict[str, Any]:
+def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
     torch.set_num_threads(settings.threads)
+    device = select_device(settings.device)
     machine = machine_info(settings.threads)  # stamped at the start: the code that ran
+    if device.type == "cuda":
+        machine["machine"] += f"; {torch.cuda.get_device_name(device)}"
     started = time.perf_counter()
     load_before = os.getloadavg()
-    print(f"seeds {settings.seeds}, {settings.threads} thread(s)", flush=True)
-    before = matmul_rates(settings.peak_sizes, settings.peak_tries, settings.seeds[0])
-    cfg = ModelConfig()
+    print(f"seeds {settings.seeds}, {settings.threads} thread(s), {device}", flush=True)
+    peak_args = (settings.peak_sizes, settings.peak_tries)
+    with precision(device, settings.precision):
+        before = matmul_rates(*peak_args, settings.seeds[0], device)
+    cfg = MODELS[settings.model]
     cells: list[Cell] = []
+    prefills: list[Prefill] = []
     for seed in settings.seeds:
         torch.manual_seed(seed)
-        model = RankingModel(cfg, seed=seed)
+        model = RankingModel(cfg, seed=seed, device=device)
         rng = np.random.default_rng(seed)
         for long_term in settings.lengths:
-            users = _items(model, rng, long_term, max(settings.batches))
-            for batch in settings.batches:
-                cell = bench_cell(model, users[:batch], settings, seed, long_term)
-                print(
-                    f"seed {seed} prefix {long_term + USER_FEATURES:5d} B={batch:2d}: singles "
-                    f"{cell.singles_ms:8.1f} ms, batch {cell.batch_ms:8.1f} ms, "
-                    f"x{cell.speedup:.2f}, err {cell.max_rel_err:.1e}",
-                    flush=True,
-                )
-                cells.append(cell)
-            del users
-    layout = {
-        name: layout_times(cfg, keys, 5, settings.seeds[0])
-        for name, keys in (LAYOUT_CASES.items() if not settings.quick else [])
-    }
-    after = matmul_rates(settings.peak_sizes, settings.peak_tries, settings.seeds[0] + 1)
+            with precision(device, settings.precision):
+                prefills.append(bench_prefill(model, _prefix(cfg, rng, 0, long_term), seed))
+                _seed_cells(model, rng, settings, seed, long_term, cells)
+        del model
+    with precision(device, settings.precision):
+        layout = {
+            name: layout_times(cfg, keys, 5, settings.seeds[0], device)
+            for name, keys in (LAYOUT_CASES.items() if not settings.quick else [])
+        }
+    with precision(device, settings.precision):
+        after = matmul_rates(*peak_args, settings.seeds[0] + 1, device)
     peak = matmul_peak(before, after, settings.peak_tries)
     records = [asdict(c) for c in cells]
     return {
-        "command": COMMAND,
+        "command": shlex.join([*COMMAND.split(), *argv]),
         "quick": settings.quick,
         "seeds": list(settings.seeds),
         "machine": machine,
+        "device": str(device),
+        "model": settings.model,
+        "precision": settings.precision,
         "config": cfg.to_dict(),
         "workload": {
             "user_features": USER_FEATURES,
@@ -476,8 +662,30 @@ def run(settings: Settings) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         "targets": {"speedup": SPEEDUP_TARGET, "peak_fraction": PEAK_FRACTION_TARGET},
         "cells": records,
+        "prefills": [asdict(p) for p in prefills],
         "layout": layout,
     }
+
+
+def _seed_cells(
+    model: RankingModel,
+    rng: np.random.Generator,
+    settings: Settings,
+    seed: int,
+    long_term: int,
+    cells: list[Cell],
+) -> None:
+    """Every batch size's cell at one seed and length, appended to `cells`."""
+    users = _items(model, rng, long_term, max(settings.batches))
+    for batch in settings.batches:
+        cell = bench_cell(model, users[:batch], settings, seed, long_term)
+        print(
+            f"seed {seed} prefix {long_term + USER_FEATURES:5d} B={batch:2d}: singles "
+            f"{cell.singles_ms:8.1f} ms, batch {cell.batch_ms:8.1f} ms, "
+            f"x{cell.speedup:.2f}, err {cell.max_rel_err:.1e}",
+            flush=True,
+        )
+        cells.append(cell)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -485,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.from_json is not None:
         result = load_result(settings.from_json)
     else:
-        result = run(settings)
+        result = run(settings, sys.argv[1:] if argv is None else argv)
         settings.output.parent.mkdir(parents=True, exist_ok=True)
         settings.output.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {settings.output}")
@@ -495,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = render_section(result)
     print(section)
     if settings.docs is not None and not (settings.from_json is not None and result["quick"]):
-        write_section(settings.docs, SECTION, section)
+        write_section(settings.docs, (settings.from_json or settings.output).stem, section)
         print(f"updated {settings.docs}")
     return 0
 

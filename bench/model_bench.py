@@ -164,9 +164,25 @@ def random_request(cfg: ModelConfig, rng: np.random.Generator, long_term: int) -
     return RankInput(prefix, short, candidates, REQUEST_TS)
 
 
-def _seconds(fn: Callable[[], object]) -> float:
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for `device`'s queued work: a timer reads the clock only after it, since an
+    accelerator runs kernels asynchronously. A no-op on the CPU."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "npu":
+        return lambda: torch.npu.synchronize(device)  # type: ignore[attr-defined]
+    return lambda: None
+
+
+def _no_sync() -> None:
+    pass
+
+
+def _seconds(fn: Callable[[], object], sync: Callable[[], None] = _no_sync) -> float:
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
@@ -201,19 +217,39 @@ def max_rel_err(full: torch.Tensor, cached: torch.Tensor) -> float:
     return float((full - cached).abs().max() / full.abs().max())
 
 
-def best_mm_seconds(n: int, tries: int, generator: torch.Generator) -> float:
-    """Fastest of `tries` products of two random n x n fp32 matrices, after one warm-up."""
-    a = torch.randn(n, n, generator=generator)
-    b = torch.randn(n, n, generator=generator)
-    out = torch.empty(n, n)
+CPU = torch.device("cpu")
+
+
+def best_mm_seconds(
+    n: int,
+    tries: int,
+    generator: torch.Generator,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Fastest of `tries` products of two random n x n matrices of `dtype` on `device`, after
+    one warm-up."""
+    a = torch.randn(n, n, generator=generator).to(device, dtype)
+    b = torch.randn(n, n, generator=generator).to(device, dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up: the first call allocates and packs
-    return min(_seconds(lambda: torch.mm(a, b, out=out)) for _ in range(tries))
+    sync = device_sync(device)
+    return min(_seconds(lambda: torch.mm(a, b, out=out), sync) for _ in range(tries))
 
 
-def matmul_rates(sizes: Sequence[int], tries: int, seed: int) -> dict[str, float]:
-    """Best-of-`tries` fp32 `torch.mm` GFLOP/s (2n^3/t) per square size."""
+def matmul_rates(
+    sizes: Sequence[int],
+    tries: int,
+    seed: int,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Best-of-`tries` `torch.mm` GFLOP/s (2n^3/t) per square size (fp32 on the CPU unless
+    told otherwise)."""
     generator = torch.Generator().manual_seed(seed)
-    return {str(n): 2 * n**3 / best_mm_seconds(n, tries, generator) / 1e9 for n in sizes}
+    return {
+        str(n): 2 * n**3 / best_mm_seconds(n, tries, generator, device, dtype) / 1e9 for n in sizes
+    }
 
 
 def matmul_peak(before: dict[str, float], after: dict[str, float], tries: int) -> dict[str, Any]:

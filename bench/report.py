@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tooling.local.drive import RatePoint, highest_compliant, max_compliant
+from tooling.local.compliance import RatePoint, highest_compliant, max_compliant
 from tooling.local.run_stamp import cpu_model, git_commit, machine_info
 
 DOC_TITLE = (

@@ -32,7 +32,7 @@ from bench.verdict import (
     seeds_note,
 )
 from services.trigger.policy import relays_admitted
-from tooling.local.drive import max_compliant
+from tooling.local.compliance import max_compliant
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.profile import load_profile

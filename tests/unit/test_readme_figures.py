@@ -17,7 +17,7 @@ import pytest
 
 from bench.relay_bench import BASELINES, RELAYS, best_of, load_points, of_label, per_seed_figure
 from bench.verdict import PairedRatios, Spread, compliant_throughput
-from tooling.local.drive import max_compliant
+from tooling.local.compliance import max_compliant
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -28,9 +28,17 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
+# A copy of the tree without its .git (a machine the tree was sent to) names the commit it
+# was copied from here, set by whoever sent it, and says it was copied.
+COPIED_COMMIT_ENV = "RELAYGR_COPIED_FROM"
+
+
 def git_commit() -> str:
-    """HEAD of this repository, "-dirty" when the tree has uncommitted changes; "unknown"
-    without git or outside a repository."""
+    """HEAD of this repository, "-dirty" when the tree has uncommitted changes; without git or
+    outside a repository, "<commit> (copied tree)" from RELAYGR_COPIED_FROM, else "unknown"."""
+    copied = os.environ.get(COPIED_COMMIT_ENV)
+    if copied and not (Path(__file__).resolve().parents[2] / ".git").exists():
+        return f"{copied} (copied tree)"
     try:
         head = _git("rev-parse", "HEAD")
         # Results and docs being written (a benchmark saves and renders after each seed) do not

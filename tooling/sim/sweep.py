@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.trigger.config import Mode
-from tooling.local.drive import HIT_OUTCOMES, OK, Point, RequestRecord, max_compliant
+from tooling.local.compliance import max_compliant
+from tooling.local.drive import HIT_OUTCOMES, OK, Point, RequestRecord
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.events import EventLoop
 from tooling.sim.fleet import Fleet, FleetSettings
