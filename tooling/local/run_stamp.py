@@ -28,16 +28,17 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
-# A copy of the tree without its .git (a machine the tree was sent to) names the commit it
-# was copied from here, set by whoever sent it, and says it was copied.
+# A copy of the tree sent to another machine (the device tool's) names the commit it was
+# copied from here, set by whoever sent it (the copy's own .git, if any, can be stale), and
+# says it was copied.
 COPIED_COMMIT_ENV = "RELAYGR_COPIED_FROM"
 
 
 def git_commit() -> str:
-    """HEAD of this repository, "-dirty" when the tree has uncommitted changes; without git or
-    outside a repository, "<commit> (copied tree)" from RELAYGR_COPIED_FROM, else "unknown"."""
+    """HEAD of this repository, "-dirty" when the tree has uncommitted changes; in a copied
+    tree, "<commit> (copied tree)" from RELAYGR_COPIED_FROM; "unknown" without either."""
     copied = os.environ.get(COPIED_COMMIT_ENV)
-    if copied and not (Path(__file__).resolve().parents[2] / ".git").exists():
+    if copied:
         return f"{copied} (copied tree)"
     try:
         head = _git("rev-parse", "HEAD")
