@@ -109,8 +109,8 @@ def write_section(path: Path, name: str, section: str) -> None:
     path.write_text(splice_section(text, name, section))
 
 
-# Re-exported for the benchmarks: the compliance rules live beside `Point`, the run's stamp in
-# tooling.local.run_stamp.
+# Re-exported for the benchmarks: the compliance rules live in tooling.local.compliance, the
+# run's stamp in tooling.local.run_stamp.
 __all__ = [
     "RatePoint",
     "cpu_model",
