@@ -30,6 +30,16 @@ class BatchRoom:
     still ends before the earliest deadline among its steps: every step of a batch is answered
     when the call ends, so a join that would hold an earlier Rank past its deadline is refused
     (that step runs in a later call).
+
+    And a step joins only when sharing the call pays (`pays`): every step of a call ends when
+    the call ends, so a join delays the steps already in it by the joiner's time less its
+    saving. Over the steps of one call, batching lowers their mean completion only when each
+    joiner saves at least half its own single-call time (the cost model's `batch_saving_ms`
+    against the joiner's `shape_ms`: two steps of time s, saving d, end at 2s - d batched, at s
+    and 2s one by one). Short of that, batching still raises throughput, which repays the delay
+    only when work is queued behind the call: so it batches when `backlog` (rank jobs queued,
+    the head included) reaches `CoreSettings.batch_backlog`. At low load a burst of two or three
+    Ranks then runs one by one, as unbatched, rather than every Rank of it ending last.
     """
 
     def __init__(
@@ -39,6 +49,7 @@ class BatchRoom:
         held_of: Callable[[Any], Held],
         cost: CostModel,
         now: float,
+        backlog: int,
     ) -> None:
         assert batchable(head)
         self._kind = type(head.spec)
@@ -46,6 +57,7 @@ class BatchRoom:
         self._held_of = held_of
         self._cost = cost
         self._now = now
+        self._backlogged = backlog >= settings.batch_backlog
         shape = call_shape(head.spec, held_of)
         self._shapes: list[CallShape] = [shape]
         self._deadline = head.deadline
@@ -61,6 +73,8 @@ class BatchRoom:
         rows = call_rows(shape)
         if self.rows + rows > self._settings.max_batch_rows:
             return False
+        if not (self._backlogged or pays(self._cost, shape)):
+            return False
         deadline = _earliest(self._deadline, job.deadline)
         shapes = [*self._shapes, shape]
         if deadline is not None and self._now + batch_ms(self._cost, shapes) / 1e3 > deadline:
@@ -69,6 +83,12 @@ class BatchRoom:
         self.requests += 1
         self.rows += rows
         return True
+
+
+def pays(cost: CostModel, shape: CallShape) -> bool:
+    """Whether a step of `shape` joining a call saves at least half its own single call: then
+    the call's steps end sooner on average batched than one by one, whatever is queued."""
+    return 2 * cost.batch_saving_ms >= cost.shape_ms(shape)
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

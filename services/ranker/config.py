@@ -85,6 +85,16 @@ class RankerConfig(ServiceOptions):
             POSITIVE,
         ),
     )
+    batch_backlog: int = field(
+        default=4,
+        metadata=helped(
+            "Ranks queued (the next one included) from which a call batches although sharing"
+            " saves a joiner less than half its own call (a shared call ends every Rank in it"
+            " last; only a backlog repays that); where the cost model's batch saving is at least"
+            " half a call, Ranks batch at any load; 1: batch whatever is queued",
+            POSITIVE,
+        ),
+    )
     calibration_lengths: tuple[int, ...] = field(
         # The quadratic (attention) term only shows at long lengths: a fit that stops at 2k
         # predicts an 8k history at half its real cost, and the trigger then misjudges risk.
@@ -247,6 +257,7 @@ class RankerConfig(ServiceOptions):
             max_queued_prefills=self.max_queued_prefills,
             max_batch_requests=self.max_batch_requests,
             max_batch_rows=self.max_batch_rows,
+            batch_backlog=self.batch_backlog,
         )
 
     def transfer_prior(self) -> TransferCost:

@@ -76,10 +76,12 @@ class RankerCore(Generic[KV]):
     worker frees, in rank order, within `CoreSettings.max_batch_requests` and `max_batch_rows`
     (`batching.BatchRoom`). A batch never waits for more to arrive; as every Rank of a call is
     answered when the call ends, one joins only while the call is predicted to end before every
-    deadline in it. A cancelled or expired Rank never joins one; background work never does. Each job of a batch
-    ends with its own result; if the call fails, its jobs return to the head of the rank queue,
-    in their places, and each runs alone (one bad request fails itself only, and a call too
-    large for the device still serves its requests). Observations go to `observe`, in the order
+    deadline in it, and only when sharing the call pays: each joiner saves half its own call, or
+    `CoreSettings.batch_backlog` Ranks are queued. A cancelled or expired Rank never joins one;
+    background work never does. Each job of a batch ends with its own result; if the call
+    fails, its jobs return to the head of the rank queue, in their places, and each runs alone
+    (one bad request fails itself only, and a call too large for the device still serves its
+    requests). Observations go to `observe`, in the order
     they happen; nothing it does changes a decision.
     """
 
@@ -244,7 +246,10 @@ class RankerCore(Generic[KV]):
             return self._flush()
         jobs = [job]
         if batchable(job):
-            room = BatchRoom(job, self.settings, self._held_of, self.cost_model, self.clock())
+            backlog = 1 + self.queues.depth(Priority.RANK)
+            room = BatchRoom(
+                job, self.settings, self._held_of, self.cost_model, self.clock(), backlog
+            )
             if self.settings.max_batch_requests > 1:  # 1: as before batching, exactly
                 more, dropped = self.queues.take_more(room.joins)
                 jobs += more

@@ -309,6 +309,10 @@ class CoreSettings:
     # its first Rank alone has more; 1: every Rank its own call.
     max_batch_requests: int = 8
     max_batch_rows: int = 4096
+    # Rank jobs queued (the one taken included) from which a call batches even when a joiner
+    # saves less than half its own call (batching.BatchRoom): only a backlog repays the delay
+    # a shared call puts on its first Ranks.
+    batch_backlog: int = 4
 
     def max_queued(self) -> dict[Priority, int]:
         return {Priority.RANK: self.max_queued_ranks, Priority.BACKGROUND: self.max_queued_prefills}

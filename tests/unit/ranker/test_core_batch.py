@@ -36,7 +36,11 @@ ROWS = 8 + 16  # one R's short-term behaviours + candidates
 CACHED = USER_FEATURES + 100  # a resident prefix: user features + 100 long-term behaviours
 
 
-def batched(settings: CoreSettings = SETTINGS, **bounds: int) -> CoreSettings:
+# Any queued Rank may join (no backlog needed): the tests of the other rules.
+BATCHING = replace(SETTINGS, batch_backlog=1)
+
+
+def batched(settings: CoreSettings = BATCHING, **bounds: int) -> CoreSettings:
     return replace(settings, **bounds)
 
 
@@ -146,7 +150,7 @@ def test_a_rank_too_large_for_max_rows_runs_alone() -> None:
 
 
 def test_a_rank_past_its_deadline_or_cancelled_is_not_in_the_batch() -> None:
-    core, d, clock = make(hbm_prefixes=12)
+    core, d, clock = make(hbm_prefixes=12, settings=batched())
     resident(d, "a", "b", "c", "e")
     chunk = holding(core, d, "g")
     a = d.rank(hit("a"))
@@ -167,7 +171,7 @@ def test_a_miss_keeps_its_place_a_batch_does_not_jump_its_prefill() -> None:
     """Rank order a (hit), m (miss), b (hit): m's prefill is rank work that is not a scoring
     step, so a's call stops before it; m's scoring, queued when its prefill lands, keeps m's
     place and is batched with b behind it."""
-    core, d, clock = make(hbm_prefixes=12)
+    core, d, clock = make(hbm_prefixes=12, settings=batched())
     resident(d, "a", "b")
     chunk = holding(core, d, "g")
     d.rank(hit("a"))
@@ -185,7 +189,7 @@ def test_a_miss_keeps_its_place_a_batch_does_not_jump_its_prefill() -> None:
 
 
 def test_full_inferences_batch_together() -> None:
-    core, d, _ = make(relay=False)
+    core, d, _ = make(relay=False, settings=batched())
     x = d.rank(R(prefix("x")))
     d.feed(core.worker_free())
     [running] = d.running
@@ -199,7 +203,7 @@ def test_full_inferences_batch_together() -> None:
 
 
 def test_a_failed_batch_runs_its_ranks_again_alone_in_their_places() -> None:
-    core, d, _ = make(hbm_prefixes=12)
+    core, d, _ = make(hbm_prefixes=12, settings=batched())
     resident(d, "a", "b", "c")
     chunk = holding(core, d, "g")
     rids = [d.rank(hit(u)) for u in "abc"]
@@ -246,7 +250,7 @@ def test_max_batch_one_runs_every_rank_alone_as_before() -> None:
 def test_a_rank_joins_only_while_the_call_still_ends_before_every_deadline_in_it() -> None:
     """Every Rank of a call is answered when the call ends: b, queued behind a, joins a's call
     only if the pair, predicted from now, still ends before a's deadline."""
-    core, d, clock = make(hbm_prefixes=12)
+    core, d, clock = make(hbm_prefixes=12, settings=batched())
     resident(d, "a", "b")
     one = batch_ms(COST, [CallShape(CACHED, 8, 16)]) / 1e3
     two = batch_ms(COST, [CallShape(CACHED, 8, 16)] * 2) / 1e3
@@ -262,10 +266,46 @@ def test_a_rank_joins_only_while_the_call_still_ends_before_every_deadline_in_it
     finish(core, d, list(second))
     assert {d.result(a).outcome, d.result(b).outcome} == {CacheOutcome.HBM_HIT}  # type: ignore[union-attr]
     # With room in a's deadline for both, they share one call.
-    core, d, clock = make(hbm_prefixes=12)
+    core, d, clock = make(hbm_prefixes=12, settings=batched())
     resident(d, "a", "b")
     chunk = holding(core, d, "g")
     d.rank(hit("a"), deadline=clock.now + 2 * two)
     d.rank(hit("b"), deadline=clock.now + 2 * two)
     [both] = calls(release(core, d, chunk))
     assert users(both) == ["a", "b"]
+
+
+def test_ranks_that_save_little_batch_only_behind_a_backlog() -> None:
+    """Sharing a call ends every Rank in it last: where a joiner saves less than half its own
+    call (this cost model saves nothing), a burst of two or three queued Ranks runs one by one,
+    as unbatched; from `batch_backlog` queued Ranks (the one taken included) they share."""
+    core, d, _ = make(hbm_prefixes=12)  # the default settings: batch_backlog 4
+    assert core.settings.batch_backlog == 4 and COST.batch_saving_ms == 0
+    resident(d, *"abcdefg")
+    chunk = holding(core, d, "z")
+    for u in "abc":
+        d.rank(hit(u))
+    [first] = calls(release(core, d, chunk))
+    assert users(first) == ["a"]  # a backlog of 3: a alone
+    finish(core, d, list(first))
+    [second] = calls(_next(core, d))
+    assert users(second) == ["b"]
+    for u in "defg":
+        d.rank(hit(u))
+    finish(core, d, list(second))
+    [third] = calls(_next(core, d))
+    assert users(third) == ["c", "d", "e", "f", "g"]  # a backlog of 5: one call
+
+
+def test_ranks_that_save_half_their_call_batch_at_any_load() -> None:
+    """Where the cost model says a joiner saves at least half its own call, two queued Ranks
+    end sooner on average together than one by one, so they share a call with no backlog."""
+    single = COST.shape_ms(CallShape(CACHED, 8, 16))
+    for saving, together in ((single / 2, True), (single / 2 - 1e-6, False)):
+        core, d, _ = make(hbm_prefixes=12, cost=replace(COST, batch_saving_ms=saving))
+        resident(d, "a", "b")
+        chunk = holding(core, d, "z")
+        d.rank(hit("a"))
+        d.rank(hit("b"))
+        first = calls(release(core, d, chunk))[0]
+        assert users(first) == (["a", "b"] if together else ["a"]), saving

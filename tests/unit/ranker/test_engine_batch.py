@@ -22,7 +22,10 @@ from tests.unit.ranker.test_engine import CHEAP_RELOAD, MODEL, Clock, Gate
 from tests.unit.ranker.test_model_batch import BATCH_NOISE, FP32_TOLERANCE
 
 USERS = 6
-SETTINGS = EngineSettings(relay_enabled=True, relay_window_s=30.0, prefill_chunk_tokens=64)
+# batch_backlog=1: any queued Rank may join (these tests are of the calls, not of when to batch).
+SETTINGS = EngineSettings(
+    relay_enabled=True, relay_window_s=30.0, prefill_chunk_tokens=64, batch_backlog=1
+)
 
 
 def _requests(rng: np.random.Generator) -> list[RankInput]:

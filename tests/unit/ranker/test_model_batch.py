@@ -19,8 +19,11 @@ from .factories import prefix, rank_input, rel_err, tiny_config
 
 FP32_TOLERANCE = 1e-5  # as test_oracle.py: docs/architecture.md §2
 # Batched and unbatched runs do the same float32 operations on rows gathered differently; BLAS
-# may block a taller matrix differently, so they agree to rounding, not bit for bit.
-BATCH_NOISE = 1e-6
+# may block a taller matrix differently, so they agree to rounding, not bit for bit. Through 3
+# layers the rounding compounds: RELAYGR_SEED=3911903598 draws a score 1.1e-6 off (about 13
+# float32 ulps of a 0.18 score), so the bound sits at a few times that, still 2.5x under the
+# dense reference's tolerance.
+BATCH_NOISE = 4e-6
 
 
 @pytest.fixture(scope="module")
