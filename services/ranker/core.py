@@ -19,6 +19,7 @@ from services.ranker.core_types import (
     KV,
     Action,
     Answer,
+    BatchComputed,
     CoreSettings,
     CoreStats,
     FullForward,
@@ -35,9 +36,11 @@ from services.ranker.core_types import (
     RunBatch,
     RunStep,
     Score,
+    ScoringCall,
     Spec,
     StartFetch,
     Waited,
+    call_shape,
     computed_of,
     history_tokens,
     work_of,
@@ -116,7 +119,7 @@ class RankerCore(Generic[KV]):
         self._owner: dict[Job, CacheKey | RequestId] = {}  # a job's flight key or Rank
         self._next_id = 0
         self._running: list[Job] = []  # the running call's jobs not yet reported
-        self._batched = False  # the running call is a batch of several jobs
+        self._call: ScoringCall | None = None  # the running call, when it scores
         self._batch_requests = BucketCounts.empty(BATCH_REQUEST_BOUNDS)
         self._batch_rows = BucketCounts.empty(BATCH_ROW_BOUNDS)
         self.draining = False
@@ -260,7 +263,7 @@ class RankerCore(Generic[KV]):
         for taken in jobs:
             if not taken.started_ns:
                 taken.started_ns = now_ns
-        self._running, self._batched = jobs, len(jobs) > 1
+        self._running, self._call = jobs, self._scoring_call(jobs)
         self._actions.append(RunStep(job) if len(jobs) == 1 else RunBatch(tuple(jobs)))
         return self._flush()
 
@@ -279,11 +282,14 @@ class RankerCore(Generic[KV]):
         job.finished_ns = self._wall_ns()
         job.partial = None
         self.queues.end(job, "done")
-        # The cost learner fits single calls: a batch's time is no one request's alone.
-        computed = None if self._batched else computed_of(job, self._held_of)
-        if computed is not None:
-            self._observe(computed)
-        self._ended(job, JobEnd.DONE, result)
+        call = self._call
+        if call is None or call.requests == 1:
+            computed = computed_of(job, self._held_of)
+            if computed is not None:
+                self._observe(computed)
+        elif not self._running:  # a batch's last job: its time is no one request's alone
+            self._observe(BatchComputed(call, seconds))
+        self._ended(job, JobEnd.DONE, result, call=call)
         return self._flush()
 
     def step_failed(self, job: Job, error: BaseException) -> list[Action]:
@@ -292,7 +298,7 @@ class RankerCore(Generic[KV]):
         self._running = []
         job.finished_ns = self._wall_ns()
         self.queues.end(job, "failed")
-        self._ended(job, JobEnd.FAILED, error=error)
+        self._ended(job, JobEnd.FAILED, error=error, call=self._call)
         return self._flush()
 
     def batch_failed(self, jobs: tuple[Job, ...], error: BaseException) -> list[Action]:
@@ -300,7 +306,7 @@ class RankerCore(Generic[KV]):
         queue, in its place, to run alone (`Job.solo`); only a job that fails alone fails its
         request."""
         assert tuple(self._running) == jobs, "not the running batch"
-        self._running = []
+        self._running, self._call = [], None
         for job in jobs:
             job.solo = True
             self.queues.enqueue(job, resume=True)
@@ -598,8 +604,21 @@ class RankerCore(Generic[KV]):
 
     # -- endings ---------------------------------------------------------------------------
 
+    def _scoring_call(self, jobs: list[Job]) -> ScoringCall | None:
+        """The call of `jobs` when it scores (their steps are Score or full inference)."""
+        spec = jobs[0].spec
+        if not isinstance(spec, Score | FullForward):
+            return None
+        shapes = tuple(call_shape(job.spec, self._held_of) for job in jobs)
+        return ScoringCall(work_of(spec), shapes)
+
     def _ended(
-        self, job: Job, end: JobEnd, result: Any = None, error: BaseException | None = None
+        self,
+        job: Job,
+        end: JobEnd,
+        result: Any = None,
+        error: BaseException | None = None,
+        call: ScoringCall | None = None,
     ) -> None:
         owner = self._owner.pop(job, None)
         if end is JobEnd.EXPIRED:
@@ -615,7 +634,7 @@ class RankerCore(Generic[KV]):
                 self._observe(JobEnded(job, work, end))
                 self._failed(flight, error)
             return
-        self._observe(JobEnded(job, work_of(job.spec), end))
+        self._observe(JobEnded(job, work_of(job.spec), end, call=call))
         r = None if owner is None else self._requests.get(owner)
         if r is None:
             return  # its caller left

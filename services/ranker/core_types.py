@@ -206,15 +206,35 @@ class JobEnd(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class ScoringCall:
+    """One scoring model call (cached Ranks' Score steps or full inferences, one or batched):
+    its work and its requests' shapes, in call order."""
+
+    work: Work
+    shapes: tuple[CallShape, ...]
+
+    @property
+    def requests(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def rows(self) -> int:
+        """Rows through the call's projections and feed-forward layers (`call_rows`)."""
+        return sum(call_rows(s) for s in self.shapes)
+
+
+@dataclass(frozen=True, slots=True)
 class JobEnded(Generic[KV]):
     """A job ended; a prefix job that ended DONE made `kv` device-resident, `computed_tokens` of
-    its tokens computed (0 for a reload). One per computation, however many requests waited."""
+    its tokens computed (0 for a reload). One per computation, however many requests waited.
+    A scoring job that ran: `call`, the model call it ran in (alone or batched)."""
 
     job: Job
     work: Work
     end: JobEnd
     computed_tokens: int = 0
     kv: KV | None = None
+    call: ScoringCall | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +247,16 @@ class Computed:
     tokens: int
     cached_tokens: int | None
     candidates: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchComputed:
+    """A batched scoring `call` (two or more Ranks) completed after `seconds` of compute, the
+    whole call's as the driver timed it: one per call, for the cost learner's batch term (its
+    Ranks report no `Computed`: the call's time is no one request's alone)."""
+
+    call: ScoringCall
     seconds: float
 
 
@@ -268,7 +298,7 @@ class RankServed:
     consumed: Origin | None
 
 
-Observation = JobEnded[Any] | Computed | PreInferServed[Any] | RankServed
+Observation = JobEnded[Any] | Computed | BatchComputed | PreInferServed[Any] | RankServed
 
 
 # Bucket bounds of the scoring calls' sizes: requests per call, rows (`call_rows`) per call.

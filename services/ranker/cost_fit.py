@@ -138,15 +138,31 @@ class BatchSample:
         return (self.singles_ms - self.batch_ms) / (len(self.shapes) - 1)
 
 
+@dataclass(frozen=True, slots=True)
+class ServedBatch:
+    """One batched call as the ranker served it: its requests' `shapes` and the call's `ms`.
+    No single calls ran beside it, so its saving is judged against a model of them
+    (`against`)."""
+
+    shapes: tuple[CallShape, ...]
+    ms: float
+
+    def against(self, cost: CostModel) -> BatchSample:
+        """This batch as a timed one whose singles took what `cost` predicts for them: the
+        saving fitted from it is then what makes `batch_ms(cost, shapes)` predict the call."""
+        return BatchSample(self.shapes, self.ms, sum(cost.shape_ms(s) for s in self.shapes))
+
+
 def fit_batch_saving(cost: CostModel, samples: Sequence[BatchSample]) -> CostModel:
     """`cost` with `batch_saving_ms` fitted to timed batches of two or more requests.
 
     The saving is the median over samples of each batch's own saving per extra request, so a
     batch (or its singles) slowed by load elsewhere on the host moves it little; it is never
     negative (a batch that measured slower than its singles is noise, or no saving: batch_ms
-    then predicts the singles' time). Measured singles, not the fitted per-request model, are
-    the baseline, so the single model's own error does not leak into the batch term. Without
-    usable samples, `cost` is returned unchanged.
+    then predicts the singles' time). A calibration batch's baseline is its measured singles,
+    so the single model's own error does not leak into the batch term; a served batch has none
+    and brings the model's (`ServedBatch.against`). Without usable samples, `cost` is returned
+    unchanged.
     """
     usable = [s for s in samples if len(s.shapes) > 1 and s.batch_ms > 0 and s.singles_ms > 0]
     if not usable:

@@ -5,19 +5,27 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from relaygr.cost import CostModel
-from services.ranker.cost_fit import Sample, fit_cost_model
+from relaygr.cost import CallShape, CostModel, batch_ms
+from services.ranker.cost_fit import (
+    BatchSample,
+    Sample,
+    ServedBatch,
+    fit_batch_saving,
+    fit_cost_model,
+)
 
 
 class CostLearner:
     """The calibrated model, refitted over its calibration and the most recent served timings.
 
-    Invariants: the calibration's samples are kept for good; of the served samples, at most
-    `capacity`, the most recent (older ones leave first), so the model follows the host as its
-    load changes while each refit stays a bounded fit. `observe` may be called from any thread
-    (the engine's compute worker); `refit` from one thread at a time. The fit is robust, so once
-    served timings outnumber the calibration's and disagree with it, the calibration's points
-    count as outliers and the served ones decide.
+    Invariants: the calibration's samples (single calls and batches) are kept for good; of the
+    served samples, at most `capacity` single calls and `capacity` batched calls, the most
+    recent (older ones leave first), so the model follows the host as its load changes while
+    each refit stays a bounded fit. `observe` and `observe_batch` may be called from any thread
+    (the engine's compute worker); `refit` from one thread at a time. The fits are robust, so
+    once served timings outnumber the calibration's and disagree with it, the calibration's
+    points count as outliers and the served ones decide: for the single-call terms (a robust
+    regression) and for the batch term alike (a median of savings).
     """
 
     def __init__(
@@ -26,55 +34,82 @@ class CostLearner:
         initial: CostModel,
         capacity: int = 512,
         refit_after: int = 8,
+        batches: Sequence[BatchSample] = (),
     ) -> None:
-        """`refit_after`: served samples that must arrive before `refit` fits again."""
+        """`refit_after`: served samples (single or batched calls) that must arrive before
+        `refit` fits again; `batches`: the calibration's timed batches (`measure_batches`)."""
         self._calibration = tuple(calibration)
+        self._calibration_batches = tuple(batches)
         self._served: deque[Sample] = deque(maxlen=capacity)
+        self._served_batches: deque[ServedBatch] = deque(maxlen=capacity)
         self._unfitted = 0
         self._refit_after = refit_after
         self._lock = threading.Lock()
         self.model = initial
 
     def observe(self, sample: Sample) -> None:
+        """A single call's timing (a request's prefill, extension, rank or full inference)."""
         if sample.ms <= 0:
             return
         with self._lock:
             self._served.append(sample)
             self._unfitted += 1
 
+    def observe_batch(self, batch: ServedBatch) -> None:
+        """A batched call's timing: what it taught is the batch term (no one request's time
+        alone is in it, so it teaches the single-call terms nothing)."""
+        if batch.ms <= 0 or len(batch.shapes) < 2:
+            return
+        with self._lock:
+            self._served_batches.append(batch)
+            self._unfitted += 1
+
     @property
     def served(self) -> int:
-        """Served samples held now."""
+        """Served samples held now, single and batched calls."""
         with self._lock:
-            return len(self._served)
+            return len(self._served) + len(self._served_batches)
 
     def refit(self) -> CostModel | None:
         """Fit again if `refit_after` samples arrived since the last fit: the new model (also
-        now `model`), else None. Reload cost and the batch term are the calibration's (nothing
-        served times them: a served batch has no single calls beside it to compare with)."""
+        now `model`), else None. Reload cost is the calibration's (nothing served times it).
+
+        The batch term is fitted after the single-call terms, over the calibration's batches
+        (their measured singles as baseline) and the served ones (the refitted model's singles
+        as baseline: `ServedBatch.against`); with no batch timed at all, the current term
+        stands."""
         with self._lock:
             if self._unfitted < self._refit_after:
                 return None
             samples = [*self._calibration, *self._served]
+            served_batches = list(self._served_batches)
             self._unfitted = 0
-        fitted = fit_cost_model(samples, self.model.reload_ms_per_mb)
-        self.model = dataclasses.replace(
-            fitted,
+        fitted = dataclasses.replace(
+            fit_cost_model(samples, self.model.reload_ms_per_mb),
             batch_saving_ms=self.model.batch_saving_ms,
             batch_samples=self.model.batch_samples,
         )
+        batches = [*self._calibration_batches, *(b.against(fitted) for b in served_batches)]
+        self.model = fit_batch_saving(fitted, batches)
         return self.model
+
+
+# Requests in the batch of each probe that `changed_materially` compares.
+_PROBE_BATCH = 4
 
 
 def changed_materially(
     old: CostModel, new: CostModel, probes: Sequence[tuple[int, int]], threshold: float
 ) -> bool:
     """Does `new` predict any probe (tokens, candidates) differently from `old` by more than
-    `threshold` (relative, full inference or prefill), or is its error off by more than that?"""
+    `threshold` (relative: full inference, prefill, or a batch of cached Ranks of that
+    prefix), or is its error off by more than that?"""
     for tokens, candidates in probes:
+        batch = [CallShape(tokens, 0, candidates)] * _PROBE_BATCH
         pairs = (
             (old.full_ms(tokens, candidates), new.full_ms(tokens, candidates)),
             (old.prefill_ms(tokens), new.prefill_ms(tokens)),
+            (batch_ms(old, batch), batch_ms(new, batch)),
         )
         for before, after in pairs:
             if abs(after - before) > threshold * max(before, 1e-9):

@@ -21,6 +21,7 @@ from services.ranker.core import RankerCore
 from services.ranker.core_types import (
     Action,
     Answer,
+    BatchComputed,
     Computed,
     CoreSettings,
     CoreStats,
@@ -494,7 +495,7 @@ class RankerEngine:
         observer = self._observer
         if isinstance(event, JobEnded):
             if event.work in (Work.RANK, Work.FULL_FORWARD):
-                observer.ranked(event.job, event.work)
+                observer.ranked(event.job, event.work, event.call)
             elif event.end is JobEnd.DONE and event.kv is not None:
                 observer.prefix_landed(event.job, event.work, event.computed_tokens, event.kv)
             else:
@@ -503,6 +504,8 @@ class RankerEngine:
             observer.computed(
                 event.work, event.tokens, event.cached_tokens, event.candidates, event.seconds
             )
+        elif isinstance(event, BatchComputed):
+            observer.batch_computed(event.call.work, event.call.shapes, event.seconds)
         elif isinstance(event, PreInferServed):
             prefix = event.prefix
             assert isinstance(prefix, ServicePrefix)

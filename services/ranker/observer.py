@@ -1,10 +1,11 @@
 """What the ranker engine reports as it serves (waits, compute, relay links): port and no-op."""
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 from relaygr.behaviours import Prefix, RankInput
+from relaygr.cost import CallShape
+from services.ranker.core_types import ScoringCall
 from services.ranker.outcomes import (
     CacheOutcome,
     FetchResult,
@@ -32,8 +33,9 @@ class EngineObserver(Protocol):
         """Held while a request waits for the in-flight computation of its prefix."""
         ...
 
-    def ranked(self, job: Job, work: Work) -> None:
-        """A scoring job (RANK or FULL_FORWARD) ended."""
+    def ranked(self, job: Job, work: Work, call: ScoringCall | None) -> None:
+        """A scoring job (RANK or FULL_FORWARD) ended; `call`: the model call it ran in, alone
+        or batched with other Ranks (None: it never ran)."""
         ...
 
     def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
@@ -94,12 +96,26 @@ class EngineObserver(Protocol):
         (None: it started from nothing, a prefill or full inference); `candidates`: scored.
 
         Called on the event loop once the job's last step is back from the compute worker.
+        A job that ran in a batched call is not reported here (`batch_computed` is).
         """
         ...
 
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None:
+        """A batched scoring call (RANK or FULL_FORWARD) of two or more Ranks, of `shapes` in
+        call order, completed after `seconds`: the whole call's compute. Once per call, on the
+        event loop, after its last job is back."""
+        ...
 
-# Where compute timings go: the arguments of `EngineObserver.computed`.
-ComputeSink = Callable[[Work, int, int | None, int, float], None]
+
+class ComputeSink(Protocol):
+    """Where compute timings go (a ranker's cost learner): `EngineObserver.computed` and
+    `batch_computed`, passed on."""
+
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None: ...
+
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None: ...
 
 
 _NOTHING: nullcontext[None] = nullcontext(None)
@@ -114,7 +130,7 @@ class NoopObserver:
     def waiting_inflight(self) -> AbstractContextManager[object]:
         return _NOTHING
 
-    def ranked(self, job: Job, work: Work) -> None:
+    def ranked(self, job: Job, work: Work, call: ScoringCall | None) -> None:
         pass
 
     def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
@@ -159,6 +175,9 @@ class NoopObserver:
     ) -> None:
         pass
 
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None:
+        pass
+
 
 class TimingObserver(NoopObserver):
     """Observes only compute timings, passing each to `sink` (a ranker's cost learner)."""
@@ -169,4 +188,7 @@ class TimingObserver(NoopObserver):
     def computed(
         self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
     ) -> None:
-        self._sink(work, tokens, cached_tokens, candidates, seconds)
+        self._sink.computed(work, tokens, cached_tokens, candidates, seconds)
+
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None:
+        self._sink.batch_computed(work, shapes, seconds)

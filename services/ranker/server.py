@@ -15,7 +15,7 @@ import torch
 from relaygr.aio import cancel_and_wait
 from relaygr.behaviours import UserId
 from relaygr.cluster import PlacementRecord, RankerRecord
-from relaygr.cost import CostModel
+from relaygr.cost import CallShape, CostModel
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
@@ -29,9 +29,9 @@ from relaygr.telemetry import Telemetry
 from relaygr.v1 import ranker_pb2_grpc
 from services.ranker.checkpoint import load_checkpoint
 from services.ranker.config import ENV_PREFIX, RankerConfig
-from services.ranker.cost_fit import Sample, fit_cost_model
+from services.ranker.cost_fit import Sample, ServedBatch, fit_batch_saving, fit_cost_model
 from services.ranker.cost_learner import CostLearner, Republisher
-from services.ranker.cost_model import measure, reload_ms_per_mb
+from services.ranker.cost_model import measure, measure_batches, reload_ms_per_mb
 from services.ranker.engine import RankerEngine
 from services.ranker.fetch import FetchSettings, PeerFetch
 from services.ranker.fetch_client import GrpcPeerSource
@@ -43,7 +43,7 @@ from services.ranker.membership import Membership
 from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelConfig
-from services.ranker.observer import ComputeSink, EngineObserver, NoopObserver, Work
+from services.ranker.observer import EngineObserver, NoopObserver, Work
 from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.service import SERVICE_NAME, RankerServicer
@@ -122,17 +122,20 @@ def ranker_record(
         reload_ms_per_mb=cost.reload_ms_per_mb,
         median_abs_rel_error=cost.median_abs_rel_error,
         cost_samples=cost.samples,
+        batch_saving_ms=cost.batch_saving_ms,
+        batch_samples=cost.batch_samples,
     )
 
 
 def calibrate_alone(
     cfg: RankerConfig, model: RankingModel | None
-) -> tuple[RankingModel, CostModel, list[Sample]]:
+) -> tuple[RankingModel, CostLearner]:
     """Load the model (None: from `cfg`) and calibrate it under the host-wide lock: rankers
     sharing this host's cores time their model one at a time, each with the cores to itself, as
     it will serve (blocks; run in a thread). Loading is inside the lock too: a ranker starting
     torch and building its weights takes the cores another's timings need (measured: a ranker
-    timed beside two loading ones published costs 1.4-1.5x too high)."""
+    timed beside two loading ones published costs 1.4-1.5x too high). The calibrated model,
+    batch term included, is the returned learner's first."""
     _log.info("waiting for the host's calibration lock")
     with host_lock(cfg.calibration_lock_dir) as path:
         if model is None:
@@ -145,19 +148,32 @@ def calibrate_alone(
             cfg.prefill_chunk_tokens,
             cfg.calibration_repeats,
         )
+        lengths = cfg.calibration_lengths
+        batches = measure_batches(
+            model,
+            (min(lengths), max(lengths)),
+            cfg.calibration_candidates,
+            repeats=cfg.calibration_repeats,
+        )
         reload = reload_ms_per_mb(model.device)
-    return model, fit_cost_model(samples, reload), samples
+    calibrated = fit_batch_saving(fit_cost_model(samples, reload), batches)
+    return model, CostLearner(samples, calibrated, batches=batches)
 
 
-def timing_sink(learner: CostLearner) -> ComputeSink:
-    """The engine's compute timings, as the learner's samples."""
+class LearnerSink:
+    """The engine's compute timings (a `ComputeSink`), as the learner's samples: a single
+    call's for the single-call terms, a batched call's for the batch term."""
 
-    def sink(
-        work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    def __init__(self, learner: CostLearner) -> None:
+        self._learner = learner
+
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
     ) -> None:
-        learner.observe(Sample(tokens, candidates, seconds * 1e3, cached_tokens))
+        self._learner.observe(Sample(tokens, candidates, seconds * 1e3, cached_tokens))
 
-    return sink
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None:
+        self._learner.observe_batch(ServedBatch(shapes, seconds * 1e3))
 
 
 async def keep_learning(
@@ -398,12 +414,12 @@ async def start_ranker(
     instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
     learner = None
     if cost_model is None:
-        loaded, calibrated, samples = await asyncio.to_thread(calibrate_alone, cfg, model)
-        _log.info("calibrated %s: %s", loaded.device, calibrated)
-        cost_model, learner = calibrated, CostLearner(samples, calibrated)
+        loaded, learner = await asyncio.to_thread(calibrate_alone, cfg, model)
+        cost_model = learner.model
+        _log.info("calibrated %s: %s", loaded.device, cost_model)
     else:
         loaded = model if model is not None else await asyncio.to_thread(load_model, cfg)
-    timings = None if learner is None else timing_sink(learner)
+    timings = None if learner is None else LearnerSink(learner)
     membership = pool = fetch = None
     if cfg.etcd_endpoints:  # nothing is dialled before the registration below
         mesh = connect_mesh(cfg)

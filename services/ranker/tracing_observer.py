@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from opentelemetry.trace import SpanContext, Tracer
 
 from relaygr.behaviours import Prefix, RankInput
+from relaygr.cost import CallShape
 from relaygr.tracing import (
     Attributes,
     annotate,
@@ -19,6 +20,7 @@ from relaygr.tracing import (
     span_context_of,
     traceparent,
 )
+from services.ranker.core_types import ScoringCall
 from services.ranker.observer import (
     ComputeSink,
     EngineObserver,
@@ -66,7 +68,8 @@ class TracingObserver:
     """Spans under the current (sampled) request span; nothing for an unsampled request.
 
     A job's queue wait is a `ranker.queue` span and its compute a `ranker.<work>` span, both
-    timed by the compute worker. A Rank links to the span whose prefix cache it consumed.
+    timed by the compute worker. A Rank links to the span whose prefix cache it consumed, and
+    carries the size of the model call that scored it (`relaygr.batch.*`).
     """
 
     def __init__(self, tracer: Tracer, timings: ComputeSink | None = None) -> None:
@@ -77,7 +80,11 @@ class TracingObserver:
         self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
     ) -> None:
         if self._timings is not None:
-            self._timings(work, tokens, cached_tokens, candidates, seconds)
+            self._timings.computed(work, tokens, cached_tokens, candidates, seconds)
+
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None:
+        if self._timings is not None:
+            self._timings.batch_computed(work, shapes, seconds)
 
     def origin(self, operation: Operation) -> Origin | None:
         span_context = sampled_span_context()
@@ -86,8 +93,18 @@ class TracingObserver:
     def waiting_inflight(self) -> AbstractContextManager[object]:
         return child_span(self._tracer, "ranker.wait_inflight")
 
-    def ranked(self, job: Job, work: Work) -> None:
-        self._record_job(job, work)
+    def ranked(self, job: Job, work: Work, call: ScoringCall | None) -> None:
+        # The call a Rank ran in, on its compute span and on the Rank's own span (the one a
+        # trace search finds): 1 request when it ran alone.
+        if call is None:
+            self._record_job(job, work)
+            return
+        attributes: Attributes = {
+            "relaygr.batch.requests": call.requests,
+            "relaygr.batch.rows": call.rows,
+        }
+        annotate(attributes)
+        self._record_job(job, work, attributes)
 
     def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
         if not recording(self._tracer):

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -32,12 +33,13 @@ from relaygr.wire import (
     pre_infer_request_to_proto,
     rank_request_to_proto,
 )
+from services.ranker.queues import Priority
 from services.ranker.server import start_ranker
 from tests.integration.etcd_server import EtcdServer
 from tests.integration.mesh_harness import Mesh, running_mesh
 from tests.integration.otlp_receiver import CLIENT, INTERNAL, SERVER, OtlpReceiver, ReceivedSpan
 from tests.integration.process_mesh import free_ports, tiny_mesh
-from tests.integration.ranker_harness import BASE, COST, tiny_model
+from tests.integration.ranker_harness import BASE, COST, Gate, Ranker, tiny_model
 from tests.integration.test_ranker_process import wait_for_port
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input
@@ -329,6 +331,57 @@ async def test_tracing_off_creates_no_exporter_and_sends_nothing(
     assert _exporter_threads() == []
     assert otlp_receiver.exports == 0
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+async def test_ranks_that_shared_a_model_call_carry_its_size_to_the_collector(
+    otlp_receiver: OtlpReceiver, rng: np.random.Generator
+) -> None:
+    """Three Ranks queued behind a held worker run as one batched call: the Rank server span
+    and the `ranker.rank` compute span of each, as a real OTLP collector receives them, carry
+    the call's request count and rows."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint}
+    telemetry = Telemetry.from_env("relaygr-ranker", env)
+    cfg = replace(BASE, batch_backlog=1)  # queued Ranks share a call whatever they save
+    server = await start_ranker(cfg, model=tiny_model(), cost_model=COST, telemetry=telemetry)
+    requests = [
+        rank_input(rng, prefix(rng, 100, user_id=f"u{i}"), int(rng.integers(1, 17)),
+                   int(rng.integers(1, 33)))
+        for i in range(3)
+    ]  # fmt: skip
+    rows = sum(len(r.short_term) + len(r.candidates) for r in requests)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = ranker_pb2_grpc.RankerServiceStub(channel)
+            for r in requests:
+                await stub.PreInfer(pre_infer_request_to_proto(r.prefix))
+            ranker = Ranker(server, stub, channel)
+            gate = Gate(ranker)
+            await gate.wait_entered()
+            replies = [asyncio.ensure_future(stub.Rank(rank_request_to_proto(r))) for r in requests]
+            queued = lambda: ranker.engine.queues.depth(Priority.RANK) == 3  # noqa: E731
+            await eventually(queued, "the Ranks queued behind the held worker")
+            gate.open()
+            for reply in await asyncio.gather(*replies):
+                assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+        assert telemetry.tracer_provider is not None
+        await asyncio.to_thread(telemetry.tracer_provider.force_flush)
+
+        def rank_spans() -> list[ReceivedSpan]:
+            return [
+                s for s in otlp_receiver.spans()
+                if s.name == "/relaygr.v1.RankerService/Rank" and s.kind == SERVER
+            ]  # fmt: skip
+
+        await eventually(lambda: len(rank_spans()) == 3, "the Rank spans exported", 30)
+    finally:
+        await server.stop(grace=0.5)
+        telemetry.shutdown()
+    spans = otlp_receiver.spans()
+    for rank in rank_spans():
+        compute = one(spans, name="ranker.rank", parent_id=rank.span_id)
+        for span in (rank, compute):
+            assert span.attributes["relaygr.batch.requests"] == 3
+            assert span.attributes["relaygr.batch.rows"] == rows
 
 
 def test_a_ranker_process_traces_serves_metrics_and_logs_json(

@@ -2,7 +2,7 @@
 fallbacks, the drain's order, single flight. No model, no thread, no loop: a step's product is
 the prefix's size, and the clock stands still unless a test moves it."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import pytest
@@ -17,6 +17,7 @@ from services.ranker.core_types import (
     CoreSettings,
     Extend,
     FullForward,
+    Observation,
     Prefill,
     PreInferAnswer,
     RankAnswer,
@@ -192,6 +193,7 @@ def make(
     peers: Peers | None = None,
     prefix_behaviours: int = 100,
     settings: CoreSettings = SETTINGS,
+    observe: Callable[[Observation], None] | None = None,
 ) -> tuple[RankerCore[KV], Driver, Clock]:
     clock = Clock()
     one = (USER_FEATURES + prefix_behaviours) * BYTES_PER_TOKEN
@@ -200,7 +202,7 @@ def make(
     )
     settings = replace(settings, relay_enabled=relay)
     core = RankerCore(
-        store, cost, settings, ModelVersion("v"), BYTES_PER_TOKEN, held, clock, peers=peers
+        store, cost, settings, ModelVersion("v"), BYTES_PER_TOKEN, held, clock, observe, peers
     )
     return core, Driver(core), clock
 

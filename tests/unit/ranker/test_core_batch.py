@@ -10,15 +10,20 @@ from services.ranker.core import RankerCore
 from services.ranker.core_types import (
     Action,
     Answer,
+    BatchComputed,
+    Computed,
     CoreSettings,
     FullForward,
+    JobEnded,
+    Observation,
     Prefill,
     RankAnswer,
     RunBatch,
     RunStep,
     Score,
+    ScoringCall,
 )
-from services.ranker.outcomes import CacheOutcome
+from services.ranker.outcomes import CacheOutcome, Work
 from services.ranker.queues import Job, Priority
 from tests.unit.ranker.test_core import (
     COST,
@@ -309,3 +314,44 @@ def test_ranks_that_save_half_their_call_batch_at_any_load() -> None:
         d.rank(hit("b"))
         first = calls(release(core, d, chunk))[0]
         assert users(first) == (["a", "b"] if together else ["a"]), saving
+
+
+def test_a_batched_call_is_observed_once_with_its_shapes_and_each_rank_carries_its_size() -> None:
+    """What the cost learner and the spans see: a batch's time once, as one `BatchComputed` of
+    its Ranks' shapes in call order (no `Computed` of any of its Ranks alone, whose time the
+    call's is not); every Rank's `JobEnded` names the call it ran in. A Rank alone is a call
+    of one, timed as before."""
+    seen: list[Observation] = []
+    core, d, _ = make(hbm_prefixes=12, settings=batched(), observe=seen.append)
+    resident(d, "a", "b", "c", "e")
+    chunk = holding(core, d, "g")
+    for u in "abc":
+        d.rank(hit(u))
+    [call] = calls(release(core, d, chunk))
+    seen.clear()
+    d.running = []
+    for i, job in enumerate(call):
+        d.feed(core.step_done(job, "scores", seconds=0.25))
+        batch_seen = [o for o in seen if isinstance(o, BatchComputed)]
+        assert len(batch_seen) == (1 if i == len(call) - 1 else 0)  # once the call is back
+    shape = CallShape(CACHED, 8, 16)
+    [batch] = [o for o in seen if isinstance(o, BatchComputed)]
+    assert batch == BatchComputed(ScoringCall(Work.RANK, (shape,) * 3), 0.25)
+    assert not [o for o in seen if isinstance(o, Computed)]
+    ended = [o for o in seen if isinstance(o, JobEnded)]
+    assert [o.job for o in ended] == list(call)
+    assert {(o.call.requests, o.call.rows) for o in ended if o.call} == {(3, 3 * ROWS)}
+    assert all(o.call is batch.call for o in ended)
+    # Alone: its own Computed, a call of one; no BatchComputed.
+    seen.clear()
+    d.rank(hit("e"))
+    [(alone,)] = calls(_next(core, d))
+    d.running = []
+    d.feed(core.step_done(alone, "scores", seconds=0.125))
+    assert [o for o in seen if isinstance(o, Computed)] == [
+        Computed(Work.RANK, CACHED + 8, CACHED, 16, 0.125)
+    ]
+    assert not [o for o in seen if isinstance(o, BatchComputed)]
+    [end] = [o for o in seen if isinstance(o, JobEnded)]
+    assert end.call == ScoringCall(Work.RANK, (shape,))
+    assert (end.call.requests, end.call.rows) == (1, ROWS)

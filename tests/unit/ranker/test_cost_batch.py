@@ -9,10 +9,19 @@ import pytest
 
 from relaygr.cluster import RankerRecord
 from relaygr.cost import CallShape, CostModel, batch_ms
-from services.ranker.cost_fit import BatchSample, Sample, fit_batch_saving
-from services.ranker.cost_learner import CostLearner
+from services.ranker.config import RankerConfig
+from services.ranker.cost_fit import (
+    BatchSample,
+    Sample,
+    ServedBatch,
+    fit_batch_saving,
+    fit_cost_model,
+)
+from services.ranker.cost_learner import CostLearner, changed_materially
 from services.ranker.cost_model import measure_batches
 from services.ranker.model import RankingModel
+from services.ranker.outcomes import Work
+from services.ranker.server import LearnerSink, ranker_record
 
 from ..test_cluster import ranker
 from .factories import tiny_config
@@ -119,3 +128,88 @@ def test_a_refit_from_served_timings_keeps_the_calibrated_batch_term() -> None:
     refitted = learner.refit()
     assert refitted is not None
     assert (refitted.batch_saving_ms, refitted.batch_samples) == (2.5, 6)
+
+
+def _served_batches(rng: np.random.Generator, truth: CostModel, count: int) -> list[ServedBatch]:
+    """`count` served calls of 2-16 cached Ranks, timed as `truth` predicts them (0.5% noise:
+    on a call of 16 Ranks of ~60 ms, 0.3 ms per extra Rank), one in eight disturbed by foreign
+    load (3x slower)."""
+    out = []
+    for _ in range(count):
+        shapes = tuple(
+            CallShape(int(rng.integers(1, 4097)), int(rng.integers(0, 65)), 128)
+            for _ in range(int(rng.integers(2, 17)))
+        )
+        ms = batch_ms(truth, shapes) * float(rng.normal(1.0, 0.005))
+        out.append(ServedBatch(shapes, ms * (3.0 if rng.random() < 1 / 8 else 1.0)))
+    return out
+
+
+def test_served_batches_refit_the_batch_term_to_what_batching_saves_now(
+    rng: np.random.Generator,
+) -> None:
+    """Calibrated at a saving of 0.5 ms per extra request; the served batches save 3 ms. While
+    the calibration's batches outnumber the served ones the calibrated term stands (a few odd
+    batches move a median little); as served ones come to outnumber them, the term becomes
+    theirs."""
+    calibration = [Sample(t, c, COST.full_ms(t, c)) for t in (128, 1024, 4096) for c in (0, 64)]
+    calibration += [Sample(t, c, COST.full_ms(t, c)) for t in (256, 2048) for c in (0, 256)]
+    calibrated_batches = _samples(rng, saving=0.5, noise=0.002, count=12)
+    calibrated = fit_batch_saving(fit_cost_model(calibration, 0.3), calibrated_batches)
+    print(f"calibrated: {calibrated.batch_saving_ms:.3f} ms")
+    assert calibrated.batch_saving_ms < 1.0
+    learner = CostLearner(calibration, calibrated, refit_after=8, batches=calibrated_batches)
+    truth = dataclasses.replace(COST, batch_saving_ms=3.0)
+    served = _served_batches(rng, truth, 160)
+    for batch in served[:8]:
+        learner.observe_batch(batch)
+    early = learner.refit()
+    assert early is not None
+    print(f"after 8 served batches: {early.batch_saving_ms:.3f} ms")
+    assert early.batch_saving_ms < 1.0  # 12 calibrated against 8 served: the prior holds
+    learner.observe_batch(ServedBatch((CallShape(64, 8, 16),), 5.0))  # one Rank: no batch
+    assert learner.refit() is None  # and no sample
+    fits = []
+    for i in range(8, len(served), 8):
+        for batch in served[i : i + 8]:
+            learner.observe_batch(batch)
+        refitted = learner.refit()
+        assert refitted is not None
+        fits.append(refitted.batch_saving_ms)
+    print("batch saving after each refit (ms):", [round(f, 3) for f in fits])
+    assert fits[-1] == pytest.approx(3.0, rel=0.05)
+    assert learner.model.batch_samples == 12 + 160
+    # The single-call terms stay fitted to the single calls: a batch teaches them nothing.
+    assert learner.model.per_token_ms == pytest.approx(COST.per_token_ms, rel=0.01)
+    assert learner.model.fixed_ms == pytest.approx(COST.fixed_ms, rel=0.01)
+    # What decisions use now predicts a served call within its noise.
+    shapes = served[0].shapes
+    assert batch_ms(learner.model, shapes) == pytest.approx(batch_ms(truth, shapes), rel=0.05)
+
+
+def test_the_learner_sink_feeds_a_batched_call_to_the_batch_term() -> None:
+    """The ranker's wiring (`server.LearnerSink`): the engine's `batch_computed` is a served
+    batch of the learner's, its seconds in ms."""
+    calibration = [Sample(t, c, COST.full_ms(t, c)) for t in (128, 1024, 4096) for c in (0, 64)]
+    learner = CostLearner(calibration, COST, refit_after=1)
+    shapes = (CallShape(1024, 32, 128), CallShape(2048, 0, 96))
+    saving_ms = 4.0
+    seconds = (sum(COST.shape_ms(s) for s in shapes) - saving_ms) / 1e3
+    LearnerSink(learner).batch_computed(Work.RANK, shapes, seconds)
+    refitted = learner.refit()
+    assert refitted is not None
+    assert refitted.batch_saving_ms == pytest.approx(saving_ms, rel=0.01)
+    assert refitted.batch_samples == 1
+
+
+def test_a_refitted_batch_term_is_republished_when_it_moved_a_batch_materially() -> None:
+    """A refit that moved only the batch term still reaches the membership when it changes a
+    batch's prediction by over the threshold, and the ranker's record carries the term."""
+    probes = [(256, 64), (4096, 64)]
+    assert changed_materially(COST, dataclasses.replace(COST, batch_saving_ms=1.5), probes, 0.1)
+    assert not changed_materially(COST, dataclasses.replace(COST, batch_saving_ms=0.2), probes, 0.1)
+    model = RankingModel(tiny_config(), seed=1)
+    refitted = dataclasses.replace(COST, batch_saving_ms=1.25, batch_samples=7)
+    record = ranker_record("r0", "127.0.0.1:50061", model, refitted, RankerConfig(plaintext=True))
+    cost = RankerRecord.from_json(record.to_json()).cost_model()
+    assert (cost.batch_saving_ms, cost.batch_samples) == (1.25, 7)

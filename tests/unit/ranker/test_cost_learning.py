@@ -238,7 +238,7 @@ def test_the_engine_plans_with_each_refitted_cost_model(rng: np.random.Generator
     calibration = timed_runs(calibrated, rng, noise=0.02, outliers=0.0, repeats=1)
     learner = CountingLearner(calibration, calibrated, refit_after=8)
     for sample in timed_runs(served, rng, noise=0.02, outliers=0.0, repeats=4):
-        learner.observe(sample)  # what the engine's compute timings feed it (`timing_sink`)
+        learner.observe(sample)  # what the engine's compute timings feed it (`LearnerSink`)
     cfg = RankerConfig(plaintext=True, cost_refit_interval_s=0.001)
     a, b = (rank_input(rng, prefix(rng, TOKENS, user_id=u)) for u in ("a", "b"))
     with running_engine(hbm_prefixes=1.5, cost=calibrated) as (engine, _):

@@ -16,6 +16,7 @@ import torch
 from relaygr.behaviours import RankInput
 from relaygr.cost import CostModel
 from relaygr.errors import Unavailable
+from services.ranker.core_types import ScoringCall
 from services.ranker.engine import (
     CacheOutcome,
     EngineSettings,
@@ -75,7 +76,7 @@ class Counting(NoopObserver):
     def prefix_landed(self, job: Job, work: Work, computed_tokens: int, kv: PrefixKV) -> None:
         self.landed.append((work, computed_tokens))
 
-    def ranked(self, job: Job, work: Work) -> None:
+    def ranked(self, job: Job, work: Work, call: ScoringCall | None) -> None:
         self.scored.append(work)
 
 

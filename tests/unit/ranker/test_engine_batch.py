@@ -4,16 +4,18 @@ scores, equal to its scores alone and to the dense reference. Random inputs, see
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
 import torch
 
 from relaygr.behaviours import RankInput
+from relaygr.cost import CallShape
 from services.ranker.core_types import Action, CoreStats, FullForward, RunBatch, RunStep, Score
 from services.ranker.engine import EngineSettings, RankerEngine, RankResult
 from services.ranker.kv_store import KVStore
+from services.ranker.observer import EngineObserver, NoopObserver, Work
 from services.ranker.queues import Priority
 from tests.polling import eventually
 from tests.unit.ranker.dense_reference import DenseReference
@@ -42,10 +44,14 @@ def _requests(rng: np.random.Generator) -> list[RankInput]:
     return out
 
 
-def _engine(settings: EngineSettings, log: list[Action]) -> RankerEngine:
+def _engine(
+    settings: EngineSettings, log: list[Action], observer: EngineObserver | None = None
+) -> RankerEngine:
     clock = Clock()
     store = KVStore(1 << 30, 0, dram_ttl=600.0, clock=clock, to_host=lambda kv: kv.to("cpu"))
-    return RankerEngine(MODEL, store, CHEAP_RELOAD, settings, clock=clock, record=log.append)
+    return RankerEngine(
+        MODEL, store, CHEAP_RELOAD, settings, observer, clock=clock, record=log.append
+    )
 
 
 async def _ranked_together(engine: RankerEngine, requests: list[RankInput]) -> list[RankResult]:
@@ -155,3 +161,39 @@ def test_max_batch_bounds_the_calls(rng: np.random.Generator, max_batch_requests
     sizes = _call_sizes(log)
     assert sizes == ([1] * USERS if max_batch_requests == 1 else [4, 2])
     _check(requests, results, None)
+
+
+@dataclass
+class Timings(NoopObserver):
+    """The compute timings the engine reports: single calls and batched calls."""
+
+    single: list[Work] = field(default_factory=list)
+    batches: list[tuple[Work, tuple[CallShape, ...], float]] = field(default_factory=list)
+
+    def computed(
+        self, work: Work, tokens: int, cached_tokens: int | None, candidates: int, seconds: float
+    ) -> None:
+        self.single.append(work)
+
+    def batch_computed(self, work: Work, shapes: tuple[CallShape, ...], seconds: float) -> None:
+        self.batches.append((work, shapes, seconds))
+
+
+def test_a_batched_call_reports_its_time_once_with_its_shapes(rng: np.random.Generator) -> None:
+    """What the ranker's cost learner is fed (`server.LearnerSink`): the call's time, once, with
+    every Rank's shape in call order; no Rank of it reported as a single call."""
+    requests = _requests(rng)
+    timings = Timings()
+    log: list[Action] = []
+    engine = _engine(SETTINGS, log, timings)
+    try:
+        asyncio.run(_cached_then_ranked_together(engine, requests))
+    finally:
+        engine.stop()
+    [(work, shapes, seconds)] = timings.batches
+    assert work is Work.RANK and seconds > 0
+    assert shapes == tuple(
+        CallShape(r.prefix.num_tokens, len(r.short_term), len(r.candidates)) for r in requests
+    )
+    assert Work.RANK not in timings.single
+    assert timings.single.count(Work.PREFILL) == USERS  # the PreInfers, each its own call

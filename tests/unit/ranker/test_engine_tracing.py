@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
+from relaygr.behaviours import RankInput
 from relaygr.cost import CostModel
 from services.ranker.config import MIB, RankerConfig
 from services.ranker.engine import CacheOutcome, RankerEngine
@@ -21,10 +22,12 @@ from services.ranker.fetch import PeerFetch
 from services.ranker.kv_store import Tier
 from services.ranker.model import RankingModel
 from services.ranker.prefix_kv import PrefixKV
+from services.ranker.queues import Priority
 from services.ranker.server import build_engine
 from services.ranker.tracing_observer import TracingObserver
 from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, tiny_config
+from tests.unit.ranker.test_engine import Gate
 
 # Reloading a host copy is far cheaper than recomputing: DRAM hits reload. No cost per model
 # call: a Rank waits for its queued PreInfer (chunks cost no more than one call).
@@ -57,14 +60,17 @@ def traced() -> Traced:
 
 
 def _engine(
-    tracer: Tracer | None, hbm_entries: float, peer_fetch: PeerFetch | None = None
+    tracer: Tracer | None,
+    hbm_entries: float,
+    peer_fetch: PeerFetch | None = None,
+    batch_backlog: int = 4,
 ) -> Iterator[RankerEngine]:
     """The engine as the ranker server builds it (its host copies traced as tier moves), observed
     through OpenTelemetry when there is a tracer."""
     mib = (TOKENS + 4) * MODEL.cfg.cache_bytes_per_token / MIB
     cfg = RankerConfig(
         plaintext=True, hbm_budget_mb=hbm_entries * mib, dram_budget_mb=8 * mib,
-        relay_window_ms=60_000, prefill_chunk_tokens=64,
+        relay_window_ms=60_000, prefill_chunk_tokens=64, batch_backlog=batch_backlog,
     )  # fmt: skip
     observer = None if tracer is None else TracingObserver(tracer)
     engine = build_engine(cfg, MODEL, COST, observer=observer, peer_fetch=peer_fetch)
@@ -217,3 +223,57 @@ async def test_without_a_tracer_nothing_is_recorded_and_nothing_changes(
         assert isinstance(entry.kv, PrefixKV)
     assert sorted(s.name for s in traced.exporter.get_finished_spans()) == ["PreInfer", "Rank"]
     assert not traced.one("Rank").links
+
+
+async def test_a_batched_rank_carries_its_calls_size_on_its_spans(
+    traced: Traced, rng: np.random.Generator
+) -> None:
+    """Ranks queued together run as one call: each Rank's span and its compute span say how
+    many Ranks shared the call and how many rows it put through; a Rank alone, a call of one."""
+    users = ("a", "b", "c")
+    requests = [
+        rank_input(rng, prefix(rng, TOKENS, user_id=u), int(rng.integers(1, 17)),
+                   int(rng.integers(1, 33)))
+        for u in users
+    ]  # fmt: skip
+    rows = sum(len(r.short_term) + len(r.candidates) for r in requests)
+    # batch_backlog=1: the queued Ranks share a call whatever they save (`batching.BatchRoom`)
+    for engine in _engine(traced.tracer, hbm_entries=len(users) + 1, batch_backlog=1):
+        await _ranked_together(traced, engine, users, requests)
+        with traced.tracer.start_as_current_span("Rank alone"):
+            assert (await engine.rank(requests[0], None)).outcome is CacheOutcome.HBM_HIT
+    computes = {s.parent.span_id: s for s in traced.spans("ranker.rank") if s.parent}
+    for u in users:
+        span = traced.one(f"Rank {u}")
+        for s in (span, computes[_ids(span)[1]]):
+            assert s.attributes is not None
+            assert s.attributes["relaygr.batch.requests"] == 3
+            assert s.attributes["relaygr.batch.rows"] == rows
+    r = requests[0]
+    alone = traced.one("Rank alone")
+    for s in (alone, computes[_ids(alone)[1]]):
+        assert s.attributes is not None
+        assert s.attributes["relaygr.batch.requests"] == 1
+        assert s.attributes["relaygr.batch.rows"] == len(r.short_term) + len(r.candidates)
+
+
+async def _ranked_together(
+    traced: Traced, engine: RankerEngine, users: tuple[str, ...], requests: list[RankInput]
+) -> None:
+    """Each user's prefix pre-inferred, then their Ranks (spans "Rank <user>") queued while a
+    gate holds the worker, then let through: one batched call."""
+    for r in requests:
+        await engine.pre_infer(r.prefix, None, None)
+    gate = Gate(engine)
+    await gate.wait_entered()
+
+    async def rank(name: str, request: RankInput) -> CacheOutcome:
+        with traced.tracer.start_as_current_span(name):
+            return (await engine.rank(request, None)).outcome
+
+    tasks = [
+        asyncio.create_task(rank(f"Rank {u}", r)) for u, r in zip(users, requests, strict=True)
+    ]
+    await eventually(lambda: engine.queues.depth(Priority.RANK) == len(users), "Ranks queued")
+    gate.open()
+    assert await asyncio.gather(*tasks) == [CacheOutcome.HBM_HIT] * len(users)

@@ -11,6 +11,7 @@ from services.ranker.handoff_grpc import HandoffReceiving
 from services.ranker.kv_store import Tier
 from services.ranker.metrics import RankerMetrics
 from services.ranker.warm import Warm, Warming
+from tests.helm.test_monitoring import named_metrics
 from tests.unit.ranker.factories import prefix
 from tests.unit.ranker.test_engine import TOKENS, running_engine
 
@@ -42,3 +43,18 @@ def test_a_scrape_expires_nothing(rng: np.random.Generator) -> None:
 
 async def _tick(engine: object) -> None:
     engine.tick()  # type: ignore[attr-defined]
+
+
+def test_every_ranker_metric_the_dashboard_and_alerts_name_is_exported() -> None:
+    """A panel or alert naming a ranker series that no ranker exports (misspelt, renamed, a
+    histogram read as a counter) fails here, without a Prometheus; the batching panels'
+    histograms among them."""
+    named = {n for n in named_metrics() if n.startswith("relaygr_ranker_")}
+    assert {f"relaygr_ranker_batch_{m}_bucket" for m in ("requests", "rows")} <= named
+    registry = CollectorRegistry()
+    warming = Warming()
+    RankerMetrics(registry, warming)
+    with running_engine() as (engine, _):
+        warming.ready(Warm(engine, "r", HandoffReceiving(HandoffStats(), max_streams=1)))
+        exported = {sample.name for family in registry.collect() for sample in family.samples}
+    assert named - exported == set()
