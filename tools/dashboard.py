@@ -25,6 +25,8 @@ UID = "relaygr-overview"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RANK = "relaygr_ranker_rank_latency_seconds"
 HITS = 'cache_outcome=~"hbm_hit|waited_inflight|dram_hit"'
+BATCH_REQUESTS = "relaygr_ranker_batch_requests"
+BATCH_ROWS = "relaygr_ranker_batch_rows"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,20 @@ class Chart:
     unit: str
     queries: tuple[Query, ...]
     stacked: bool = False
+
+
+def _size_quantiles(metric: str) -> tuple[Query, ...]:
+    """Median, P99 and mean of a per-call size histogram over every ranker."""
+    rate = f"rate({metric}_bucket[$__rate_interval])"
+    return (
+        Query(f"histogram_quantile(0.5, sum by (le) ({rate}))", "median"),
+        Query(f"histogram_quantile(0.99, sum by (le) ({rate}))", "P99"),
+        Query(
+            f"sum(rate({metric}_sum[$__rate_interval])) "
+            f"/ sum(rate({metric}_count[$__rate_interval]))",
+            "mean",
+        ),
+    )
 
 
 ROWS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
@@ -174,6 +190,38 @@ ROWS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
                     ),
                 ),
                 stacked=True,
+            ),
+        ),
+    ),
+    (
+        "Batching",
+        (
+            Chart(
+                "Ranks per scoring call",
+                "How many Ranks shared each model call (1: alone): median, P99 and mean over the"
+                " rankers' calls. A batch is what queued while the worker was busy; no Rank is"
+                " held back to fill one",
+                "short",
+                _size_quantiles(BATCH_REQUESTS),
+            ),
+            Chart(
+                "Rows per scoring call",
+                "Short-term behaviours + candidates (a full inference: its whole history +"
+                " candidates) through each model call: median, P99 and mean",
+                "short",
+                _size_quantiles(BATCH_ROWS),
+            ),
+            Chart(
+                "Ranks per scoring call P99 per ranker",
+                "Batch size on each ranker: large where Ranks queue, 1 where the worker keeps up",
+                "short",
+                (
+                    Query(
+                        f"histogram_quantile(0.99, sum by (le, instance) "
+                        f"(rate({BATCH_REQUESTS}_bucket[$__rate_interval])))",
+                        "{{instance}}",
+                    ),
+                ),
             ),
         ),
     ),

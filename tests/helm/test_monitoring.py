@@ -136,6 +136,8 @@ def test_the_dashboard_covers_latency_hits_relays_queues_bytes_and_rankers() -> 
         "relaygr_trigger_admissions_total",
         "relaygr_ranker_queue_depth",
         "relaygr_ranker_kv_used_bytes",
+        "relaygr_ranker_batch_requests_bucket",
+        "relaygr_ranker_batch_rows_bucket",
     ):
         assert metric in exprs
     assert "by (le, instance)" in exprs  # per ranker
@@ -145,3 +147,19 @@ def dashboard_exprs() -> list[str]:
     """Every PromQL expression of the committed dashboard."""
     panels = json.loads(dashboard.DASHBOARD_PATH.read_text())["panels"]
     return [target["expr"] for panel in panels for target in panel.get("targets", [])]
+
+
+# Metric names in PromQL: RelayGR's own, and the `up` Prometheus records per target.
+_NAME = re.compile(r"\b(relaygr_[a-z0-9_]+|up)\b")
+
+
+def named_metrics() -> set[str]:
+    """Every metric (series name: a histogram's `_bucket`, a counter's `_total`) named by an
+    alert's expression or a dashboard panel's query: each must be one a service exports
+    (tests/unit/ranker/test_metrics_reads.py checks the ranker's in-process,
+    tests/integration/test_prometheus.py every service's against a real Prometheus)."""
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    exprs = [rule["expr"] for group in groups for rule in group["rules"]]
+    exprs += dashboard_exprs()
+    assert len(exprs) >= 8 + 15
+    return {name for expr in exprs for name in _NAME.findall(expr)}

@@ -12,14 +12,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.helm.test_monitoring import dashboard_exprs
+from tests.helm.test_monitoring import named_metrics
 from tests.integration.process_mesh import free_ports, tiny_mesh
 from tests.polling import eventually
 from tooling.local.mesh import LocalMesh
 from tooling.local.prometheus import (
-    ALERTS_FILE,
     INSTALL_HINT,
     LocalPrometheus,
     PrometheusSpec,
@@ -30,17 +28,6 @@ pytestmark = pytest.mark.skipif(
     find_prometheus_binary() is None, reason=f"{INSTALL_HINT} (.ci/run installs it)"
 )
 MEMBERSHIP = "RelayGRRankerMissingFromMembership"
-# Metric names in PromQL: RelayGR's own, and the `up` Prometheus records per target.
-_NAME = re.compile(r"\b(relaygr_[a-z0-9_]+|up)\b")
-
-
-def named_metrics() -> set[str]:
-    """Every metric named by an alert's expression or a dashboard panel's query."""
-    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
-    exprs = [rule["expr"] for group in groups for rule in group["rules"]]
-    exprs += dashboard_exprs()
-    assert len(exprs) >= 8 + 15
-    return {name for expr in exprs for name in _NAME.findall(expr)}
 
 
 def _firing(prometheus: LocalPrometheus, alert: str) -> list[dict[str, str]]:
