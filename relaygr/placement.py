@@ -170,8 +170,9 @@ def place(
     recorded = directory.get(user)
     if recorded is not None and recorded in order and loads.get(recorded, 0.0) + 1 <= bound:
         return _placement(recorded, Reason.DIRECTORY, order, owner)
-    fits = [inst for inst in order if loads.get(inst, 0.0) + 1 <= bound]
-    chosen = fits[0] if fits else min(order, key=lambda inst: loads.get(inst, 0.0))
+    chosen = next((inst for inst in order if loads.get(inst, 0.0) + 1 <= bound), None)
+    if chosen is None:
+        chosen = min(order, key=lambda inst: loads.get(inst, 0.0))
     return _placement(chosen, Reason.HASH if chosen == owner else Reason.SPILLED, order, owner)
 
 

@@ -32,7 +32,7 @@ from services.router.routes import Status as CallStatus
 from services.trigger.config import TriggerConfig
 from services.trigger.policy import AdmissionPolicy, Decision, Event, Settled, fallback_order
 from tooling.local.drive import NO_RANK, OK, RequestRecord
-from tooling.sim.events import EventLoop
+from tooling.sim.events import EventLoop, collector_paused
 from tooling.sim.profile import DeviceProfile
 from tooling.sim.ranker import (
     MODEL_VERSION,
@@ -542,10 +542,11 @@ def run_visits(
     make_ranker: MakeRanker | None = None,
 ) -> tuple[list[RequestRecord], Fleet]:
     """Run `visits` through a fresh fleet to the end; the records in arrival order."""
-    loop = EventLoop()
-    fleet = Fleet(loop, profile, settings, seed, make_ranker)
-    for index, visit in enumerate(visits):
-        fleet.visit(index, visit)
-    end = (visits[-1].at if visits else 0.0) + settings.gap_s + settings.rank_timeout_s + 1.0
-    loop.run(until=end)
-    return fleet.finished(), fleet
+    with collector_paused():
+        loop = EventLoop()
+        fleet = Fleet(loop, profile, settings, seed, make_ranker)
+        for index, visit in enumerate(visits):
+            fleet.visit(index, visit)
+        end = (visits[-1].at if visits else 0.0) + settings.gap_s + settings.rank_timeout_s + 1.0
+        loop.run(until=end)
+        return fleet.finished(), fleet
