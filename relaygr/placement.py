@@ -142,7 +142,7 @@ def load_bound(
     live = set(instances)
     if not live:
         return 0
-    mean = (sum(loads.get(inst, 0.0) for inst in live) + 1) / len(live)
+    mean = (sum(map(loads.get, live, itertools.repeat(0.0))) + 1) / len(live)
     return math.ceil((1 + epsilon) * max(mean, floor))
 
 
@@ -234,5 +234,6 @@ def directory_write(
 
 
 def _placement(chosen: str, reason: Reason, order: list[str], owner: str) -> Placement:
-    rest = tuple(inst for inst in order if inst != chosen)
+    rest = order.copy()
+    rest.remove(chosen)  # the ids are distinct
     return Placement(chosen, reason, (chosen, *rest), owner)
