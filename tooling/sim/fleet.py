@@ -157,7 +157,7 @@ class _Forwarding:
         self._ended = ended
         self._timer = 0  # the live hedge timer's generation
 
-    def step_from_start(self) -> None:
+    def start(self) -> None:
         self._step(self._attempts.start())
 
     def _step(self, next_: Next) -> None:
@@ -454,7 +454,7 @@ class Fleet:
 
     def _forward(self, route: Route, call: CallRanker, ended: Ended) -> None:
         """Drive the router's own `Attempts` for `route` on the virtual clock (`_Forwarding`)."""
-        _Forwarding(self.loop, self.forwarder.attempts(route), call, ended).step_from_start()
+        _Forwarding(self.loop, self.forwarder.attempts(route), call, ended).start()
 
     def _book(self, route: Route, served: Served) -> None:
         if self.forwarder.book(route, served):
