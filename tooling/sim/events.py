@@ -53,10 +53,13 @@ def collector_paused() -> Iterator[None]:
 
     A run allocates millions of objects and keeps most of them to its end (pending callbacks,
     caches, records), so each collector pass rescans a growing heap for cycles that the
-    simulator's per-request objects do not form (`fleet._Forwarding`); what cyclic garbage a
-    run leaves is collected after it. With 100 rankers the passes took a seventh of a run.
+    simulator's per-request objects do not form (`fleet._Forwarding`); with 100 rankers the
+    passes took a seventh of a run. One full pass first, so that a run never holds an earlier
+    run's garbage (a fleet is cyclic: its rankers and pending callbacks refer back to it) and
+    peak memory stays that of one run; what a run leaves is collected after it.
     """
     collecting = gc.isenabled()
+    gc.collect()
     gc.disable()
     try:
         yield
