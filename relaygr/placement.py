@@ -142,7 +142,7 @@ def load_bound(
     live = set(instances)
     if not live:
         return 0
-    mean = (sum(loads.get(inst, 0.0) for inst in live) + 1) / len(live)
+    mean = (sum(map(loads.get, live, itertools.repeat(0.0))) + 1) / len(live)
     return math.ceil((1 + epsilon) * max(mean, floor))
 
 
@@ -170,8 +170,9 @@ def place(
     recorded = directory.get(user)
     if recorded is not None and recorded in order and loads.get(recorded, 0.0) + 1 <= bound:
         return _placement(recorded, Reason.DIRECTORY, order, owner)
-    fits = [inst for inst in order if loads.get(inst, 0.0) + 1 <= bound]
-    chosen = fits[0] if fits else min(order, key=lambda inst: loads.get(inst, 0.0))
+    chosen = next((inst for inst in order if loads.get(inst, 0.0) + 1 <= bound), None)
+    if chosen is None:
+        chosen = min(order, key=lambda inst: loads.get(inst, 0.0))
     return _placement(chosen, Reason.HASH if chosen == owner else Reason.SPILLED, order, owner)
 
 
@@ -233,5 +234,6 @@ def directory_write(
 
 
 def _placement(chosen: str, reason: Reason, order: list[str], owner: str) -> Placement:
-    rest = tuple(inst for inst in order if inst != chosen)
+    rest = order.copy()
+    rest.remove(chosen)  # the ids are distinct
     return Placement(chosen, reason, (chosen, *rest), owner)

@@ -13,6 +13,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from relaygr.cluster import MemoryCluster, RankerRecord
@@ -23,7 +24,7 @@ from services.ranker.handoff import HandoffSettings, plan
 from services.ranker.handoff_order import Declined
 from services.ranker.kv_store import CacheKey
 from services.ranker.peers import fetch_peers
-from services.router.attempts import Next
+from services.router.attempts import Attempts, Next
 from services.router.config import RouterConfig
 from services.router.forward import Forwarder, RelayHint
 from services.router.routes import CallFailed, Method, Refused, Route, Served
@@ -31,7 +32,7 @@ from services.router.routes import Status as CallStatus
 from services.trigger.config import TriggerConfig
 from services.trigger.policy import AdmissionPolicy, Decision, Event, Settled, fallback_order
 from tooling.local.drive import NO_RANK, OK, RequestRecord
-from tooling.sim.events import EventLoop
+from tooling.sim.events import EventLoop, collector_paused
 from tooling.sim.profile import DeviceProfile
 from tooling.sim.ranker import (
     MODEL_VERSION,
@@ -129,6 +130,53 @@ class _Relay:
     visit: Visit
     decision: Decision
     due_at: float
+
+
+# One call to a ranker: `call(instance, answered)`; `answered` gets its reply or failure.
+Answered = Callable[[bytes | CallFailed], None]
+CallRanker = Callable[[str, Answered], None]
+Outcome = Served | Refused
+Ended = Callable[[Outcome], None]
+
+
+class _Forwarding:
+    """One request down its route: the router's own `Attempts` on the virtual clock.
+
+    `call(instance, answered)` sends one call, `ended` gets the request's end. A hedge's timer
+    is re-armed after every event while the attempts say so; only the latest timer counts, and
+    a losing call's answer is ignored (`Attempts.answered`). The loop's callbacks hold this
+    object; it holds none of them, so a finished request is freed without the cycle collector.
+    """
+
+    __slots__ = ("_attempts", "_call", "_ended", "_loop", "_timer")
+
+    def __init__(self, loop: EventLoop, attempts: Attempts, call: CallRanker, ended: Ended) -> None:
+        self._loop = loop
+        self._attempts = attempts
+        self._call = call
+        self._ended = ended
+        self._timer = 0  # the live hedge timer's generation
+
+    def start(self) -> None:
+        self._step(self._attempts.start())
+
+    def _step(self, next_: Next) -> None:
+        if not isinstance(next_, list):
+            self._ended(next_)
+            return
+        for c in next_:
+            self._call(c.instance, partial(self._answered, c.instance))
+        attempts = self._attempts
+        if attempts.hedge_armed and attempts.hedge_s is not None:
+            self._timer += 1
+            self._loop.after(attempts.hedge_s, self._fire, self._timer)
+
+    def _answered(self, instance: str, answer: bytes | CallFailed) -> None:
+        self._step(self._attempts.answered(instance, answer))
+
+    def _fire(self, generation: int) -> None:
+        if generation == self._timer:
+            self._step(self._attempts.hedge())
 
 
 class Fleet:
@@ -379,7 +427,7 @@ class Fleet:
         window_s = self.settings.trigger.relay_window_ms / 1e3
         served: dict[str, PreInferReply] = {}
 
-        def call(instance: str, answered: Callable[[bytes | CallFailed], None]) -> None:
+        def call(instance: str, answered: Answered) -> None:
             def reply(answer: PreInferReply) -> None:
                 if answer.status is Status.OK:
                     served[instance] = answer
@@ -390,7 +438,7 @@ class Fleet:
             ranker = self.rankers[instance]
             ranker.pre_infer(relay.visit, window_s, due_in, deadline, reply)
 
-        def ended(outcome: Served | Refused) -> None:
+        def ended(outcome: Outcome) -> None:
             if isinstance(outcome, Refused):
                 refused = outcome.status is CallStatus.RESOURCE_EXHAUSTED
                 self.loop.after(self._hop_s, self._relay_done, relay, None, refused)
@@ -404,36 +452,9 @@ class Fleet:
 
         self._forward(route, call, ended)
 
-    def _forward(
-        self,
-        route: Route,
-        call: Callable[[str, Callable[[bytes | CallFailed], None]], None],
-        ended: Callable[[Served | Refused], None],
-    ) -> None:
-        """Drive the router's own `Attempts` for `route` on the virtual clock: `call(instance,
-        answered)` sends one call, `ended` gets the request's end. A hedge's timer is re-armed
-        after every event while the attempts say so; a losing call's answer is ignored."""
-        attempts = self.forwarder.attempts(route)
-        timer = [0]  # the live hedge timer's generation
-
-        def step(next_: Next) -> None:
-            if not isinstance(next_, list):
-                ended(next_)
-                return
-            for c in next_:
-                call(c.instance, answered_by(c.instance))
-            if attempts.hedge_armed and attempts.hedge_s is not None:
-                timer[0] += 1
-                self.loop.after(attempts.hedge_s, fire, timer[0])
-
-        def answered_by(instance: str) -> Callable[[bytes | CallFailed], None]:
-            return lambda answer: step(attempts.answered(instance, answer))
-
-        def fire(generation: int) -> None:
-            if generation == timer[0]:
-                step(attempts.hedge())
-
-        step(attempts.start())
+    def _forward(self, route: Route, call: CallRanker, ended: Ended) -> None:
+        """Drive the router's own `Attempts` for `route` on the virtual clock (`_Forwarding`)."""
+        _Forwarding(self.loop, self.forwarder.attempts(route), call, ended).start()
 
     def _book(self, route: Route, served: Served) -> None:
         if self.forwarder.book(route, served):
@@ -467,7 +488,7 @@ class Fleet:
     ) -> None:
         replies: dict[str, RankReply] = {}
 
-        def call(instance: str, answered: Callable[[bytes | CallFailed], None]) -> None:
+        def call(instance: str, answered: Answered) -> None:
             def reply(answer: RankReply) -> None:
                 replies[instance] = answer
                 if answer.status is Status.OK:
@@ -477,7 +498,7 @@ class Fleet:
 
             self.rankers[instance].rank(visit, deadline, reply)
 
-        def ended(outcome: Served | Refused) -> None:
+        def ended(outcome: Outcome) -> None:
             if isinstance(outcome, Served):
                 reply, instance = replies[outcome.instance], outcome.instance
             else:
@@ -521,10 +542,11 @@ def run_visits(
     make_ranker: MakeRanker | None = None,
 ) -> tuple[list[RequestRecord], Fleet]:
     """Run `visits` through a fresh fleet to the end; the records in arrival order."""
-    loop = EventLoop()
-    fleet = Fleet(loop, profile, settings, seed, make_ranker)
-    for index, visit in enumerate(visits):
-        fleet.visit(index, visit)
-    end = (visits[-1].at if visits else 0.0) + settings.gap_s + settings.rank_timeout_s + 1.0
-    loop.run(until=end)
-    return fleet.finished(), fleet
+    with collector_paused():
+        loop = EventLoop()
+        fleet = Fleet(loop, profile, settings, seed, make_ranker)
+        for index, visit in enumerate(visits):
+            fleet.visit(index, visit)
+        end = (visits[-1].at if visits else 0.0) + settings.gap_s + settings.rank_timeout_s + 1.0
+        loop.run(until=end)
+        return fleet.finished(), fleet

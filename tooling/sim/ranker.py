@@ -47,6 +47,10 @@ from tooling.sim.profile import DeviceProfile
 from tooling.sim.workload import Visit
 
 MODEL_VERSION = ModelVersion("sim")
+# The specs of a scoring call and of a prefix computation (built once: `A | B` makes a new
+# union object each time it is evaluated).
+_SCORING = (Score, FullForward)
+_PREFIX = (Prefill, Extend)
 
 
 class Status(StrEnum):
@@ -375,11 +379,11 @@ class SimRanker:
         """A call's time: a scoring call's (one Rank's, or a batch's) from the cost model's
         batch term (each request's single call, less the per-call saving of every request
         after the first); any other step's, as the core predicted it."""
-        if not isinstance(jobs[0].spec, Score | FullForward):
+        if not isinstance(jobs[0].spec, _SCORING):
             return jobs[0].next_step_ms
         shapes = []
         for job in jobs:
-            assert isinstance(job.spec, Score | FullForward)
+            assert isinstance(job.spec, _SCORING)
             shapes.append(call_shape(job.spec, held))
         return batch_ms(self.profile.cost, shapes)
 
@@ -396,7 +400,7 @@ class SimRanker:
         """What a step leaves: a prefix job its prefix's size (steps compute nothing), a scoring
         job nothing."""
         spec = job.spec
-        if isinstance(spec, Prefill | Extend):
+        if isinstance(spec, _PREFIX):
             prefix = spec.prefix
             tokens = prefix.user_features + prefix.behaviours
             return SimKV(prefix.behaviours, tokens, tokens * self.profile.kv_bytes_per_token)

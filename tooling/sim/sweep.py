@@ -13,7 +13,7 @@ from services.trigger.config import Mode
 from tooling.local.compliance import max_compliant
 from tooling.local.drive import HIT_OUTCOMES, OK, Point, RequestRecord
 from tooling.local.workload import WorkloadSpec
-from tooling.sim.events import EventLoop
+from tooling.sim.events import EventLoop, collector_paused
 from tooling.sim.fleet import Fleet, FleetSettings
 from tooling.sim.membership import FleetEvent, schedule
 from tooling.sim.profile import DeviceProfile
@@ -154,15 +154,16 @@ def run_point(
     span_s: float,
 ) -> PointResult:
     started = time.perf_counter()
-    loop = EventLoop()
-    fleet = Fleet(loop, spec.profile, settings_for(spec.fleet, variant), seed)
-    for event in spec.events:
-        schedule(fleet, event)
-    for index, visit in enumerate(visits):
-        fleet.visit(index, visit)
-    settings = fleet.settings
-    loop.run(until=span_s + settings.gap_s + settings.rank_timeout_s + 1.0)
-    records = fleet.finished()
+    with collector_paused():
+        loop = EventLoop()
+        fleet = Fleet(loop, spec.profile, settings_for(spec.fleet, variant), seed)
+        for event in spec.events:
+            schedule(fleet, event)
+        for index, visit in enumerate(visits):
+            fleet.visit(index, visit)
+        settings = fleet.settings
+        loop.run(until=span_s + settings.gap_s + settings.rank_timeout_s + 1.0)
+        records = fleet.finished()
     wall = time.perf_counter() - started
     point = Point.of(variant, rate, visits, records, span_s * spec.warmup)
     return PointResult(
