@@ -72,8 +72,9 @@ class RankerConfig(ServiceOptions):
     max_batch_requests: int = field(
         default=8,
         metadata=helped(
-            "most Ranks scored in one model call: those queued together when the worker frees"
-            " (none is held back to wait for a batch); 1: every Rank its own call",
+            "most Ranks scored in one model call (or users' background prefill chunks in one"
+            " call): those queued together when the worker frees (none is held back to wait"
+            " for a batch); 1: every Rank and every chunk its own call",
             POSITIVE,
         ),
     )
@@ -81,17 +82,19 @@ class RankerConfig(ServiceOptions):
         default=4096,
         metadata=helped(
             "most rows (short-term behaviours + candidates, summed over its Ranks; a full"
-            " inference's whole history) in one batched model call; a Rank with more runs alone",
+            " inference's whole history; a prefill chunk's tokens) in one batched model call; a"
+            " Rank with more runs alone",
             POSITIVE,
         ),
     )
     batch_backlog: int = field(
         default=4,
         metadata=helped(
-            "Ranks queued (the next one included) from which a call batches although sharing"
-            " saves a joiner less than half its own call (a shared call ends every Rank in it"
-            " last; only a backlog repays that); where the cost model's batch saving is at least"
-            " half a call, Ranks batch at any load; 1: batch whatever is queued",
+            "Ranks queued (the next one included; for prefill chunks, background jobs queued)"
+            " from which a call batches although sharing saves a joiner less than half its own"
+            " call (a shared call ends every Rank in it last; only a backlog repays that); where"
+            " the cost model's batch saving is at least half a call, Ranks batch at any load; 1:"
+            " batch whatever is queued",
             POSITIVE,
         ),
     )
