@@ -9,7 +9,6 @@ from relaygr.cost import CallShape
 from services.ranker.core import RankerCore
 from services.ranker.core_types import (
     Computed,
-    Extend,
     JobEnded,
     Observation,
     Prefill,
@@ -32,7 +31,7 @@ from tests.unit.ranker.test_core import (
     prefix,
     product,
 )
-from tests.unit.ranker.test_core_batch import BATCHING, batched, calls, hit, resident
+from tests.unit.ranker.test_core_batch import BATCHING, batched, calls, hit, resident, users
 
 # SETTINGS' 64-token chunks over a prefix of 4 user features and 100 behaviours: two steps.
 FIRST = CallShape(0, 64, 0)
@@ -56,15 +55,6 @@ def done(core: RankerCore[KV], d: Driver, call: tuple[Job, ...]) -> None:
     d.running = []
     for job in call:
         d.feed(core.step_done(job, product(job)))
-
-
-def users(call: tuple[Job, ...]) -> list[str]:
-    return [
-        job.spec.prefix.user
-        if isinstance(job.spec, Prefill | Extend)
-        else job.spec.request.prefix.user
-        for job in call
-    ]
 
 
 def chunks(call: tuple[Job, ...]) -> list[tuple[str, int]]:

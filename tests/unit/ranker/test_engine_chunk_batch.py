@@ -10,7 +10,16 @@ import numpy as np
 import torch
 
 from relaygr.behaviours import Prefix, RankInput
-from services.ranker.core_types import Action, Extend, Prefill, RunBatch, RunStep
+from services.ranker.core_types import (
+    Action,
+    Extend,
+    FullForward,
+    Prefill,
+    Reload,
+    RunBatch,
+    RunStep,
+    Score,
+)
 from services.ranker.engine import RankerEngine, RankResult
 from services.ranker.outcomes import CacheOutcome
 from services.ranker.queues import Job, Priority
@@ -45,8 +54,9 @@ def _started(action: Action, calls: list[list[Step]]) -> None:
 
 def _user(spec: object) -> str:
     if isinstance(spec, Prefill | Extend):
-        return spec.prefix.prefix.user_id
-    return spec.request.request.prefix.user_id  # type: ignore[attr-defined]
+        return str(spec.prefix.user_id)
+    assert isinstance(spec, Score | FullForward | Reload)
+    return "" if isinstance(spec, Reload) else str(spec.request.prefix.user_id)
 
 
 def _prefixes(rng: np.random.Generator) -> list[Prefix]:
