@@ -72,8 +72,9 @@ class RankerConfig(ServiceOptions):
     max_batch_requests: int = field(
         default=8,
         metadata=helped(
-            "most Ranks scored in one model call: those queued together when the worker frees"
-            " (none is held back to wait for a batch); 1: every Rank its own call",
+            "most Ranks scored in one model call (or users' background prefill chunks in one"
+            " call): those queued together when the worker frees (none is held back to wait"
+            " for a batch); 1: every Rank and every chunk its own call",
             POSITIVE,
         ),
     )
@@ -81,17 +82,28 @@ class RankerConfig(ServiceOptions):
         default=4096,
         metadata=helped(
             "most rows (short-term behaviours + candidates, summed over its Ranks; a full"
-            " inference's whole history) in one batched model call; a Rank with more runs alone",
+            " inference's whole history; a prefill chunk's tokens) in one batched model call; a"
+            " Rank with more runs alone",
             POSITIVE,
         ),
     )
     batch_backlog: int = field(
         default=4,
         metadata=helped(
-            "Ranks queued (the next one included) from which a call batches although sharing"
-            " saves a joiner less than half its own call (a shared call ends every Rank in it"
-            " last; only a backlog repays that); where the cost model's batch saving is at least"
-            " half a call, Ranks batch at any load; 1: batch whatever is queued",
+            "Ranks queued (the next one included; for prefill chunks, background jobs queued)"
+            " from which a call batches although sharing saves a joiner less than half its own"
+            " call (a shared call ends every Rank in it last; only a backlog repays that); where"
+            " the cost model's batch saving is at least half a call, Ranks batch at any load; 1:"
+            " batch whatever is queued",
+            POSITIVE,
+        ),
+    )
+    max_chunk_batch_rows: int = field(
+        default=512,
+        metadata=helped(
+            "most new tokens of several users' background prefill chunks in one call (and"
+            " within max_batch_rows): a Rank arriving meanwhile waits for the whole call, so"
+            " keep it near prefill_chunk_tokens; short last chunks of several prefixes batch",
             POSITIVE,
         ),
     )
@@ -258,6 +270,7 @@ class RankerConfig(ServiceOptions):
             max_batch_requests=self.max_batch_requests,
             max_batch_rows=self.max_batch_rows,
             batch_backlog=self.batch_backlog,
+            max_chunk_batch_rows=self.max_chunk_batch_rows,
         )
 
     def transfer_prior(self) -> TransferCost:

@@ -12,7 +12,7 @@ from typing import Any, Generic
 from relaygr.bucket_counts import BucketCounts
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from services.ranker.batching import BatchRoom, batchable
+from services.ranker.batching import BatchRoom, CallKind, call_kind
 from services.ranker.core_types import (
     BATCH_REQUEST_BOUNDS,
     BATCH_ROW_BOUNDS,
@@ -74,18 +74,24 @@ class RankerCore(Generic[KV]):
     way; when no peer delivers it, the same flight computes it, so a fetch never fails a request.
 
     The driver runs one model call at a time: it asks `worker_free` for the next when its
-    worker is idle. A call is one job's step, or the steps of several scoring jobs batched
-    (`RunBatch`): the Score steps (or full inferences) at the head of the rank queue when the
-    worker frees, in rank order, within `CoreSettings.max_batch_requests` and `max_batch_rows`
-    (`batching.BatchRoom`). A batch never waits for more to arrive; as every Rank of a call is
+    worker is idle. A call is one job's step, or the steps of several jobs batched
+    (`RunBatch`, `batching.BatchRoom`): the Score steps (or full inferences) at the head of the
+    rank queue when the worker frees, in rank order; or, when no rank work is queued, the
+    background prefill chunks (several users' Prefill or Extend steps) at the head of the
+    background queue, in its order. Either within `CoreSettings.max_batch_requests` and
+    `max_batch_rows` (a chunk's rows: its new tokens). A batch never waits for more to arrive;
+    a step joins only when sharing the call pays: each joiner saves half its own call, or
+    `CoreSettings.batch_backlog` jobs are queued in the head's queue. As every Rank of a call is
     answered when the call ends, one joins only while the call is predicted to end before every
-    deadline in it, and only when sharing the call pays: each joiner saves half its own call, or
-    `CoreSettings.batch_backlog` Ranks are queued. A cancelled or expired Rank never joins one;
-    background work never does. Each job of a batch ends with its own result; if the call
-    fails, its jobs return to the head of the rank queue, in their places, and each runs alone
-    (one bad request fails itself only, and a call too large for the device still serves its
-    requests). Observations go to `observe`, in the order
-    they happen; nothing it does changes a decision.
+    deadline in it. A cancelled or expired Rank never joins one; background work never joins
+    rank work nor rank work background work, and a Rank arriving meanwhile still runs at the
+    next free worker, ahead of every queued chunk; a prefix job's later chunks go back to the
+    background queue, each step batched anew. Each job of a batch ends with its own result; if
+    the call fails, its jobs return to their queues, in their places, and each runs alone from
+    then on (one bad request fails itself only, and a call too large for the device still
+    serves its requests). A prefix job that shared a call reports no `Computed` time (its
+    time holds other users' chunks). Observations go to `observe`, in the order they happen;
+    nothing it does changes a decision.
     """
 
     def __init__(
@@ -120,6 +126,7 @@ class RankerCore(Generic[KV]):
         self._next_id = 0
         self._running: list[Job] = []  # the running call's jobs not yet reported
         self._call: ScoringCall | None = None  # the running call, when it scores
+        self._shared = False  # the running call is a batch (two or more jobs' steps)
         self._batch_requests = BucketCounts.empty(BATCH_REQUEST_BOUNDS)
         self._batch_rows = BucketCounts.empty(BATCH_ROW_BOUNDS)
         self.draining = False
@@ -241,29 +248,33 @@ class RankerCore(Generic[KV]):
 
     def worker_free(self) -> list[Action]:
         """The worker is idle: its next call, if any (jobs that must not start are settled).
-        A scoring step takes the scoring steps queued right behind it into its call."""
+        A scoring step takes the scoring steps queued right behind it into its call, a
+        background prefill chunk the background chunks queued right behind it."""
         assert not self._running, "one call at a time"
         job, dropped = self.queues.take()
         self._settle(dropped)
         if job is None:
             return self._flush()
         jobs = [job]
-        if batchable(job):
-            backlog = 1 + self.queues.depth(Priority.RANK)
+        kind = call_kind(job)
+        if kind is not None:
+            backlog = 1 + self.queues.depth(job.priority)
             room = BatchRoom(
                 job, self.settings, self._held_of, self.cost_model, self.clock(), backlog
             )
             if self.settings.max_batch_requests > 1:  # 1: as before batching, exactly
-                more, dropped = self.queues.take_more(room.joins)
+                more, dropped = self.queues.take_more(room.joins, priority=job.priority)
                 jobs += more
                 self._settle(dropped)
-            self._batch_requests = self._batch_requests.observed(room.requests)
-            self._batch_rows = self._batch_rows.observed(room.rows)
+            if kind is not CallKind.CHUNK:  # the batch statistics are of scoring calls
+                self._batch_requests = self._batch_requests.observed(room.requests)
+                self._batch_rows = self._batch_rows.observed(room.rows)
         now_ns = self._wall_ns()
         for taken in jobs:
             if not taken.started_ns:
                 taken.started_ns = now_ns
         self._running, self._call = jobs, self._scoring_call(jobs)
+        self._shared = len(jobs) > 1
         self._actions.append(RunStep(job) if len(jobs) == 1 else RunBatch(tuple(jobs)))
         return self._flush()
 
@@ -273,6 +284,7 @@ class RankerCore(Generic[KV]):
         assert job in self._running, "not a running step"
         self._running.remove(job)
         job.seconds += seconds
+        job.batched |= self._shared
         ms = job.next_step_ms
         if job.steps_run + 1 < len(job.step_ms):  # one prediction per step; a scoring job one
             job.partial = result
@@ -283,11 +295,14 @@ class RankerCore(Generic[KV]):
         job.partial = None
         self.queues.end(job, "done")
         call = self._call
-        if call is None or call.requests == 1:
+        if not job.batched:
             computed = computed_of(job, self._held_of)
             if computed is not None:
                 self._observe(computed)
-        elif not self._running:  # a batch's last job: its time is no one request's alone
+        elif call is not None and not self._running:
+            # A scoring batch's last job: its time is no one request's alone. (A prefix job
+            # that shared a call for any chunk reports no time at all: its `seconds` hold
+            # other users' chunks.)
             self._observe(BatchComputed(call, seconds))
         self._ended(job, JobEnd.DONE, result, call=call)
         return self._flush()
@@ -302,9 +317,10 @@ class RankerCore(Generic[KV]):
         return self._flush()
 
     def batch_failed(self, jobs: tuple[Job, ...], error: BaseException) -> list[Action]:
-        """The batched call of `jobs` raised `error`: each job goes back to the head of the rank
-        queue, in its place, to run alone (`Job.solo`); only a job that fails alone fails its
-        request."""
+        """The batched call of `jobs` raised `error`: each job goes back to its queue (the rank
+        queue's head for scoring steps, the background order for prefill chunks), in its place,
+        its step not run, to run alone from now on (`Job.solo`); only a job that fails alone
+        fails its request."""
         assert tuple(self._running) == jobs, "not the running batch"
         self._running, self._call = [], None
         for job in jobs:

@@ -9,6 +9,7 @@ from typing import Any, Generic, NewType, Protocol, TypeVar
 from relaygr.behaviours import UserId
 from relaygr.bucket_counts import BucketCounts
 from relaygr.cost import CallShape, CostModel
+from services.ranker.chunks import Span, extension_spans, prefill_spans
 from services.ranker.digest import PrefixDigest
 from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
@@ -103,14 +104,38 @@ class FullForward:
 Spec = Prefill | Extend[Any] | Reload[Any] | Score[Any] | FullForward
 
 
-def call_shape(spec: Score[Any] | FullForward, held_of: Callable[[Any], Held]) -> CallShape:
-    """A scoring step's share of a model call (`relaygr.cost.CallShape`): a Score computes its
-    short-term behaviours on its cached prefix, a full inference its whole history."""
-    request = spec.request
+def chunk_span(spec: Spec, step: int) -> Span | None:
+    """The tokens step `step` of a prefix job computes (cached before it, cached after it), when
+    that step is a prefill chunk (`chunks.prefill_spans`, `extension_spans`); None when it is
+    not: an extension's first step brings its base over, a reload computes nothing, a scoring
+    step is no chunk."""
+    if isinstance(spec, Prefill):
+        prefix = spec.prefix
+        return prefill_spans(prefix.user_features, prefix.behaviours, spec.chunk)[step]
+    if isinstance(spec, Extend) and step > 0:
+        prefix = spec.prefix
+        spans = extension_spans(
+            prefix.user_features, spec.base_behaviours, prefix.behaviours, spec.chunk
+        )
+        return spans[step - 1]
+    return None
+
+
+def call_shape(spec: Spec, held_of: Callable[[Any], Held], step: int = 0) -> CallShape:
+    """A step's share of a model call (`relaygr.cost.CallShape`): a Score computes its
+    short-term behaviours on its cached prefix, a full inference its whole history, a prefill
+    chunk (step `step` of a Prefill or Extend: `chunk_span`) its chunk on what is cached."""
     if isinstance(spec, Score):
+        request = spec.request
         cached = held_of(spec.kv).num_tokens
         return CallShape(cached, request.short_term, request.candidates)
-    return CallShape(0, history_tokens(request), request.candidates)
+    if isinstance(spec, FullForward):
+        request = spec.request
+        return CallShape(0, history_tokens(request), request.candidates)
+    span = chunk_span(spec, step)
+    assert span is not None, "not a model call over tokens"
+    before, after = span
+    return CallShape(before, after - before, 0)
 
 
 def call_rows(shape: CallShape) -> int:
@@ -141,10 +166,12 @@ class RunStep:
 
 @dataclass(frozen=True, slots=True)
 class RunBatch:
-    """Run the one step of each of `jobs` (two or more scoring jobs of one kind, all Score or
-    all FullForward, in rank order) as one model call (`RankingModel.rank_batch` or
-    `full_forward_batch`); report each job's own result by `step_done` (the worker is free once
-    every job is reported), or the call's failure by `batch_failed`."""
+    """Run the next step of each of `jobs` as one model call: two or more scoring jobs of one
+    kind, all Score or all FullForward, in rank order (`RankingModel.rank_batch` or
+    `full_forward_batch`), or two or more background prefix jobs' prefill chunks (`chunk_span`:
+    a Prefill's or an Extend's), in the background queue's order (`chunk_batch`). Report each
+    job's own result by `step_done` (the worker is free once every job is reported), or the
+    call's failure by `batch_failed`."""
 
     jobs: tuple[Job, ...]
 
@@ -335,14 +362,18 @@ class CoreSettings:
     max_relay_window_s: float = 60.0  # a longer pin asked for is refused: it would hold memory
     max_queued_ranks: int = 64
     max_queued_prefills: int = 256
-    # A scoring call takes at most this many Ranks, and this many rows (`call_rows`) unless
-    # its first Rank alone has more; 1: every Rank its own call.
+    # A scoring call takes at most this many Ranks (a chunk call this many users' background
+    # chunks), and this many rows (`call_rows`) unless its first step alone has more; 1: every
+    # step its own call.
     max_batch_requests: int = 8
     max_batch_rows: int = 4096
-    # Rank jobs queued (the one taken included) from which a call batches even when a joiner
-    # saves less than half its own call (batching.BatchRoom): only a backlog repays the delay
-    # a shared call puts on its first Ranks.
+    # Jobs queued in the head's queue (the one taken included) from which a call batches even
+    # when a joiner saves less than half its own call (batching.BatchRoom): only a backlog
+    # repays the delay a shared call puts on its first steps.
     batch_backlog: int = 4
+    # Most new tokens of background chunks in one call (and within max_batch_rows): a Rank
+    # arriving meanwhile waits for the whole call.
+    max_chunk_batch_rows: int = 512
 
     def max_queued(self) -> dict[Priority, int]:
         return {Priority.RANK: self.max_queued_ranks, Priority.BACKGROUND: self.max_queued_prefills}

@@ -42,11 +42,12 @@ from services.ranker.core_types import (
     Score,
     StartFetch,
     Waited,
+    chunk_span,
 )
 from services.ranker.digest import PrefixDigest, PrefixHasher
 from services.ranker.fetch import PeerFetch
 from services.ranker.kv_store import CacheKey, KVStore
-from services.ranker.model import RankingModel, RankItem
+from services.ranker.model import Extension, RankingModel, RankItem
 from services.ranker.observer import EngineObserver, NoopObserver, Operation, Origin, Work
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
 from services.ranker.plan import Held
@@ -160,10 +161,11 @@ class RankerEngine:
     """Serves PreInfer and Rank against one model through one `RankerCore`.
 
     Runs on one asyncio loop: the core is fed only from it. The model runs only on the compute
-    worker, one call at a time (a step, or a batch of scoring steps): the core's next call is
-    asked for whenever the worker is idle, and a call's results come back to the loop as
-    events, one per job. Observations go to `observer`, in the context (trace) of the request
-    that caused them: each job of a batch is reported in its own request's context.
+    worker, one call at a time (a step, or a batch of scoring steps or of prefill chunks): the
+    core's next call is asked for whenever the worker is idle, and a call's results come back
+    to the loop as events, one per job. Observations go to `observer`, in the context (trace)
+    of the request that caused them: each job of a batch is reported in its own request's
+    context.
     """
 
     def __init__(
@@ -417,28 +419,14 @@ class RankerEngine:
 
     def _step(self, job: Job) -> Any:
         """One step of `job`, on the worker: what the spec says, nothing decided here."""
-        spec, i, model = job.spec, job.steps_run, self.model
-        if isinstance(spec, Prefill):
+        spec, model = job.spec, self.model
+        if isinstance(spec, Prefill | Extend) and chunk_span(spec, job.steps_run) is not None:
+            return model.chunk_batch([self._chunk(job)])[0]
+        if isinstance(spec, Extend):  # its first step: a host-tier base is brought over first
             prefix = spec.prefix
             assert isinstance(prefix, ServicePrefix)
-            p = prefix.prefix
-            first = max(spec.chunk - len(p.user_features), 0)
-            if i == 0:
-                return model.prefill(
-                    Prefix(p.user_id, p.user_features, p.long_term.slice(0, first))
-                )
-            begin = first + (i - 1) * spec.chunk
-            return model.extend(job.partial, p.long_term.slice(begin, begin + spec.chunk))
-        if isinstance(spec, Extend):
-            prefix = spec.prefix
-            assert isinstance(prefix, ServicePrefix)
-            if i == 0:  # a host-tier base is brought over first; its content's hasher with it
-                base: PrefixKV = spec.base.to(model.device)
-                return replace(base, hasher=prefix.head_hasher(spec.base_behaviours))
-            begin = spec.base_behaviours + (i - 1) * spec.chunk
-            return model.extend(
-                job.partial, prefix.prefix.long_term.slice(begin, begin + spec.chunk)
-            )
+            base: PrefixKV = spec.base.to(model.device)
+            return replace(base, hasher=prefix.head_hasher(spec.base_behaviours))
         if isinstance(spec, Reload):
             host: PrefixKV = spec.host
             return host.to(model.device)
@@ -450,11 +438,28 @@ class RankerEngine:
         assert isinstance(spec, FullForward) and isinstance(spec.request, ServiceRank)
         return model.full_forward(spec.request.request)
 
-    def _step_batch(self, jobs: tuple[Job, ...]) -> list[torch.Tensor]:
-        """The steps of a batch (all Score or all FullForward), as one model call: each job's
-        scores, in order."""
+    def _chunk(self, job: Job) -> Prefix | Extension:
+        """The prefill chunk `job`'s next step computes (`chunk_span`): the user features and
+        the first behaviours from nothing, or the next behaviours on what its steps so far
+        made (`job.partial`)."""
+        spec = job.spec
+        assert isinstance(spec, Prefill | Extend) and isinstance(spec.prefix, ServicePrefix)
+        span = chunk_span(spec, job.steps_run)
+        assert span is not None
+        p = spec.prefix.prefix
+        before, after = (tokens - len(p.user_features) for tokens in span)
+        if isinstance(spec, Prefill) and job.steps_run == 0:
+            return Prefix(p.user_id, p.user_features, p.long_term.slice(0, after))
+        return Extension(job.partial, p.long_term.slice(before, after))
+
+    def _step_batch(self, jobs: tuple[Job, ...]) -> list[Any]:
+        """The steps of a batch (all Score, all FullForward, or all prefill chunks), as one
+        model call: each job's product (scores, or its prefix so far), in order."""
+        head = jobs[0].spec
+        if isinstance(head, Prefill | Extend):
+            return self.model.chunk_batch([self._chunk(job) for job in jobs])
         ranks = [_service_rank(job.spec.request) for job in jobs]
-        if isinstance(jobs[0].spec, Score):
+        if isinstance(head, Score):
             return self.model.rank_batch(
                 [
                     RankItem(job.spec.kv, r.short_term, r.candidates, r.request_ts)

@@ -96,7 +96,8 @@ class EngineObserver(Protocol):
         (None: it started from nothing, a prefill or full inference); `candidates`: scored.
 
         Called on the event loop once the job's last step is back from the compute worker.
-        A job that ran in a batched call is not reported here (`batch_computed` is).
+        A job any step of which ran in a batched call is not reported here: a scoring batch is
+        reported by `batch_computed`, a call of several users' prefill chunks not at all.
         """
         ...
 

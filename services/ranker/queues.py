@@ -47,6 +47,7 @@ class Job:
     started: bool = False  # its first step was taken
     cancelled: bool = False  # its caller left before it started: never run
     solo: bool = False  # the batched call it ran in failed: it runs alone from now on
+    batched: bool = False  # a step of it ran in a batched call: `seconds` are not its own alone
     partial: Any = None
     tag: Any = None  # the driver's, for the request that caused it (opaque here)
     seconds: float = 0.0  # compute time of its steps so far, as the driver measured it
@@ -80,8 +81,9 @@ class Overloaded(Exception):
 class ComputeQueues:
     """The order in which one worker runs jobs, one step at a time.
 
-    Between any two steps the worker takes a rank-priority job if there is one, so a rank waits
-    at most for the step already running (one prefill chunk), never for a whole background job.
+    Between any two calls the worker takes a rank-priority job if there is one, so a rank waits
+    at most for the call already running (one prefill chunk, or one call of several users'
+    chunks), never for a whole background job.
     Rank jobs run in the order their Ranks arrived (`Job.place`, ties in submission order), a
     started one resumed first: a miss's scoring, queued when its prefill lands, goes before
     every Rank that arrived after it.
@@ -89,8 +91,8 @@ class ComputeQueues:
     submission order; a background job goes back to that order after each step, so one due
     sooner that arrived meanwhile overtakes it between chunks (preemptive EDF). `promote` lifts a
     job to rank priority; `restart` replaces a queued job's remaining steps; `take_more` takes
-    the rank jobs right behind the one taken, for one batched call. Queues are bounded:
-    `submit` raises Overloaded beyond `max_queued[priority]`. `queued_background_ms` and
+    the jobs right behind the one taken, from its queue only, for one batched call. Queues are
+    bounded: `submit` raises Overloaded beyond `max_queued[priority]`. `queued_background_ms` and
     `queued_rank_ms` are the predicted compute time of the jobs of each priority queued or
     running: running totals, updated as steps complete and jobs are promoted or restarted, 0
     exactly whenever there are none.
@@ -224,23 +226,25 @@ class ComputeQueues:
         self,
         joins: Callable[[Job], bool],
         may_start: Callable[[Job], bool] = lambda job: not job.cancelled,
+        priority: Priority = Priority.RANK,
     ) -> tuple[list[Job], list[Job]]:
-        """Rank jobs to run in one call with the job just taken: those next in the rank queue,
-        in its order, while `joins` accepts them (the first refused, or one resuming its later
-        steps, stays at the head, so nothing overtakes it). Background work never joins: it is
-        not in the rank queue. Jobs met on the way that must not start (`take`'s rules) are
-        settled and returned as dropped: a cancelled or expired Rank is never in a batch."""
+        """Jobs to run in one call with the job just taken: those next in the queue of
+        `priority` (the taken job's), in its order, while `joins` accepts them (the first
+        refused stays at the head, so nothing overtakes it). Only that queue is read: background
+        work never joins a call of rank work, nor rank work one of background work. A started
+        job met on the way joins or stops the call as `joins` says (it resumes its later
+        steps); one due its first step that must not start (`take`'s rules) is settled and
+        returned as dropped: a cancelled or expired Rank is never in a batch."""
         taken: list[Job] = []
         dropped: list[Job] = []
-        while self._ranks:
-            job = self._ranks[0][3]
-            may = may_start(job) and not self._expired(job)
-            if job.started or (may and not joins(job)):
+        while (job := self._head(priority)) is not None:
+            may = job.started or (may_start(job) and not self._expired(job))
+            if may and not joins(job):
                 break
-            heapq.heappop(self._ranks)
+            self._pop_head(priority)
             job.queued = False
             self._log("step", job)
-            (taken if self._starts(job, may_start) else dropped).append(job)
+            (taken if job.started or self._starts(job, may_start) else dropped).append(job)
         return taken, dropped
 
     def _starts(self, job: Job, may_start: Callable[[Job], bool]) -> bool:
@@ -290,13 +294,28 @@ class ComputeQueues:
 
     def _pop(self) -> Job | None:
         if self._ranks:
-            return heapq.heappop(self._ranks)[3]
-        while self._background:
-            _, _, job = heapq.heappop(self._background)
-            if job.priority is Priority.BACKGROUND:  # else promoted: a stale entry
-                self._background_queued -= 1
-                return job
+            return self._pop_head(Priority.RANK)
+        if self._head(Priority.BACKGROUND) is not None:
+            return self._pop_head(Priority.BACKGROUND)
         return None
+
+    def _head(self, priority: Priority) -> Job | None:
+        """The job at the head of the queue of `priority`, left there (None: it is empty)."""
+        if priority is Priority.RANK:
+            return self._ranks[0][3] if self._ranks else None
+        while self._background:
+            job = self._background[0][2]
+            if job.priority is Priority.BACKGROUND:
+                return job
+            heapq.heappop(self._background)  # promoted: a stale entry
+        return None
+
+    def _pop_head(self, priority: Priority) -> Job:
+        """Take the job `_head(priority)` returned."""
+        if priority is Priority.RANK:
+            return heapq.heappop(self._ranks)[3]
+        self._background_queued -= 1
+        return heapq.heappop(self._background)[2]
 
     def _log(self, kind: str, job: Job) -> None:
         self._seq += 1

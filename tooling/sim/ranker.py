@@ -2,9 +2,9 @@
 driven with each step taking the time the device profile predicts and KV caches as sizes.
 
 The driver decides nothing: PreInfer and Rank go to the core, whose actions it carries out on
-the loop (a step after its predicted time, a batched call after the cost model's batch time
-(`relaygr.cost.batch_ms`), spread by the profile's `compute_noise`; a peer fetch after its
-simulated transfer) and whose answers it turns into replies.
+the loop (a step after its predicted time, a batched call of Ranks or of prefill chunks after
+the cost model's batch time (`relaygr.cost.batch_ms`), spread by the profile's
+`compute_noise`; a peer fetch after its simulated transfer) and whose answers it turns into replies.
 """
 
 import random
@@ -222,8 +222,8 @@ class SimRanker:
     """A ranker instance: PreInfer and Rank answered through callbacks on the loop's clock.
 
     `kill` ends it at once: every call it has not answered gets UNAVAILABLE, as a client of a
-    dead process sees. Work runs one call at a time (a step or a batch of scoring steps) on one
-    virtual worker, in the core's order.
+    dead process sees. Work runs one call at a time (a step, or a batch of scoring steps or of
+    prefill chunks) on one virtual worker, in the core's order.
     """
 
     def __init__(
@@ -376,15 +376,12 @@ class SimRanker:
         self.loop.after(seconds, self._stepped, jobs, seconds)
 
     def _call_ms(self, jobs: tuple[Job, ...]) -> float:
-        """A call's time: a scoring call's (one Rank's, or a batch's) from the cost model's
-        batch term (each request's single call, less the per-call saving of every request
-        after the first); any other step's, as the core predicted it."""
-        if not isinstance(jobs[0].spec, _SCORING):
+        """A call's time: a scoring call's (one Rank's, or a batch's) or a batch of prefill
+        chunks' from the cost model's batch term (each step's single call, less the per-call
+        saving of every step after the first); any other step's, as the core predicted it."""
+        if len(jobs) == 1 and not isinstance(jobs[0].spec, _SCORING):
             return jobs[0].next_step_ms
-        shapes = []
-        for job in jobs:
-            assert isinstance(job.spec, _SCORING)
-            shapes.append(call_shape(job.spec, held))
+        shapes = [call_shape(job.spec, held, job.steps_run) for job in jobs]
         return batch_ms(self.profile.cost, shapes)
 
     def _stepped(self, jobs: tuple[Job, ...], seconds: float) -> None:

@@ -41,8 +41,9 @@ ROWS = 8 + 16  # one R's short-term behaviours + candidates
 CACHED = USER_FEATURES + 100  # a resident prefix: user features + 100 long-term behaviours
 
 
-# Any queued Rank may join (no backlog needed): the tests of the other rules.
-BATCHING = replace(SETTINGS, batch_backlog=1)
+# Any queued step may join (no backlog needed), chunk calls bounded by max_batch_rows alone:
+# the tests of the other rules.
+BATCHING = replace(SETTINGS, batch_backlog=1, max_chunk_batch_rows=4096)
 
 
 def batched(settings: CoreSettings = BATCHING, **bounds: int) -> CoreSettings:

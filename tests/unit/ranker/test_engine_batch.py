@@ -26,7 +26,11 @@ from tests.unit.ranker.test_model_batch import BATCH_NOISE, FP32_TOLERANCE
 USERS = 6
 # batch_backlog=1: any queued Rank may join (these tests are of the calls, not of when to batch).
 SETTINGS = EngineSettings(
-    relay_enabled=True, relay_window_s=30.0, prefill_chunk_tokens=64, batch_backlog=1
+    relay_enabled=True,
+    relay_window_s=30.0,
+    prefill_chunk_tokens=64,
+    batch_backlog=1,
+    max_chunk_batch_rows=4096,
 )
 
 
@@ -45,13 +49,14 @@ def _requests(rng: np.random.Generator) -> list[RankInput]:
 
 
 def _engine(
-    settings: EngineSettings, log: list[Action], observer: EngineObserver | None = None
+    settings: EngineSettings,
+    record: Callable[[Action], None],
+    observer: EngineObserver | None = None,
 ) -> RankerEngine:
+    """An engine of `settings` whose core's every action goes to `record`."""
     clock = Clock()
     store = KVStore(1 << 30, 0, dram_ttl=600.0, clock=clock, to_host=lambda kv: kv.to("cpu"))
-    return RankerEngine(
-        MODEL, store, CHEAP_RELOAD, settings, observer, clock=clock, record=log.append
-    )
+    return RankerEngine(MODEL, store, CHEAP_RELOAD, settings, observer, clock=clock, record=record)
 
 
 async def _ranked_together(engine: RankerEngine, requests: list[RankInput]) -> list[RankResult]:
@@ -104,7 +109,7 @@ def _served(
     """`serve(engine, requests)` on a fresh engine of `settings`: its results, the actions the
     engine's core took, and its stats after."""
     log: list[Action] = []
-    engine = _engine(settings, log)
+    engine = _engine(settings, log.append)
     try:
         results = asyncio.run(serve(engine, requests))
         return results, log, engine.stats()
@@ -185,7 +190,7 @@ def test_a_batched_call_reports_its_time_once_with_its_shapes(rng: np.random.Gen
     requests = _requests(rng)
     timings = Timings()
     log: list[Action] = []
-    engine = _engine(SETTINGS, log, timings)
+    engine = _engine(SETTINGS, log.append, timings)
     try:
         asyncio.run(_cached_then_ranked_together(engine, requests))
     finally:

@@ -60,7 +60,8 @@ def test_ranks_queued_together_run_as_one_call_timed_by_the_batch_term(
     assert batch_s < singles_s
     held_s = ranked["g"] - start
     assert held_s == pytest.approx(COST.prefill_ms(4 + 200) / 1e3)
-    batches = [a for a in log if isinstance(a, RunBatch)]
+    # The scoring calls (the PreInfers' chunks before may batch too: test_chunks_... below).
+    batches = [a for a in log if isinstance(a, RunBatch) and isinstance(a.jobs[0].spec, Score)]
     if max_batch_requests == 1:
         assert batches == []
         assert ranked["c"] - start == pytest.approx(held_s + singles_s)
@@ -75,3 +76,47 @@ def test_ranks_queued_together_run_as_one_call_timed_by_the_batch_term(
     assert ranker.busy_s - busy_before == pytest.approx(held_s + batch_s)
     stats = ranker.core.stats().batch_requests
     assert (stats.count, stats.total) == (1, 3)
+
+
+@pytest.mark.parametrize("max_batch_requests", [1, 8])
+def test_prefill_chunks_of_users_queued_together_run_as_one_call_timed_by_the_batch_term(
+    max_batch_requests: int,
+) -> None:
+    """Three PreInfers arrive at once: a's first chunk starts at once, alone; b's and c's
+    (one chunk each) queue behind it and then share one call with a's second chunk, timed by
+    the batch term over the chunks' shapes."""
+    loop = EventLoop()
+    log: list[Action] = []
+    settings = CoreSettings(
+        relay_enabled=True, relay_window_s=30.0, prefill_chunk_tokens=64,
+        max_batch_requests=max_batch_requests, batch_backlog=1, max_chunk_batch_rows=4096,
+    )  # fmt: skip
+    ranker = SimRanker("r0", loop, PROFILE, settings, 300.0, random.Random(0), record=log.append)
+    landed: dict[str, float] = {}
+    for v in (visit("a", 100, 0, 0), visit("b", 60, 0, 0), visit("c", 30, 0, 0)):
+
+        def done(reply: PreInferReply, user: str = v.user) -> None:
+            assert reply.status is Status.OK
+            landed[user] = loop.now
+
+        ranker.pre_infer(v, 30.0, None, None, done)
+    loop.run()
+    first = batch_ms(COST, [CallShape(0, 64, 0)]) / 1e3  # a's first chunk: 4 + 60 tokens
+    shapes = [CallShape(64, 40, 0), CallShape(0, 64, 0), CallShape(0, 34, 0)]  # a, b, c
+    singles = [batch_ms(COST, [s]) / 1e3 for s in shapes]
+    batch = batch_ms(COST, shapes) / 1e3
+    assert batch < sum(singles)
+    calls = [a.jobs if isinstance(a, RunBatch) else (a.job,) for a in log
+             if isinstance(a, RunStep | RunBatch)]  # fmt: skip
+    steps = [[(job.spec.prefix.user_id, len(job.step_ms)) for job in call] for call in calls]
+    if max_batch_requests == 1:
+        assert steps == [[("a", 2)], [("a", 2)], [("b", 1)], [("c", 1)]]
+        assert landed == pytest.approx({
+            "a": first + singles[0], "b": first + sum(singles[:2]), "c": first + sum(singles)
+        })  # fmt: skip
+        assert ranker.busy_s == pytest.approx(first + sum(singles))
+        return
+    assert steps == [[("a", 2)], [("a", 2), ("b", 1), ("c", 1)]]
+    assert landed == pytest.approx({"a": first + batch, "b": first + batch, "c": first + batch})
+    assert ranker.busy_s == pytest.approx(first + batch)
+    assert ranker.core.stats().batch_requests.count == 0  # the statistics are of scoring calls
