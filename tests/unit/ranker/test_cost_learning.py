@@ -66,7 +66,10 @@ def assert_predicts(fitted: CostModel, truth: CostModel, rel: float) -> None:
 def test_fit_recovers_known_costs_within_10_percent_despite_noise_and_outliers(
     rng: np.random.Generator,
 ) -> None:
-    samples = timed_runs(TRUTH, rng, noise=0.05, outliers=0.15)
+    # Five timed runs per shape: with three (36 samples, a sixth of them outliers) the worst
+    # probe missed 10% in 5 of 400 seeds (RELAYGR_SEED=1571418798 drew 10.3%); with five, in
+    # none of the same 400.
+    samples = timed_runs(TRUTH, rng, noise=0.05, outliers=0.15, repeats=5)
     fitted = fit_cost_model(samples, reload_ms_per_mb=0.3)
     assert_predicts(fitted, TRUTH, rel=0.10)
     assert fitted.samples == len(samples)
