@@ -31,7 +31,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.model_bench import device_sync, matmul_peak, matmul_rates, random_behaviours, rank_flops
+from bench.model_bench import (
+    device_sync,
+    matmul_peak,
+    matmul_rates,
+    no_sync,
+    random_behaviours,
+    rank_flops,
+    seconds,
+)
 from bench.report import add_render_arguments, load_result, machine_info, run_stamp, write_section
 from relaygr.behaviours import Prefix
 from relaygr.bounds import AT_LEAST_ONE, Bounded
@@ -143,16 +151,8 @@ def _items(
     return items
 
 
-def _no_sync() -> None:
-    pass
-
-
-def _ms(fn: Callable[[], object], sync: Callable[[], None] = _no_sync) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3
+def _ms(fn: Callable[[], object], sync: Callable[[], None] = no_sync) -> float:
+    return 1e3 * seconds(fn, sync)
 
 
 @contextlib.contextmanager

@@ -174,11 +174,11 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def _no_sync() -> None:
+def no_sync() -> None:
     pass
 
 
-def _seconds(fn: Callable[[], object], sync: Callable[[], None] = _no_sync) -> float:
+def seconds(fn: Callable[[], object], sync: Callable[[], None] = no_sync) -> float:
     sync()
     start = time.perf_counter()
     fn()
@@ -196,8 +196,8 @@ def time_interleaved(
     times_first: list[float] = []
     times_second: list[float] = []
     for _ in range(repeats):
-        times_first.append(_seconds(first))
-        times_second.append(_seconds(second))
+        times_first.append(seconds(first))
+        times_second.append(seconds(second))
     return times_first, times_second
 
 
@@ -220,7 +220,7 @@ def max_rel_err(full: torch.Tensor, cached: torch.Tensor) -> float:
 CPU = torch.device("cpu")
 
 
-def best_mm_seconds(
+def best_mmseconds(
     n: int,
     tries: int,
     generator: torch.Generator,
@@ -234,7 +234,7 @@ def best_mm_seconds(
     out = torch.empty(n, n, device=device, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up: the first call allocates and packs
     sync = device_sync(device)
-    return min(_seconds(lambda: torch.mm(a, b, out=out), sync) for _ in range(tries))
+    return min(seconds(lambda: torch.mm(a, b, out=out), sync) for _ in range(tries))
 
 
 def matmul_rates(
@@ -248,7 +248,7 @@ def matmul_rates(
     told otherwise)."""
     generator = torch.Generator().manual_seed(seed)
     return {
-        str(n): 2 * n**3 / best_mm_seconds(n, tries, generator, device, dtype) / 1e9 for n in sizes
+        str(n): 2 * n**3 / best_mmseconds(n, tries, generator, device, dtype) / 1e9 for n in sizes
     }
 
 
@@ -291,7 +291,7 @@ def bench_length(
     repeats = settings.repeats
     if repeats is None:
         # The check above was a first pair; a second one estimates the steady pair time.
-        pair_s = _seconds(full) + _seconds(cached)
+        pair_s = seconds(full) + seconds(cached)
         repeats = fit_repeats(pair_s, settings.budget_s, settings.min_repeats, settings.max_repeats)
     full_s, rank_s = time_interleaved(full, cached, settings.warmup, repeats)
     prefix_tokens = kv.num_tokens
