@@ -185,6 +185,14 @@ class RankerConfig(ServiceOptions):
             POSITIVE,
         ),
     )
+    peer_fetch_cold_asks: int = field(
+        default=16,
+        metadata=helped(
+            "stop asking previous owners once this many asks since the last membership change"
+            " all found nothing (a fleet that started together holds nothing to fetch)",
+            POSITIVE,
+        ),
+    )
     transfer_fixed_ms: float = field(
         default=2.0,
         metadata=helped(

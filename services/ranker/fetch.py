@@ -22,6 +22,7 @@ from services.ranker.transfer_cost import TransferLearner, TransferSample
 class Peer:
     instance_id: str
     address: str
+    previous_owner: bool = False  # asked as the user's owner before this ranker
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,6 @@
 Fetch call, each entry checked on receipt by `transfer.Receiver`. The `PeerSource` of `fetch`."""
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -17,7 +16,7 @@ from services.ranker.fetch import Fetched, Peer
 from services.ranker.kv_store import CacheKey
 from services.ranker.model_config import ModelConfig
 from services.ranker.outcomes import FetchResult
-from services.ranker.peers import fetch_peers
+from services.ranker.peers import PreviousOwners, fetch_peers
 from services.ranker.transfer import EntryHeader, Receiver, Refusal
 from services.ranker.transfer_wire import header_from_proto
 
@@ -32,10 +31,11 @@ class GrpcPeerSource:
 
     Peers, most likely first: the instance the directory records for the user, then the user's
     previous owner in its rendezvous order (`peers.successor`); each a live member serving the
-    key's model version, never this ranker. The previous owner is asked only within `window_s`
-    of the last ranker joining or leaving (`changed_at()`, this ranker's own start included):
-    only then can a user's owner have moved, and a cold miss in a settled fleet pays no round
-    trip. A stream must carry exactly one entry, the one asked for; anything else is refused.
+    key's model version, never this ranker. The previous owner is asked only while `owners`
+    says so (after the last ranker joined or left at `changed_at()`; by default always), and
+    each of its answers is reported there: a cold miss in a settled or a cold fleet pays no
+    round trip. A stream must carry exactly one entry, the one asked for; anything else is
+    refused.
     """
 
     def __init__(
@@ -46,14 +46,13 @@ class GrpcPeerSource:
         self_id: str,
         cfg: ModelConfig,
         device: torch.device,
-        changed_at: Callable[[], float] = lambda: math.inf,
-        window_s: float = math.inf,
+        owners: PreviousOwners | None = None,
+        changed_at: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`changed_at` and `clock`: wall-clock seconds (by default the owner may always have
-        moved)."""
+        """`changed_at` and `clock`: wall-clock seconds (read only with `owners`)."""
+        self._owners = owners
         self._changed_at = changed_at
-        self._window_s = window_s
         self._clock = clock
         self._pool = pool
         self._view = view
@@ -67,11 +66,18 @@ class GrpcPeerSource:
         holder = None
         if self._directory is not None:
             holder = self._directory.lookup(key.user_id, key.model_version)
-        moved = self._clock() - self._changed_at() < self._window_s
-        ids = fetch_peers(key.user_id, key.model_version, view, self._self_id, holder, moved)
-        return [Peer(i, view[i].address) for i in ids]
+        owners = self._owners
+        moved = owners is None or owners.asking(self._clock(), self._changed_at())
+        asks = fetch_peers(key.user_id, key.model_version, view, self._self_id, holder, moved)
+        return [Peer(i, view[i].address, previous) for i, previous in asks]
 
     async def fetch(self, key: CacheKey, peer: Peer, timeout_s: float) -> Fetched | FetchResult:
+        got = await self._fetch(key, peer, timeout_s)
+        if peer.previous_owner and self._owners is not None:
+            self._owners.answered(isinstance(got, Fetched))
+        return got
+
+    async def _fetch(self, key: CacheKey, peer: Peer, timeout_s: float) -> Fetched | FetchResult:
         request = ranker_pb2.FetchRequest(
             user_id=key.user_id, model_version=key.model_version, prefix_digest=key.digest
         )

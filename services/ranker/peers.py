@@ -1,6 +1,8 @@
 """Which peer ranker a prefix moves to or comes from: pure, over the membership view."""
 
+import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from relaygr.cluster import RankerRecord
 from relaygr.placement import ranking
@@ -22,6 +24,44 @@ def successor(
     return next((instance for instance in ranking(user, mine) if instance != self_id), None)
 
 
+class PeerAsk(NamedTuple):
+    """A peer a miss asks, and whether as the user's owner before this ranker (else as the
+    directory's holder)."""
+
+    instance_id: str
+    previous_owner: bool
+
+
+class PreviousOwners:
+    """Whether one ranker's misses ask the user's previous owner; both drivers keep one.
+
+    Only a membership change moves a user's owner, so the previous owner is asked within
+    `window_s` of the last change (`changed_at`; a ranker's own start counts). A fleet that starts
+    together changes too, but nothing is cached anywhere yet: once `cold_asks` asks since the
+    change have all found nothing, the ranker stops asking until the next change. Joining a
+    fleet that has been serving, an ask soon finds an entry, and then the window runs its course.
+    """
+
+    def __init__(self, window_s: float = math.inf, cold_asks: int = 16) -> None:
+        self.window_s = window_s
+        self.cold_asks = cold_asks
+        self._change = -math.inf  # the change the counts below belong to
+        self._asked = 0
+        self._found = 0
+
+    def asking(self, now: float, changed_at: float) -> bool:
+        """Ask previous owners now, the membership last having changed at `changed_at`."""
+        if changed_at != self._change:
+            self._change, self._asked, self._found = changed_at, 0, 0
+        cold = self._found == 0 and self._asked >= self.cold_asks
+        return now - changed_at < self.window_s and not cold
+
+    def answered(self, found: bool) -> None:
+        """A previous owner answered an ask (a failure or a timeout found nothing)."""
+        self._asked += 1
+        self._found += found
+
+
 def fetch_peers(
     user: str,
     model_version: str,
@@ -29,16 +69,16 @@ def fetch_peers(
     self_id: str,
     holder: str | None,
     moved: bool,
-) -> list[str]:
+) -> list[PeerAsk]:
     """Whom a ranker that misses `user`'s prefix asks for it, most likely first: the directory's
     `holder` (where the prefix was placed, when that is another member serving the version),
     then, when the membership changed lately (`moved`), the user's owner before this ranker
     (`successor`). The service's peer source and the simulator both ask here."""
-    ids: list[str] = []
+    asks: list[PeerAsk] = []
     record = None if holder is None else view.get(holder)
     if holder is not None and holder != self_id and record is not None:
-        ids += [holder] if record.model_version == model_version else []
+        asks += [PeerAsk(holder, False)] if record.model_version == model_version else []
     previous = successor(user, view, self_id, model_version) if moved else None
-    if previous is not None and previous not in ids:
-        ids.append(previous)
-    return ids
+    if previous is not None and previous != holder:
+        asks.append(PeerAsk(previous, True))
+    return asks

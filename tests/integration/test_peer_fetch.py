@@ -130,6 +130,39 @@ async def test_moved_users_are_recomputed_when_fetching_is_dearer(
         assert sum(engine.peer_fetch.stats.attempts.values()) == 0
 
 
+async def test_a_fleet_that_started_together_stops_asking_previous_owners(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    """Three rankers start together, so each one's start is a membership change, but none
+    holds anything: a ranker's cold misses ask the users' previous owners only until
+    `peer_fetch_cold_asks` asks found nothing; the next change makes them ask again."""
+    async with running_mesh(etcd_server.endpoint, tiny_model()) as mesh:
+        for name in OLD:
+            await mesh.add_ranker(name, peer_fetch_cold_asks=3, **CHEAP)
+        router = await mesh.add_router()
+        # Users r0 owns before and after the fourth ranker joins, each ranked once: a miss.
+        mine = [u for u in (f"fresh{i}" for i in range(400)) if ranking(u, [*OLD, NEW])[0] == "r0"]
+        engine = mesh.rankers["r0"].engine
+        assert engine is not None and engine.peer_fetch is not None
+        attempts = engine.peer_fetch.stats.attempts
+
+        async def rank(user: str) -> None:
+            request = rank_input(rng, prefix(rng, 100, user_id=user))
+            reply = await router.Rank(rank_request_to_proto(request), timeout=10)
+            assert (reply.instance_id, reply.cache_outcome) == ("r0", Outcome.CACHE_OUTCOME_MISS)
+
+        for user in mine[:6]:
+            await rank(user)
+        assert sum(attempts.values()) == attempts[FetchResult.NOT_FOUND] == 3
+        joined = await mesh.add_ranker(NEW, peer_fetch_cold_asks=3, **CHEAP)
+        assert joined.mesh is not None
+        r0 = mesh.rankers["r0"].mesh
+        assert r0 is not None
+        await poll(lambda: NEW in r0.cluster.view())
+        await rank(mine[6])
+        assert attempts[FetchResult.NOT_FOUND] == 4
+
+
 # -- faults: a fake peer speaking the real Fetch RPC -------------------------------------------
 
 

@@ -23,7 +23,7 @@ from services.ranker.config import RankerConfig
 from services.ranker.handoff import HandoffSettings, plan
 from services.ranker.handoff_order import Declined
 from services.ranker.kv_store import CacheKey
-from services.ranker.peers import fetch_peers
+from services.ranker.peers import PeerAsk, PreviousOwners, fetch_peers
 from services.router.attempts import Attempts, Next
 from services.router.config import RouterConfig
 from services.router.forward import Forwarder, RelayHint
@@ -108,7 +108,8 @@ def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
     cfg = fleet.settings.ranker
     fetch = None
     if cfg.peer_fetch and cfg.relay_enabled:
-        fetch = SimFetch(fleet, cfg.transfer_prior())
+        owners = PreviousOwners(cfg.peer_fetch_window_s, cfg.peer_fetch_cold_asks)
+        fetch = SimFetch(fleet, cfg.transfer_prior(), owners)
     return SimRanker(
         instance,
         fleet.loop,
@@ -301,10 +302,9 @@ class Fleet:
 
     # -- the rankers' peer source (`ranker.PeerLookup`) -------------------------------------
 
-    def peers(self, key: CacheKey, asking: str) -> list[str]:
+    def peers(self, key: CacheKey, asking: str, owners: PreviousOwners) -> list[PeerAsk]:
         """Whom `asking` asks for `key`, as the service's peer source would."""
-        window = self.settings.ranker.peer_fetch_window_s
-        moved = self.loop.now - self._changed_at < window
+        moved = owners.asking(self.loop.now, self._changed_at)
         holder = self.cluster.lookup(key.user_id, key.model_version)
         return fetch_peers(
             key.user_id, key.model_version, self.cluster.view(), asking, holder, moved

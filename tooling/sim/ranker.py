@@ -40,6 +40,7 @@ from services.ranker.digest import ModelVersion, PrefixDigest
 from services.ranker.handoff_order import Candidate, Declined
 from services.ranker.kv_store import CacheKey, Entry, KVStore, Tier
 from services.ranker.outcomes import CacheOutcome, PreInferOutcome
+from services.ranker.peers import PeerAsk, PreviousOwners
 from services.ranker.plan import Held
 from services.ranker.queues import Job
 from tooling.sim.events import EventLoop
@@ -203,18 +204,20 @@ def ranker_record(instance_id: str, index: int, profile: DeviceProfile) -> Ranke
 class PeerLookup(Protocol):
     """The fleet as a ranker's peer source: whom to ask for a key, and those peers."""
 
-    def peers(self, key: CacheKey, asking: str) -> list[str]: ...
+    def peers(self, key: CacheKey, asking: str, owners: PreviousOwners) -> list[PeerAsk]: ...
 
     def ranker(self, instance: str) -> "Ranker | None": ...
 
 
 @dataclass(frozen=True, slots=True)
 class SimFetch:
-    """Peer fetch on the virtual clock: `lookup` names the peers; a hit takes `transfer`'s time
-    for its bytes, a miss or a dead peer one fixed cost; none past the fallback's deadline."""
+    """Peer fetch on the virtual clock: `lookup` names the peers (asking previous owners while
+    `owners` says so); a hit takes `transfer`'s time for its bytes, a miss or a dead peer one
+    fixed cost; none past the fallback's deadline."""
 
     lookup: PeerLookup
     transfer: TransferCost
+    owners: PreviousOwners
     max_peers: int = 2
 
 
@@ -418,21 +421,24 @@ class SimRanker:
             return
         deadline = self.core.fetch_deadline(key)
         left = None if deadline is None else deadline - self.loop.now
-        peer = fetch.lookup.ranker(action.peers[index])
+        ask: PeerAsk = action.peers[index]
+        peer = fetch.lookup.ranker(ask.instance_id)
         entry = None if peer is None else peer.held_for_peer(key)
         ok = entry is not None and entry.nbytes == action.nbytes
         seconds = fetch.transfer.ms(action.nbytes if ok else 0) / 1e3
         if left is not None and seconds > left:  # timed out at the deadline
-            self.loop.after(max(left, 0.0), self._fetched, action, None, len(action.peers))
+            self.loop.after(max(left, 0.0), self._fetched, action, ask, None, len(action.peers))
             return
         kv = None
         if ok and entry is not None:
             kv = _on_device(entry.kv)
-        self.loop.after(seconds, self._fetched, action, kv, index + 1)
+        self.loop.after(seconds, self._fetched, action, ask, kv, index + 1)
 
-    def _fetched(self, action: StartFetch, kv: SimKV | None, next_index: int) -> None:
+    def _fetched(self, action: StartFetch, ask: PeerAsk, kv: SimKV | None, next_index: int) -> None:
         if not self.alive:
             return
+        if ask.previous_owner and self._fetch is not None:
+            self._fetch.owners.answered(kv is not None)
         if kv is not None:
             self._apply(self.core.fetch_done(action.key, kv))
             return
@@ -447,7 +453,8 @@ class _Peers:
         self._self = instance_id
 
     def peers(self, key: CacheKey) -> list[Any]:
-        return self._fetch.lookup.peers(key, self._self)[: self._fetch.max_peers]
+        fetch = self._fetch
+        return fetch.lookup.peers(key, self._self, fetch.owners)[: fetch.max_peers]
 
     def transfer_ms(self, nbytes: int) -> float:
         return self._fetch.transfer.ms(nbytes)

@@ -1,5 +1,6 @@
 """Whom a miss asks: the directory's holder always; the previous owner only while the fleet's
-membership changed recently (a settled fleet's cold misses pay no round trip)."""
+membership changed recently and asking has not shown the fleet cold (a settled or a cold fleet's
+misses pay no round trip)."""
 
 import torch
 
@@ -12,6 +13,7 @@ from services.ranker.digest import PrefixDigest
 from services.ranker.fetch_client import GrpcPeerSource
 from services.ranker.kv_store import CacheKey
 from services.ranker.model_config import PRESETS, ModelPreset
+from services.ranker.peers import PreviousOwners
 from services.ranker.prefix_kv import ModelVersion
 
 
@@ -37,21 +39,37 @@ async def test_the_previous_owner_is_asked_only_within_the_window_after_a_change
         me,
         PRESETS[ModelPreset.TINY],
         torch.device("cpu"),
+        PreviousOwners(window_s=30.0),
         changed_at=lambda: 90.0,
-        window_s=30.0,
         clock=lambda: now[0],
     )
     key = CacheKey(UserId(user), ModelVersion("v1"), PrefixDigest("d"))
-    assert [p.instance_id for p in source.peers(key)] == [previous]
+    assert [(p.instance_id, p.previous_owner) for p in source.peers(key)] == [(previous, True)]
     now[0] = 121.0  # settled: the owner cannot have moved since
     assert source.peers(key) == []
     # The directory's holder is asked whatever the time, and first.
     holder = next(i for i in ("r0", "r1", "r2") if i not in (me, previous))
     await cluster.record(PlacementRecord(user, holder, 1e9, "v1"), holder)
-    assert [p.instance_id for p in source.peers(key)] == [holder]
+    assert [(p.instance_id, p.previous_owner) for p in source.peers(key)] == [(holder, False)]
     now[0] = 100.0
     assert [p.instance_id for p in source.peers(key)] == [holder, previous]
     # Only rankers of the key's version, never itself.
     other = CacheKey(UserId(user), ModelVersion("v2"), PrefixDigest("d"))
     assert [p.instance_id for p in source.peers(other)] == ["r3"]
     assert me not in [p.instance_id for p in source.peers(key)]
+
+
+def test_previous_owners_are_asked_until_the_fleet_shows_itself_cold() -> None:
+    owners = PreviousOwners(window_s=30.0, cold_asks=3)
+    # A fleet that started together: three asks found nothing, so asking stops.
+    for _ in range(3):
+        assert owners.asking(now=101.0, changed_at=100.0)
+        owners.answered(found=False)
+    assert not owners.asking(now=102.0, changed_at=100.0)
+    # The next change asks again; once an ask has found an entry, misses ask all the window.
+    assert owners.asking(now=140.0, changed_at=139.0)
+    owners.answered(found=True)
+    for _ in range(10):
+        owners.answered(found=False)
+        assert owners.asking(now=150.0, changed_at=139.0)
+    assert not owners.asking(now=169.0, changed_at=139.0)  # the window ended
