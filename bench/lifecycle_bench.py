@@ -68,8 +68,8 @@ class Settings:
     rate: float = 20.0  # visits per second
     users: int = 150
     warm_s: float = 25.0  # traffic before the steady window: users' prefixes get cached
-    steady_s: float = 10.0  # the steady window the change is compared with
-    after_s: float = 10.0  # traffic after the change ends, still counted as during it
+    steady_s: float = 20.0  # the steady window the change is compared with (~400 Ranks)
+    after_s: float = 15.0  # traffic after the change ends, still counted as during it
     timeout_s: float = 5.0
     hbm_mb: int = 96
     dram_mb: int = 192

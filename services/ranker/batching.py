@@ -138,6 +138,33 @@ class BatchRoom:
         return None if self.kind is CallKind.CHUNK else job.deadline
 
 
+def batched_backlog_ms(
+    cost: CostModel, settings: CoreSettings, single_ms: float, jobs: int
+) -> float:
+    """Predicted compute of `jobs` queued rank jobs that take `single_ms` one call each, run in
+    the calls `BatchRoom` would fill, each job taken as their mean: what a Rank arriving now
+    waits behind.
+
+    Call by call, the head of what is left takes `max_batch_requests` jobs while at least
+    `batch_backlog` are left or a mean job saves half its own call (`pays`), else runs alone; a
+    call takes its jobs' time less `batch_saving_ms` for each after the first, never less than
+    one job. Row and deadline bounds and jobs that must run alone (a promoted prefix job) can
+    only split calls further; Ranks arriving later only join them. With no batching (one
+    request a call, or no saving known), `single_ms`."""
+    if jobs <= 1 or settings.max_batch_requests <= 1 or cost.batch_saving_ms <= 0:
+        return single_ms
+    mean_ms = single_ms / jobs
+    anyway = 2 * cost.batch_saving_ms >= mean_ms
+    total, left = 0.0, jobs
+    while left > 0:
+        size = min(left, settings.max_batch_requests)
+        if not (anyway or left >= settings.batch_backlog):
+            size = 1
+        total += max(size * mean_ms - (size - 1) * cost.batch_saving_ms, mean_ms)
+        left -= size
+    return total
+
+
 def pays(cost: CostModel, shape: CallShape) -> bool:
     """Whether a step of `shape` joining a call saves at least half its own single call: then
     the call's steps end sooner on average batched than one by one, whatever is queued."""

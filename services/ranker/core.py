@@ -12,7 +12,7 @@ from typing import Any, Generic
 from relaygr.bucket_counts import BucketCounts
 from relaygr.cost import CostModel
 from relaygr.errors import DeadlineExceeded, InvalidInput, ResourceExhausted, Unavailable
-from services.ranker.batching import BatchRoom, CallKind, call_kind
+from services.ranker.batching import BatchRoom, CallKind, batched_backlog_ms, call_kind
 from services.ranker.core_types import (
     BATCH_REQUEST_BOUNDS,
     BATCH_ROW_BOUNDS,
@@ -129,6 +129,8 @@ class RankerCore(Generic[KV]):
         self._shared = False  # the running call is a batch (two or more jobs' steps)
         self._batch_requests = BucketCounts.empty(BATCH_REQUEST_BOUNDS)
         self._batch_rows = BucketCounts.empty(BATCH_ROW_BOUNDS)
+        self._chunk_requests = BucketCounts.empty(BATCH_REQUEST_BOUNDS)
+        self._chunk_rows = BucketCounts.empty(BATCH_ROW_BOUNDS)
         self.draining = False
         self._actions: list[Action] = []
         self._record = record
@@ -160,9 +162,20 @@ class RankerCore(Generic[KV]):
             self.queues.queued_background_ms(),
             len(self.flights),
             self.cost_model,
-            self.queues.queued_rank_ms(),
+            self.queued_rank_ms(),
             self._batch_requests,
             self._batch_rows,
+            self._chunk_requests,
+            self._chunk_rows,
+        )
+
+    def queued_rank_ms(self) -> float:
+        """Predicted compute of rank work queued or running, batched as this core batches it
+        (`batched_backlog_ms`): what a Rank arriving now waits behind, as Describe reports it
+        to the trigger."""
+        queues = self.queues
+        return batched_backlog_ms(
+            self.cost_model, self.settings, queues.queued_rank_ms(), queues.queued_rank_jobs()
         )
 
     def key(self, prefix: PrefixRef) -> CacheKey:
@@ -266,7 +279,10 @@ class RankerCore(Generic[KV]):
                 more, dropped = self.queues.take_more(room.joins, priority=job.priority)
                 jobs += more
                 self._settle(dropped)
-            if kind is not CallKind.CHUNK:  # the batch statistics are of scoring calls
+            if kind is CallKind.CHUNK:
+                self._chunk_requests = self._chunk_requests.observed(room.requests)
+                self._chunk_rows = self._chunk_rows.observed(room.rows)
+            else:
                 self._batch_requests = self._batch_requests.observed(room.requests)
                 self._batch_rows = self._batch_rows.observed(room.rows)
         now_ns = self._wall_ns()
@@ -458,7 +474,7 @@ class RankerCore(Generic[KV]):
         if not self.settings.relay_enabled:
             r.outcome = CacheOutcome.BYPASS
             r.computed = history_tokens(request) + request.candidates
-            self._score(r, FullForward(request), "full", ())
+            self._score(r, FullForward(request), "full")
             return
         key = r.key = self.key(request.prefix)
         kv = self.store.get(key, Tier.HBM)
@@ -491,10 +507,13 @@ class RankerCore(Generic[KV]):
 
     def _score_prefix(self, r: Pending, kv: KV) -> None:
         assert r.rank is not None
-        self._score(r, Score(r.rank, kv), "rank", ())
+        self._score(r, Score(r.rank, kv), "rank")
 
-    def _score(self, r: Pending, spec: Spec, name: str, step_ms: tuple[float, ...]) -> None:
+    def _score(self, r: Pending, spec: Spec, name: str) -> None:
         r.role = Role.SCORING
+        # Its one call's predicted time, counted in the rank work a Rank arriving now waits
+        # behind (`queued_rank_ms`).
+        step_ms = (self.cost_model.shape_ms(call_shape(spec, self._held_of, 0)),)
         # In the Rank's place: a miss scored after its prefill lands keeps the place it had.
         job = self._queue(name, spec, Priority.RANK, r.deadline, None, step_ms, r.tag, r.arrived)
         r.job = job

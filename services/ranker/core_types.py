@@ -344,12 +344,21 @@ class CoreStats:
     queued_background_ms: float  # predicted compute of background work queued or running
     inflight: int  # prefix computations, reloads and fetches
     cost_model: CostModel  # the one decisions use now
-    queued_rank_ms: float = 0.0  # predicted compute of rank work queued or running
+    # Predicted compute of rank work queued or running, batched (`RankerCore.queued_rank_ms`).
+    queued_rank_ms: float = 0.0
     # Per scoring model call (a Rank's Score or full inference, batched or alone), since start.
     batch_requests: BucketCounts = field(
         default_factory=lambda: BucketCounts.empty(BATCH_REQUEST_BOUNDS)
     )
     batch_rows: BucketCounts = field(default_factory=lambda: BucketCounts.empty(BATCH_ROW_BOUNDS))
+    # Per background chunk call (one user's prefill or extension chunk, or several users'),
+    # since start: users in the call, and its new tokens.
+    chunk_batch_requests: BucketCounts = field(
+        default_factory=lambda: BucketCounts.empty(BATCH_REQUEST_BOUNDS)
+    )
+    chunk_batch_rows: BucketCounts = field(
+        default_factory=lambda: BucketCounts.empty(BATCH_ROW_BOUNDS)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,6 +211,17 @@ class RankerMetrics:
             " full inference: its whole history + candidates), summed",
             core.batch_rows,
         )
+        yield histogram(
+            "relaygr_ranker_chunk_batch_requests",
+            "Users per background prefill chunk call (1: one user's chunk alone), counted as the"
+            " call starts",
+            core.chunk_batch_requests,
+        )
+        yield histogram(
+            "relaygr_ranker_chunk_batch_rows",
+            "New prefix tokens per background prefill chunk call, summed over its users",
+            core.chunk_batch_rows,
+        )
         cost = core.cost_model
         yield gauge(
             "relaygr_ranker_cost_model_error",

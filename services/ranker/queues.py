@@ -201,9 +201,13 @@ class ComputeQueues:
         return self._ms[Priority.BACKGROUND]
 
     def queued_rank_ms(self) -> float:
-        """Predicted compute time of rank-priority work queued or running (O(1)): what a Rank
-        arriving now waits behind."""
+        """Predicted compute time of rank-priority work queued or running (O(1)), each job in
+        a call of its own: what a Rank arriving now waits behind, before batching."""
         return self._ms[Priority.RANK]
+
+    def queued_rank_jobs(self) -> int:
+        """Rank-priority jobs queued or running (O(1))."""
+        return self._counted[Priority.RANK]
 
     def take(
         self, may_start: Callable[[Job], bool] = lambda job: not job.cancelled

@@ -464,7 +464,7 @@ async def test_describe_reports_queued_rank_work(rng: np.random.Generator) -> No
         await poll(lambda: r.engine.inflight() == 1)
         info = await r.stub.Describe(ranker_pb2.DescribeRequest())
         # The miss's prefill runs at rank priority: rank work, not background (the Rank's own
-        # forward carries no prediction in the engine yet).
+        # scoring joins the rank work, with its predicted time, when the prefill lands).
         assert info.queued_rank_ms == pytest.approx(COST.prefill_ms(104))
         assert info.queued_prefill_ms == 0.0
         gate.open()

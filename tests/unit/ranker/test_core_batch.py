@@ -356,3 +356,42 @@ def test_a_batched_call_is_observed_once_with_its_shapes_and_each_rank_carries_i
     [end] = [o for o in seen if isinstance(o, JobEnded)]
     assert end.call == ScoringCall(Work.RANK, (shape,))
     assert (end.call.requests, end.call.rows) == (1, ROWS)
+
+
+def test_the_rank_wait_a_ranker_reports_is_its_queued_ranks_in_the_calls_it_will_run() -> None:
+    """Describe's `queued_rank_ms` (the trigger's wait before a Rank's own compute) prices the
+    queued Ranks in the calls the core then runs: five Ranks saving a little each, at most three
+    a call, run as three together (a backlog of five), then one by one (a backlog under four)."""
+    single = COST.shape_ms(CallShape(CACHED, 8, 16))
+    saving = single / 4  # under half its call: a backlog is needed
+    core, d, _ = make(
+        hbm_prefixes=12,
+        cost=replace(COST, batch_saving_ms=saving),
+        settings=replace(SETTINGS, max_batch_requests=3),
+    )
+    resident(d, *"abcde")
+    chunk = holding(core, d, "z")
+    for u in "abcde":
+        d.rank(hit(u))
+    reported = core.stats().queued_rank_ms
+    assert abs(core.queues.queued_rank_ms() - 5 * single) < 1e-9  # one call each
+    ran: list[tuple[Job, ...]] = calls(release(core, d, chunk))
+    while isinstance(ran[-1][0].spec, Score):  # then z's next chunk
+        finish(core, d, list(ran[-1]))
+        ran += calls(_next(core, d))
+    ran = ran[:-1]
+    assert [users(c) for c in ran] == [["a", "b", "c"], ["d"], ["e"]]
+    predicted = sum(batch_ms(core.cost_model, [CallShape(CACHED, 8, 16)] * len(c)) for c in ran)
+    assert abs(reported - predicted) < 1e-9, (reported, predicted)
+    assert abs(reported - (5 * single - 2 * saving)) < 1e-9
+    # One Rank a call: the sum of single calls, as before batching.
+    core, d, _ = make(
+        hbm_prefixes=12,
+        cost=replace(COST, batch_saving_ms=saving),
+        settings=replace(SETTINGS, max_batch_requests=1),
+    )
+    resident(d, *"ab")
+    holding(core, d, "z")
+    d.rank(hit("a"))
+    d.rank(hit("b"))
+    assert core.stats().queued_rank_ms == 2 * single

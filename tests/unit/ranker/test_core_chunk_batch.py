@@ -85,7 +85,12 @@ def test_several_users_background_chunks_run_as_one_call_bounded_by_max_requests
         assert core.store.get(answer.key, Tier.HBM) is not None, user
     # The batch statistics count scoring calls only; a prefix job that shared a call reports
     # no time of its own (its steps' time holds other users' chunks), its landing still.
-    assert core.stats().batch_requests.count == 0
+    stats = core.stats()
+    assert stats.batch_requests.count == 0
+    # Per chunk call: a, b, c's first chunks, their second, d and e's first, their second.
+    assert stats.chunk_batch_requests.count == 4
+    assert stats.chunk_batch_requests.total == 5 * 2  # five users, two chunks each
+    assert stats.chunk_batch_rows.total == 5 * (USER_FEATURES + 100)  # every prefix token once
     assert not [o for o in seen if isinstance(o, Computed)]
     landed = [o for o in seen if isinstance(o, JobEnded) and o.work is Work.PREFILL]
     assert sorted(o.job.spec.prefix.user for o in landed) == list("abcde")

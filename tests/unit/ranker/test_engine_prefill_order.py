@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from relaygr.cost import CallShape
 from services.ranker.engine import (
     CacheOutcome,
     Executor,
@@ -167,8 +168,10 @@ def test_a_rank_waits_for_a_half_computed_prefix_when_that_is_sooner(
         assert observer.landed == [(Work.PREFILL, LONG_TOKENS)]  # computed once
         assert [e.kind for e in engine.queues.events].count("restarted") == 0
     in_full = COST.prefill_ms(LONG_TOKENS) / 1e3  # one call, from the Rank's arrival
-    assert done - arrived == pytest.approx(remaining / 1e3)  # the last two chunks
-    assert done - arrived < in_full
+    scoring = COST.shape_ms(CallShape(LONG_TOKENS, SHORT, CANDIDATES)) / 1e3
+    # The last two chunks, then the Rank's own scoring.
+    assert done - arrived == pytest.approx(remaining / 1e3 + scoring)
+    assert done - arrived < in_full + scoring
     assert_full_inference(ranked, request)
 
 
