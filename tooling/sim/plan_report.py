@@ -11,10 +11,10 @@ from tooling.sim.sweep import VARIANTS, SweepSpec
 # What slicing cost where the whole fleet could be simulated beside it (docs/simulator.md,
 # "Planning a fleet"); --check-slice measures it for the case at hand.
 SLICE_MEASURED = (
-    "measured on nvidia-h200 against the whole fleet (SLO 20 ms, 30 s runs): at 16 rankers "
-    "and 320 req/s a slice of 8 read P99 -1% to +9% and hit rate within 2 points over 3 "
-    "seeds, a slice of 4 P99 +16% to +19%; at 22 rankers a slice of 8 read P99 3% to 10% low "
-    "over 2 seeds. An answer within ~10% of the SLO is worth --check-slice"
+    "measured on nvidia-h200 against the whole fleet (SLO 20 ms, 30 s runs; "
+    "bench/results/plan_bench.json): at 21 rankers and 320 req/s a slice of 8 read P99 1% to "
+    "16% high and hit rates within 3 points over 5 seeds. An answer within ~16% of the SLO is "
+    "worth --check-slice"
 )
 
 
