@@ -118,6 +118,28 @@ class Window:
 
 
 @dataclass(frozen=True, slots=True)
+class Slow:
+    """One of the slowest Ranks during a change: when it was due (s from the change's start),
+    its latency, the ranker's own time for it, its cache outcome and the ranker that served it."""
+
+    at_s: float
+    latency_ms: float
+    server_ms: float
+    outcome: str
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One ranker's part of a change (its restart, or its start): from and to, s from the
+    change's start."""
+
+    ranker: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ChangeRun:
     variant: str
     change: str
@@ -128,6 +150,12 @@ class ChangeRun:
     change_s: float  # how long the change itself took
     checked: int
     wrong_scores: int
+    # Where the tail of `during` sat (empty in runs saved before they were kept).
+    slowest: list[Slow] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+
+
+SLOWEST = 8  # the slowest Ranks of each change kept: a P99 over ~400 Ranks is among them
 
 
 def mesh_spec(checkpoint: Path, variant: str, settings: Settings) -> MeshSpec:
@@ -150,16 +178,23 @@ def workload(settings: Settings, seed: int) -> WorkloadSpec:
     )  # fmt: skip
 
 
-def rolling_restart(mesh: LocalMesh) -> None:
+def rolling_restart(mesh: LocalMesh) -> list[tuple[str, float, float]]:
+    """Restart every ranker in turn: (ranker, start, end) of each, monotonic seconds."""
+    steps = []
     for ranker in list(mesh.rankers):
+        start = time.monotonic()
         mesh.restart(ranker.name)
+        steps.append((ranker.name, start, time.monotonic()))
+    return steps
 
 
-def scale_out(mesh: LocalMesh) -> None:
-    mesh.add_ranker()
+def scale_out(mesh: LocalMesh) -> list[tuple[str, float, float]]:
+    start = time.monotonic()
+    added = mesh.add_ranker()
+    return [(added.name, start, time.monotonic())]
 
 
-def ranker_start_alone(mesh: LocalMesh) -> None:
+def ranker_start_alone(mesh: LocalMesh) -> list[tuple[str, float, float]]:
     """Start a ranker with the mesh's ranker flags but no etcd (it joins nothing), wait until
     it serves, stop it."""
     args = list(mesh.rankers[0].args)
@@ -167,6 +202,7 @@ def ranker_start_alone(mesh: LocalMesh) -> None:
     del args[at : at + 2]
     args[args.index("--listen") + 1] = "127.0.0.1:0"
     args[args.index("--instance-id") + 1] = "bystander"
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="relaygr-bystander-") as tmp:
         log = Path(tmp) / "ranker.log"
         with log.open("wb") as out:
@@ -183,6 +219,7 @@ def ranker_start_alone(mesh: LocalMesh) -> None:
                 time.sleep(0.05)  # poll interval under a deadline
         finally:
             terminate(process, 30.0)
+    return [("bystander", start, time.monotonic())]
 
 
 def run_change(
@@ -209,7 +246,10 @@ def run_change(
             change_from = steady_from + settings.steady_s
             time.sleep(max(0.0, traffic.start + change_from - time.monotonic()))
             started = time.monotonic() - traffic.start
-            act(mesh)
+            steps = [
+                Step(name, a - traffic.start - started, b - traffic.start - started)
+                for name, a, b in act(mesh)
+            ]
             ended = time.monotonic() - traffic.start
         finally:
             traffic.stop_after((time.monotonic() - traffic.start) + settings.after_s)
@@ -230,7 +270,20 @@ def run_change(
         change_s=ended - started,
         checked=checked,
         wrong_scores=wrong,
+        slowest=_slowest(during, started),
+        steps=steps,
     )
+
+
+def _slowest(records: Sequence[RequestRecord], started: float) -> list[Slow]:
+    ok = sorted((r for r in records if r.status == OK), key=lambda r: r.latency_s)
+    return [
+        Slow(
+            round(r.at - started, 3), round(r.latency_s * 1e3, 2), round(r.server_ms, 2),
+            r.outcome, r.instance,
+        )
+        for r in ok[-SLOWEST:][::-1]
+    ]  # fmt: skip
 
 
 def _cost_model(mesh: LocalMesh) -> CostModel:
@@ -309,7 +362,9 @@ def _load(saved: dict) -> list[ChangeRun]:
     runs = []
     for raw in saved["runs"]:
         windows = {name: Window(**raw.pop(name)) for name in ("steady", "during", "after")}
-        runs.append(ChangeRun(**raw, **windows))
+        slowest = [Slow(**x) for x in raw.pop("slowest", [])]
+        steps = [Step(**x) for x in raw.pop("steps", [])]
+        runs.append(ChangeRun(**raw, **windows, slowest=slowest, steps=steps))
     return runs
 
 
@@ -378,7 +433,28 @@ def render(saved: dict) -> str:
     few = ranks_note((w.sent - w.failed for w in windows), per="window")
     if few:
         lines += ["", f"P99 and its ratios: {few}; such a P99 is one of its slowest few Ranks."]
+    tails = [r for r in runs if r.slowest and r.change != CONTROL]
+    if tails:
+        lines += [
+            "",
+            f"Where the tail sat: the {SLOWEST} slowest Ranks during each change (s from its "
+            "start: latency ms / the ranker's own ms, outcome, ranker), and each ranker's "
+            "part of the change (restarted or started, s from its start).",
+            "",
+            "| change | variant | seed | slowest Ranks | steps |",
+            "|---|---|---:|---|---|",
+            *(_tail(r) for r in tails),
+        ]
     return "\n".join(lines)
+
+
+def _tail(r: ChangeRun) -> str:
+    slow = "; ".join(
+        f"{x.at_s:.1f}: {x.latency_ms:.0f}/{x.server_ms:.0f} {x.outcome} {x.instance}"
+        for x in r.slowest
+    )
+    steps = "; ".join(f"{x.ranker} {x.start_s:.1f}-{x.end_s:.1f}" for x in r.steps)
+    return f"| {r.change} | {r.variant} | {r.seed} | {slow} | {steps} |"
 
 
 def main() -> int:
