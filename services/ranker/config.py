@@ -11,6 +11,7 @@ from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
 from services.ranker.core_types import CoreSettings
 from services.ranker.model_config import ModelPreset
+from services.ranker.peers import PreviousOwners
 
 ENV_PREFIX = "RELAYGR_RANKER_"
 MIB = 1 << 20
@@ -285,6 +286,11 @@ class RankerConfig(ServiceOptions):
         """The peer-transfer cost assumed until fetches are timed (the server's and the
         simulator's)."""
         return TransferCost(self.transfer_fixed_ms, self.transfer_ms_per_mb)
+
+    def previous_owners(self) -> PreviousOwners:
+        """When this ranker's misses ask users' previous owners (the server's and the
+        simulator's, one per ranker)."""
+        return PreviousOwners(self.peer_fetch_window_s, self.peer_fetch_cold_asks)
 
     @property
     def hbm_budget_bytes(self) -> int:

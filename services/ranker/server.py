@@ -44,7 +44,7 @@ from services.ranker.metrics import RankerMetrics
 from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelConfig
 from services.ranker.observer import EngineObserver, NoopObserver, Work
-from services.ranker.peers import PreviousOwners, successor
+from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
 from services.ranker.service import SERVICE_NAME, RankerServicer
 from services.ranker.tracing_observer import (
@@ -229,7 +229,7 @@ def peer_fetch(
         instance_id,
         model.cfg,
         model.device,
-        PreviousOwners(cfg.peer_fetch_window_s, cfg.peer_fetch_cold_asks),
+        cfg.previous_owners(),
         changed_at=lambda: cluster.members_changed_at,
     )
     settings = FetchSettings(cap_s=cfg.fetch_timeout_ms / 1e3)

@@ -108,8 +108,7 @@ def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
     cfg = fleet.settings.ranker
     fetch = None
     if cfg.peer_fetch and cfg.relay_enabled:
-        owners = PreviousOwners(cfg.peer_fetch_window_s, cfg.peer_fetch_cold_asks)
-        fetch = SimFetch(fleet, cfg.transfer_prior(), owners)
+        fetch = SimFetch(fleet, cfg.transfer_prior(), cfg.previous_owners())
     return SimRanker(
         instance,
         fleet.loop,
