@@ -71,6 +71,15 @@ def _check_supported(tp: Any, name: str) -> None:
         raise TypeError(f"config field {name}: unsupported type {tp!r}")
 
 
+def default_of(cls: type, name: str) -> Any:
+    """The default of config dataclass `cls`'s field `name`: for tools that offer the field
+    under their own flag without restating its default."""
+    for f in dataclasses.fields(cls):
+        if f.name == name and f.default is not dataclasses.MISSING:
+            return f.default
+    raise KeyError(f"{cls.__name__} has no field {name!r} with a default")
+
+
 def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
     """The init fields of a flat config dataclass with their resolved types."""
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):

@@ -6,6 +6,7 @@ refusals it meets.
 """
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,36 @@ class RoomReport:
     budget_bytes: int
     queued_prefill_ms: float = 0.0
     queued_rank_ms: float = 0.0
+    # How the ranker's relays have ended since it started: consumed by a Rank, or unpinned when
+    # their relay window ended with no Rank (a no-show, as far as the ranker can tell).
+    relays_consumed: int = 0
+    relays_unconsumed: int = 0
+
+
+@dataclass(slots=True)
+class RelayEnds:
+    """How relays ended lately across the rankers observed: consumed by their Rank, or expired
+    unconsumed. Counts decay by half every `half_life_s`, so the share follows a workload whose
+    no-shows change. `no_show_share` blends a prior worth `prior_relays` ends with what was
+    seen: the prior until relays end, the measurement once many have."""
+
+    half_life_s: float = 30.0
+    consumed: float = 0.0
+    unconsumed: float = 0.0
+    at: float | None = None
+
+    def add(self, consumed: int, unconsumed: int, now: float) -> None:
+        if self.at is not None and now > self.at:
+            keep = math.exp2(-(now - self.at) / self.half_life_s)
+            self.consumed *= keep
+            self.unconsumed *= keep
+        self.at = now if self.at is None else max(self.at, now)
+        self.consumed += consumed
+        self.unconsumed += unconsumed
+
+    def no_show_share(self, prior: float, prior_relays: float) -> float:
+        seen = self.consumed + self.unconsumed
+        return (self.unconsumed + prior * prior_relays) / (seen + prior_relays)
 
 
 @dataclass(slots=True)
@@ -73,6 +104,9 @@ class RelayRoom:
     Refusals: an instance that refused a relay for room is full until an observation sent
     after the refusal comes back, or `refusal_s` passes (its Describe may keep failing). An
     observation older than the one held is ignored.
+
+    Ends: each observation adds to `ends` the relays its instance saw consumed and expired
+    since the one before (a count that went down is a restarted ranker's: counted from zero).
     """
 
     window_s: float
@@ -80,6 +114,7 @@ class RelayRoom:
     relays: dict[Hashable, Relay] = field(default_factory=dict)
     observed: dict[str, _Observation] = field(default_factory=dict)
     refusals: dict[str, _Refusal] = field(default_factory=dict)
+    ends: RelayEnds = field(default_factory=RelayEnds)
     # Kept in step with `relays` so that a decision costs O(log n), not a scan: the uncovered
     # bytes and prefill per instance, and a heap of (expires_at, key) whose stale entries are
     # skipped.
@@ -181,6 +216,12 @@ class RelayRoom:
         seen = self.observed.get(instance)
         if seen is not None and sent_at < seen.at:
             return  # a late answer to an older question
+        if seen is not None:
+            self.ends.add(
+                _since(seen.report.relays_consumed, report.relays_consumed),
+                _since(seen.report.relays_unconsumed, report.relays_unconsumed),
+                sent_at,
+            )
         self.observed[instance] = _Observation(report, sent_at)
         refusal = self.refusals.get(instance)
         if refusal is not None and refusal.at < sent_at:
@@ -250,3 +291,8 @@ class RelayRoom:
             relay = self.relays.get(key)
             if relay is not None and relay.expires_at == expires_at:  # else a stale entry
                 self._remove(key)
+
+
+def _since(before: int, now: int) -> int:
+    """How much a counter since start grew between two reads; one that went down restarted."""
+    return now - before if now >= before else now

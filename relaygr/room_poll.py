@@ -74,6 +74,7 @@ class RoomPoller:
             return
         hbm = info.hbm
         report = RoomReport(
-            hbm.pinned_bytes, hbm.budget_bytes, info.queued_prefill_ms, info.queued_rank_ms
-        )
+            hbm.pinned_bytes, hbm.budget_bytes, info.queued_prefill_ms, info.queued_rank_ms,
+            info.relays_consumed, info.relays_expired_unconsumed,
+        )  # fmt: skip
         self.room.observe(instance, report, sent_at)

@@ -286,6 +286,8 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             intra_op_threads=torch.get_num_threads(),
             queued_prefill_ms=core.queued_background_ms,
             queued_rank_ms=core.queued_rank_ms,
+            relays_consumed=core.kv.relays_consumed,
+            relays_expired_unconsumed=core.kv.relays_expired_unconsumed,
         )
 
     @staticmethod

@@ -39,9 +39,20 @@ class TriggerConfig(ServiceOptions):
         default=1000.0,
         metadata=helped(
             "expected time from retrieval to the Rank, ms: a relay is admitted only where its"
-            " prefill, queued behind the ranker's, starts before the Rank arrives (else"
-            " LOAD_LIMIT), and its PreInfer tells the ranker when the Rank is due",
+            " prefill, behind the ranker's queued prefill that runs first (see no_show_prior),"
+            " starts before the Rank arrives (else LOAD_LIMIT), and its PreInfer tells the"
+            " ranker when the Rank is due",
             POSITIVE,
+        ),
+    )
+    no_show_prior: float = field(
+        default=1.0,
+        metadata=helped(
+            "share of relays assumed never ranked (filtered, abandoned) until relays end: the"
+            " share the rankers report unconsumed takes over as they do. Only that share of a"
+            " ranker's queued prefill delays a new relay (the rest is promoted by its own Rank"
+            " first); 1, until measured, counts all of it",
+            Bound(low=0, high=1),
         ),
     )
     prefill_share: float = field(
@@ -69,7 +80,7 @@ class TriggerConfig(ServiceOptions):
         ),
     )
     relay_take_share: float = field(
-        default=0.5,
+        default=0.75,
         metadata=helped(
             "most of a ranker's relay room left (its share of the budget less what is held) one"
             " relay may take: as the room binds, only relays of fewer bytes, which save a"
@@ -78,12 +89,12 @@ class TriggerConfig(ServiceOptions):
         ),
     )
     relay_spare_share: float = field(
-        default=0.5,
+        default=1.0,
         metadata=helped(
             "sequence-aware: a relay not at risk is still admitted while its ranker's relay room"
-            " is at most this full and its queued prefill starts it before the gap ends, so"
-            " relaying what would fit the SLO anyway only takes room and time nothing at risk"
-            " needs now",
+            " is less than this full and the prefill ahead of it starts it within half the gap,"
+            " so relaying what would fit the SLO anyway only takes room and time nothing at risk"
+            " needs now (1: whenever it fits)",
             Bound(low=0, high=1, meaning="0: relay only what is at risk"),
         ),
     )
@@ -141,7 +152,7 @@ class TriggerConfig(ServiceOptions):
 
 # What the live config key (`{etcd_prefix}/config/trigger`, a JSON object) may change.
 LIVE_FIELDS = (
-    "mode", "slo_ms", "margin_ms", "expected_gap_ms", "prefill_share", "burst_s",
+    "mode", "slo_ms", "margin_ms", "expected_gap_ms", "no_show_prior", "prefill_share", "burst_s",
     "relay_budget_share", "relay_take_share", "relay_spare_share", "relay_window_ms",
     "refusal_cooldown_ms",
 )  # fmt: skip

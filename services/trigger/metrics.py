@@ -72,6 +72,14 @@ def register_trigger_metrics(
             {(): servicer.policy.cfg.slo_ms / 1e3},
         )
         yield gauge(
+            "relaygr_trigger_no_show_share",
+            "The share of relays no Rank consumed, as the rankers' relay ends show it (blended"
+            " with no_show_prior until relays end): only this share of a ranker's queued"
+            " prefill counts against a new relay (load_limit)",
+            [],
+            {(): servicer.policy.no_show_share()},
+        )
+        yield gauge(
             "relaygr_trigger_dispatch_queue_depth",
             "Admitted PreInfers waiting to be sent",
             [],

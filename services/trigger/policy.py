@@ -15,6 +15,10 @@ from relaygr.placement import route_rank
 from relaygr.room import Relay, RelayRoom
 from services.trigger.config import Mode, TriggerConfig
 
+# How many relay ends `TriggerConfig.no_show_prior` weighs as: the prior decides until about
+# this many relays have ended on the rankers, the measured share after.
+PRIOR_RELAYS = 20.0
+
 
 class Reason(enum.StrEnum):
     """Why an event was or was not admitted; the names match relaygr.v1.AdmissionReason."""
@@ -93,11 +97,13 @@ class AdmissionPolicy:
     needs now), else NOT_AT_RISK; the same prefix already relayed ->
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
     order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
-    there (`RelayRoom.fits`: no unexpired refusal either) and its prefill, queued behind the
-    ranker's reported and this trigger's unreported prefill, starts before its Rank is expected
-    (expected_gap_ms); none -> LOAD_LIMIT if the relay had room somewhere, else NO_ROOM if it
-    fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays every event that
-    is not a duplicate to the owner. An admitted relay is booked at once on its target.
+    there (`RelayRoom.fits`: no unexpired refusal either) and its prefill starts before its
+    Rank is expected (expected_gap_ms) behind the background prefill that will run ahead of it
+    there (`background_ahead_ms`: the no-shows' share of the ranker's reported and this
+    trigger's unreported prefill); none -> LOAD_LIMIT if the relay had room somewhere, else
+    NO_ROOM if it fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays
+    every event that is not a duplicate to the owner. An admitted relay is booked at once on its
+    target.
 
     Value-ordered footprint (sequence-aware): when the relay room binds, the relays kept are
     those that save the most SLO violations per byte, not the first to arrive. Past the spare
@@ -178,6 +184,7 @@ class AdmissionPolicy:
         # then saves its Rank the prefill already done; one that would start later saves
         # nothing and only adds background work.
         start_by_ms = cfg.expected_gap_ms
+        shows = self.no_show_share()
         reason = Reason.FOOTPRINT_LIMIT
         for ranker in order:
             nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
@@ -188,21 +195,37 @@ class AdmissionPolicy:
                 continue
             reason = Reason.LOAD_LIMIT
             decided = self._decision(event, ranker, predicted, digest)
-            if self.room.queued_ms(ranker.instance_id, now) < start_by_ms:
+            if self.background_ahead_ms(ranker.instance_id, now, shows) < start_by_ms:
                 return decided
         return Decision(reason)
 
+    def no_show_share(self) -> float:
+        """The share of relays whose Rank never comes, as the rankers' relay ends show it
+        (`RelayRoom.ends`), blended with `no_show_prior` worth `PRIOR_RELAYS` ends."""
+        return self.room.ends.no_show_share(self.cfg.no_show_prior, PRIOR_RELAYS)
+
+    def background_ahead_ms(self, instance: str, now: float, shows: float) -> float:
+        """Background prefill that runs on `instance` before a relay sent there now starts:
+        the no-show share `shows` of what is queued there. Background work runs earliest due
+        first, so what is queued ahead of the relay is due before it, and the Rank of each
+        such relay that is ranked comes first and promotes its prefill out of the background
+        queue (rank work a miss would have brought anyway); a no-show's prefill stays and runs.
+        With no no-shows, a relay never waits behind another's background prefill, and one
+        whose queue looks late is taken over by its own Rank (`RankerCore._take_over`): at
+        worst a miss computed in line."""
+        return self.room.queued_ms(instance, now) * shows
+
     def _spare(self, owner: RankerRecord, now: float) -> bool:
         """Has the owner room and time to spare for a relay not at risk: its relay room less than
-        `relay_spare_share` full (0 spares nothing) and its queued prefill under half the
-        expected gap? Such a relay still shortens its Rank (the prefix is ready, not computed in
-        line), and takes nothing a relay at risk would need now; past either mark, only relays
-        at risk go."""
+        `relay_spare_share` full (0 spares nothing) and the background prefill ahead of it
+        (`background_ahead_ms`) under half the expected gap? Such a relay still shortens its
+        Rank (the prefix is ready, not computed in line), and takes nothing a relay at risk
+        would need now; past either mark, only relays at risk go."""
         cfg = self.cfg
         budget = self.room.budget(owner) * cfg.relay_budget_share
         held = self.room.held(owner.instance_id, now)
-        queued = self.room.queued_ms(owner.instance_id, now)
-        return held < budget * cfg.relay_spare_share and queued < cfg.expected_gap_ms / 2
+        ahead = self.background_ahead_ms(owner.instance_id, now, self.no_show_share())
+        return held < budget * cfg.relay_spare_share and ahead < cfg.expected_gap_ms / 2
 
     def _affordable(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
         """Does the relay fit the ranker's room at the price a byte of it costs now: at most

@@ -256,6 +256,7 @@ async def test_metrics_move_with_a_known_sequence(
         assert _value(trigger, "relaygr_trigger_dispatches_total", outcome="failed") == 0
         assert _value(trigger, "relaygr_trigger_dispatch_queue_depth") == 0
         assert _value(trigger, "relaygr_trigger_slo_seconds") == SLO["slo_ms"] / 1e3
+        assert 0 < _value(trigger, "relaygr_trigger_no_show_share") <= 1  # none seen: the prior 1
         assert _value(trigger, "relaygr_cluster_rankers") == 1
         assert _value(trigger, "relaygr_etcd_connected") == 1
 

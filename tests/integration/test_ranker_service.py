@@ -470,3 +470,22 @@ async def test_describe_reports_queued_rank_work(rng: np.random.Generator) -> No
         gate.open()
         await ranked
         assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_rank_ms == 0.0
+
+
+async def test_describe_reports_how_relays_ended_ranked_or_never(rng: np.random.Generator) -> None:
+    # The trigger reads the share of relays no Rank consumed as the no-show share.
+    async with running_ranker() as r:
+        ranked = rank_input(rng, prefix(rng, 20, user_id="ranked"))
+        await r.stub.PreInfer(pre_infer_request_to_proto(ranked.prefix))
+        no_show = pre_infer_request_to_proto(prefix(rng, 20, user_id="gone"), relay_window_ms=50)
+        await r.stub.PreInfer(no_show)
+        reply = await r.stub.Rank(rank_request_to_proto(ranked))
+        assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
+
+        def expired() -> bool:
+            r.engine.tick()
+            return r.engine.stats().kv.relays_expired_unconsumed == 1
+
+        await poll(expired)
+        info = await r.stub.Describe(ranker_pb2.DescribeRequest())
+        assert (info.relays_consumed, info.relays_expired_unconsumed) == (1, 1)

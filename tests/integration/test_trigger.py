@@ -91,6 +91,34 @@ async def test_long_sequences_are_relayed_and_short_ones_ranked_in_full(
         assert servicer.stats.decisions[Decided.ALREADY_CACHED] == 1
 
 
+async def test_the_trigger_learns_how_many_relays_are_ranked_from_the_rankers(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    """Relays consumed by their Ranks, as the rankers' Describe reports them, lower the no-show
+    share that weighs the trigger's load check from its prior (1: every relay a no-show)."""
+    model = tiny_model()
+    async with running_mesh(etcd_server.endpoint, model) as mesh:
+        stub = await _mesh_with_trigger(mesh, relay_spare_share=0.0, observe_interval_ms=50)
+        policy = mesh.triggers[0].servicer.policy
+        await eventually(lambda: {"r0", "r1"} <= set(policy.room.observed), "rankers observed")
+        assert policy.no_show_share() == 1.0
+        longs = [prefix(rng, LONG, user_id=f"ranked{i}") for i in range(6)]
+        for p in longs:
+            assert (await stub.OnRetrieval(_event(p))).admitted
+        servicer = mesh.triggers[0].servicer
+        await eventually(lambda: servicer.stats.relayed == len(longs), "relays done")
+        for p in longs:
+            request = rank_input(rng, p, n_short=16, n_candidates=16)
+            reply = await mesh.stubs[0].Rank(rank_request_to_proto(request))
+            assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT
+        # Six ends, none a no-show, weigh against the prior's 20 (counts decay by half in 30 s:
+        # more than 5 left means all six were seen).
+        ends = policy.room.ends
+        await eventually(lambda: ends.consumed > 5, "ends observed")
+        assert policy.no_show_share() == pytest.approx(20 / (20 + ends.consumed))
+        assert policy.room.ends.unconsumed == 0
+
+
 @pytest.mark.parametrize("limit", ["footprint", "load"])
 async def test_a_burst_never_overfills_a_ranker(
     etcd_server: EtcdServer, rng: np.random.Generator, limit: str

@@ -282,7 +282,7 @@ class SimRanker:
         usage = stats.tiers[Tier.HBM]
         return RoomReport(
             usage.pinned_bytes, usage.budget_bytes, stats.queued_background_ms,
-            stats.queued_rank_ms,
+            stats.queued_rank_ms, stats.kv.relays_consumed, stats.kv.relays_expired_unconsumed,
         )  # fmt: skip
 
     def memory(self) -> MemoryUse:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, SHARE, Bound, Bounded
 from relaygr.cli_help import HelpFormatter
+from relaygr.config import default_of
 from relaygr.errors import ConfigError, InvalidInput
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
@@ -156,17 +157,25 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--margin-ms", type=Bounded(float, Bound(low=0)), default=5.0, help="at-risk margin"
     )
     fleet.add_argument(
-        "--gap-ms", type=Bounded(float, POSITIVE), default=1000.0, help="retrieval to Rank"
+        "--gap-ms",
+        type=Bounded(float, POSITIVE),
+        default=default_of(TriggerConfig, "expected_gap_ms"),
+        help="retrieval to Rank",
     )
     fleet.add_argument(
-        "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE), default=2000, help="relay pin"
+        "--relay-window-ms",
+        type=Bounded(int, AT_LEAST_ONE),
+        default=default_of(TriggerConfig, "relay_window_ms"),
+        help="relay pin",
     )
     fleet.add_argument(
-        "--relay-budget-share", type=Bounded(float, SHARE), default=0.9,
+        "--relay-budget-share", type=Bounded(float, SHARE),
+        default=default_of(TriggerConfig, "relay_budget_share"),
         help="share of each ranker's relay budget the trigger fills",
     )  # fmt: skip
     fleet.add_argument(
-        "--relay-take-share", type=Bounded(float, SHARE), default=0.5,
+        "--relay-take-share", type=Bounded(float, SHARE),
+        default=default_of(TriggerConfig, "relay_take_share"),
         help="most of a ranker's relay room left one relay may take (1: first come, first served)",
     )  # fmt: skip
     fleet.add_argument(

@@ -634,6 +634,68 @@ def test_an_old_queue_figure_ages_out_with_the_view() -> None:
     assert policy.decide(event("a"), [ranker()], 2.0).admitted
 
 
+# -- load: only the no-shows' share of queued prefill runs ahead of a relay -----------------
+
+
+def ends(consumed: int, unconsumed: int, queued_ms: float = 0.0) -> RoomReport:
+    """A Describe of ranker X: its relays' ends since start, and its queued prefill."""
+    return RoomReport(0, 10**9, queued_ms, 0.0, consumed, unconsumed)
+
+
+def test_relay_ends_are_counted_between_observations_and_from_zero_after_a_restart() -> None:
+    policy = AdmissionPolicy(config())
+    policy.room.observe(X, ends(500, 100), 0.0)  # since the ranker started: not this trigger's
+    assert (policy.room.ends.consumed, policy.room.ends.unconsumed) == (0, 0)
+    policy.room.observe(X, ends(530, 110), 0.0)
+    assert (policy.room.ends.consumed, policy.room.ends.unconsumed) == (30, 10)
+    policy.room.observe(X, ends(4, 0), 0.0)  # it restarted: counted from zero
+    assert (policy.room.ends.consumed, policy.room.ends.unconsumed) == (34, 10)
+    policy.room.observe(X, ends(4, 0), 0.0)  # nothing ended since
+    assert (policy.room.ends.consumed, policy.room.ends.unconsumed) == (34, 10)
+
+
+def test_the_no_show_share_is_the_prior_until_relays_end_then_what_they_show() -> None:
+    policy = AdmissionPolicy(config(no_show_prior=0.5))
+    assert policy.no_show_share() == 0.5  # nothing ended: the prior
+    policy.room.observe(X, ends(0, 0), 0.0)
+    policy.room.observe(X, ends(20, 0), 0.0)  # as many ends as the prior weighs
+    assert policy.no_show_share() == 0.25
+    policy.room.observe(X, ends(20 + 980, 0), 0.0)
+    assert policy.no_show_share() == pytest.approx(10 / 1020)
+    # Counts halve every half-life: after one, 500 consumed; then 1,000 no-shows end.
+    policy.room.observe(X, ends(1000, 1000), policy.room.ends.half_life_s)
+    assert policy.no_show_share() == pytest.approx((1000 + 10) / (500 + 1000 + 20))
+
+
+@pytest.mark.parametrize(
+    ("shows", "queued_ms", "reason"),
+    [
+        (0.5, 2000 - 0.5, Reason.ADMITTED),  # half of it runs ahead: 999.75 < the 1,000 ms gap
+        (0.5, 2000, Reason.LOAD_LIMIT),
+        (0.0, 10**6, Reason.ADMITTED),  # every relay is ranked: each promotes its own prefill
+        (1.0, 1000, Reason.LOAD_LIMIT),  # none is: the whole queue runs ahead
+    ],
+)
+def test_only_the_no_shows_share_of_queued_prefill_delays_a_relay(
+    shows: float, queued_ms: float, reason: Reason
+) -> None:
+    # The prior alone sets the share here (nothing has ended); the gap is 1,000 ms.
+    policy = AdmissionPolicy(config(no_show_prior=shows))
+    policy.room.observe(X, seen(0, queued_ms=queued_ms), NOW)
+    assert policy.decide(event(), [ranker()], NOW).reason is reason
+
+
+def test_relays_seen_consumed_lift_the_load_limit_and_no_shows_bring_it_back() -> None:
+    # A queue of twice the gap: too late while every relay is assumed a no-show (the prior 1).
+    policy = AdmissionPolicy(config())
+    policy.room.observe(X, ends(0, 0, queued_ms=2000), 0.0)
+    assert policy.decide(event("a"), [ranker()], 0.0).reason is Reason.LOAD_LIMIT
+    policy.room.observe(X, ends(380, 0, queued_ms=2000), 0.0)  # share 20 / 400 = 0.05
+    assert policy.decide(event("a"), [ranker()], 0.0).admitted
+    policy.room.observe(X, ends(380, 600, queued_ms=2000), 0.0)  # 620 / 1,000: 1,240 ms ahead
+    assert policy.decide(event("b"), [ranker()], 0.0).reason is Reason.LOAD_LIMIT
+
+
 # -- model versions -------------------------------------------------------------------------
 
 
