@@ -88,7 +88,9 @@ def mesh_spec(kind: str, model_path: Path, args: argparse.Namespace) -> MeshSpec
 
 
 def workload(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(users=args.users, gap_s=args.gap_ms / 1e3)
+    # Results saved before --no-show existed re-render without it: no no-shows then.
+    no_show = getattr(args, "no_show", 0.0)
+    return WorkloadSpec(users=args.users, gap_s=args.gap_ms / 1e3, no_show_p=no_show)
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +99,11 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(slo_ms=1500.0, margin_ms=1250.0, gap_ms=1500.0)
     parser.add_argument("--users", type=int, default=WorkloadSpec().users, help="population")
     parser.add_argument("--hbm-mb", type=int, default=128, help="device tier per ranker")
+    parser.add_argument(
+        "--no-show", type=float, default=0.0,
+        help="share of retrievals never followed by a Rank (filtered, abandoned): the trigger"
+        " still sees their events",
+    )  # fmt: skip
 
 
 def length_search(variant: Variant, seed: int, args: argparse.Namespace) -> list[Point]:
@@ -138,6 +145,7 @@ def population_info(args: argparse.Namespace) -> dict[str, object]:
         "zipf_s": spec.zipf_s,
         "revisit_p": spec.revisit_p,
         "revisit_gap_s": spec.revisit_gap_s,
+        "no_show_p": spec.no_show_p,
         "sample_visits": len(sample),
         "sample_distinct_users": distinct_users(sample),
     }
@@ -399,7 +407,13 @@ def render(saved: dict) -> str:
         f"requests) per point, first {args.warmup:.0%} excluded (Ranks measured per point: "
         f"{samples[0] if samples else 0}-{samples[-1] if samples else 0}; below 300 the P99 is "
         f"one of the slowest few, so P95 stands beside it); retrieval-to-ranking gap "
-        f"{args.gap_ms:.0f} ms; {args.length_requests} requests per length point.",
+        f"{args.gap_ms:.0f} ms; {args.length_requests} requests per length point"
+        + (
+            f"; {pop['no_show_p']:.0%} of retrievals never ranked (no-shows: their events reach"
+            " the trigger, no Rank follows; rates count retrievals)."
+            if pop.get("no_show_p")
+            else "."
+        ),
         f"- SLO: ranking P99 <= {args.slo_ms:.0f} ms from the intended send time, no failed "
         "Rank. Why these proportions: in production the gap and the ranking budget are of the "
         "same order and full inference of the longest histories is over budget. Here full "

@@ -9,6 +9,8 @@ hypothesis prints the failing example. RELAYGR_FUZZ_EXAMPLES sets the examples p
 """
 
 import asyncio
+import concurrent.futures
+import io
 import math
 import os
 import struct
@@ -58,7 +60,21 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except (concurrent.futures.CancelledError, asyncio.CancelledError) as err:
+            # Seen once in CI at the module's teardown (`mesh.close()`), never reproduced: name
+            # the tasks still on the loop, so that a recurrence says which one cancelled it.
+            raise AssertionError(f"cancelled on the loop; its tasks:\n{self._tasks()}") from err
+
+    def _tasks(self) -> str:
+        lines = []
+        for task in asyncio.all_tasks(self.loop):
+            stack = io.StringIO()
+            task.print_stack(limit=6, file=stack)
+            lines.append(stack.getvalue())
+        return "\n".join(lines) or "(none)"
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
