@@ -184,7 +184,6 @@ class AdmissionPolicy:
         # then saves its Rank the prefill already done; one that would start later saves
         # nothing and only adds background work.
         start_by_ms = cfg.expected_gap_ms
-        shows = self.no_show_share()
         reason = Reason.FOOTPRINT_LIMIT
         for ranker in order:
             nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
@@ -195,7 +194,7 @@ class AdmissionPolicy:
                 continue
             reason = Reason.LOAD_LIMIT
             decided = self._decision(event, ranker, predicted, digest)
-            if self.background_ahead_ms(ranker.instance_id, now, shows) < start_by_ms:
+            if self.background_ahead_ms(ranker.instance_id, now) < start_by_ms:
                 return decided
         return Decision(reason)
 
@@ -204,16 +203,16 @@ class AdmissionPolicy:
         (`RelayRoom.ends`), blended with `no_show_prior` worth `PRIOR_RELAYS` ends."""
         return self.room.ends.no_show_share(self.cfg.no_show_prior, PRIOR_RELAYS)
 
-    def background_ahead_ms(self, instance: str, now: float, shows: float) -> float:
+    def background_ahead_ms(self, instance: str, now: float) -> float:
         """Background prefill that runs on `instance` before a relay sent there now starts:
-        the no-show share `shows` of what is queued there. Background work runs earliest due
-        first, so what is queued ahead of the relay is due before it, and the Rank of each
-        such relay that is ranked comes first and promotes its prefill out of the background
-        queue (rank work a miss would have brought anyway); a no-show's prefill stays and runs.
-        With no no-shows, a relay never waits behind another's background prefill, and one
-        whose queue looks late is taken over by its own Rank (`RankerCore._take_over`): at
-        worst a miss computed in line."""
-        return self.room.queued_ms(instance, now) * shows
+        the no-show share (`no_show_share`) of what is queued there. Background work runs
+        earliest due first, so what is queued ahead of the relay is due before it, and the Rank
+        of each such relay that is ranked comes first and promotes its prefill out of the
+        background queue (rank work a miss would have brought anyway); a no-show's prefill
+        stays and runs. With no no-shows, a relay never waits behind another's background
+        prefill, and one whose queue looks late is taken over by its own Rank
+        (`RankerCore._take_over`): at worst a miss computed in line."""
+        return self.room.queued_ms(instance, now) * self.no_show_share()
 
     def _spare(self, owner: RankerRecord, now: float) -> bool:
         """Has the owner room and time to spare for a relay not at risk: its relay room less than
@@ -224,7 +223,7 @@ class AdmissionPolicy:
         cfg = self.cfg
         budget = self.room.budget(owner) * cfg.relay_budget_share
         held = self.room.held(owner.instance_id, now)
-        ahead = self.background_ahead_ms(owner.instance_id, now, self.no_show_share())
+        ahead = self.background_ahead_ms(owner.instance_id, now)
         return held < budget * cfg.relay_spare_share and ahead < cfg.expected_gap_ms / 2
 
     def _affordable(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:

@@ -154,20 +154,17 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The services' options (`fleet_of` reads them), fleet size and SLO apart."""
     fleet = p.add_argument_group("fleet")
     fleet.add_argument(
-        "--margin-ms", type=Bounded(float, Bound(low=0)), default=5.0, help="at-risk margin"
-    )
+        "--margin-ms", type=Bounded(float, Bound(low=0)),
+        default=default_of(TriggerConfig, "margin_ms"), help="at-risk margin",
+    )  # fmt: skip
     fleet.add_argument(
-        "--gap-ms",
-        type=Bounded(float, POSITIVE),
-        default=default_of(TriggerConfig, "expected_gap_ms"),
-        help="retrieval to Rank",
-    )
+        "--gap-ms", type=Bounded(float, POSITIVE),
+        default=default_of(TriggerConfig, "expected_gap_ms"), help="retrieval to Rank",
+    )  # fmt: skip
     fleet.add_argument(
-        "--relay-window-ms",
-        type=Bounded(int, AT_LEAST_ONE),
-        default=default_of(TriggerConfig, "relay_window_ms"),
-        help="relay pin",
-    )
+        "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE),
+        default=default_of(TriggerConfig, "relay_window_ms"), help="relay pin",
+    )  # fmt: skip
     fleet.add_argument(
         "--relay-budget-share", type=Bounded(float, SHARE),
         default=default_of(TriggerConfig, "relay_budget_share"),
@@ -179,7 +176,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="most of a ranker's relay room left one relay may take (1: first come, first served)",
     )  # fmt: skip
     fleet.add_argument(
-        "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=512,
+        "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE),
+        default=default_of(RankerConfig, "prefill_chunk_tokens"),
         help="background prefill chunk",
     )  # fmt: skip
     fleet.add_argument(
