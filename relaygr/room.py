@@ -5,7 +5,9 @@ fills a `RelayRoom` from the rankers' Describe; the owner books the relays it st
 refusals it meets.
 """
 
+import bisect
 import heapq
+import itertools
 import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
@@ -68,12 +70,32 @@ class Relay:
     settled_at: float | None = None  # when its PreInfer came back; None while in flight
     observed: bool = False  # a later observation of its ranker already counts its bytes
     prefill_observed: bool = False  # ... and its prefill (queued then, or done)
+    due_at: float = math.inf  # when its Rank is expected (inf: unknown)
 
 
 @dataclass(frozen=True, slots=True)
 class _Observation:
     report: RoomReport
     at: float  # when the question was sent
+
+
+@dataclass(frozen=True, slots=True)
+class _Due:
+    """The relays an instance's last observation counted pinned before their Rank was due:
+    their due times in order, and the bytes due by each (running sums)."""
+
+    at: list[float]
+    nbytes_by: list[int]
+
+    @classmethod
+    def of(cls, relays: list[Relay]) -> "_Due":
+        relays = sorted(relays, key=lambda r: r.due_at)
+        return cls([r.due_at for r in relays], list(itertools.accumulate(r.nbytes for r in relays)))
+
+    def nbytes(self, now: float) -> int:
+        """Bytes of these relays whose Rank was due by `now`."""
+        i = bisect.bisect_right(self.at, now)
+        return self.nbytes_by[i - 1] if i else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +119,10 @@ class RelayRoom:
     bytes are then in the observed figure if still pinned, or gone if its Rank consumed it. A
     relay's bytes are released when it fails, expires, or is covered.
 
+    A relay's Rank is due at `due_at`: an observation sent before then counted it pinned, and
+    once it is due, `held` may take the share of such relays whose Rank comes (`ranked`) as
+    consumed already, rather than wait for the next observation to show them gone.
+
     Prefill: an instance's queue is its last fresh observation's `queued_prefill_ms` plus the
     prefill of relays admitted at or after that observation was sent (earlier ones were queued
     or done when it was answered). A failed relay's prefill is released at once.
@@ -114,6 +140,7 @@ class RelayRoom:
     relays: dict[Hashable, Relay] = field(default_factory=dict)
     observed: dict[str, _Observation] = field(default_factory=dict)
     refusals: dict[str, _Refusal] = field(default_factory=dict)
+    due: dict[str, _Due] = field(default_factory=dict)  # per instance, of its observation
     ends: RelayEnds = field(default_factory=RelayEnds)
     # Kept in step with `relays` so that a decision costs O(log n), not a scan: the uncovered
     # bytes and prefill per instance, and a heap of (expires_at, key) whose stale entries are
@@ -133,11 +160,17 @@ class RelayRoom:
             return None
         return seen.report
 
-    def held(self, instance: str, now: float) -> int:
-        """Bytes pinned on the instance, as far as this process knows."""
+    def held(self, instance: str, now: float, ranked: float = 0.0) -> float:
+        """Bytes pinned on the instance, as far as this process knows: `ranked` (the share of
+        relays whose Rank comes) of the relays its observation counted pinned and whose Rank
+        is due by now taken as consumed."""
         self._expire(now)
         seen = self.report(instance, now)
-        return (0 if seen is None else seen.pinned_bytes) + self._uncovered[instance]
+        if seen is None:
+            return self._uncovered[instance]
+        due = self.due.get(instance)
+        consumed = 0.0 if due is None or not ranked else ranked * due.nbytes(now)
+        return seen.pinned_bytes - consumed + self._uncovered[instance]
 
     def budget(self, record: RankerRecord) -> int:
         """The instance's relay budget: what it last reported, else what it registered."""
@@ -160,13 +193,20 @@ class RelayRoom:
         refusal = self.refusals.get(instance)
         return refusal is not None and now < refusal.until
 
-    def fits(self, record: RankerRecord, nbytes: int, now: float, share: float = 1.0) -> bool:
-        """Would `nbytes` more fit `share` of the instance's relay budget now? Not after a
-        refusal not yet cleared."""
+    def fits(
+        self,
+        record: RankerRecord,
+        nbytes: int,
+        now: float,
+        share: float = 1.0,
+        ranked: float = 0.0,
+    ) -> bool:
+        """Would `nbytes` more fit `share` of the instance's relay budget now (`held`, with
+        `ranked` of the relays due taken as consumed)? Not after a refusal not yet cleared."""
         instance = record.instance_id
         if self.refused(instance, now):
             return False
-        return self.held(instance, now) + nbytes <= self.budget(record) * share
+        return self.held(instance, now, ranked) + nbytes <= self.budget(record) * share
 
     # -- relays ---------------------------------------------------------------------------
 
@@ -191,7 +231,7 @@ class RelayRoom:
             key,
             Relay(
                 instance, nbytes, now + self.window_s, relay.prefill_ms, relay.admitted_at, now,
-                prefill_observed=relay.prefill_observed or moved,
+                prefill_observed=relay.prefill_observed or moved, due_at=relay.due_at,
             ),
         )  # fmt: skip
 
@@ -226,6 +266,7 @@ class RelayRoom:
         refusal = self.refusals.get(instance)
         if refusal is not None and refusal.at < sent_at:
             del self.refusals[instance]
+        pinned_before_due = []
         for key in self._on.get(instance, ()):
             relay = self.relays[key]
             if not relay.prefill_observed and relay.admitted_at < sent_at:
@@ -235,13 +276,19 @@ class RelayRoom:
             if covered and not relay.observed:
                 relay.observed = True
                 self._uncover(relay)
+            if covered and sent_at < relay.due_at < math.inf:
+                pinned_before_due.append(relay)
+        if pinned_before_due:
+            self.due[instance] = _Due.of(pinned_before_due)
+        else:
+            self.due.pop(instance, None)
 
     def sweep(self, now: float, instances: Mapping[str, object]) -> None:
         """Forget expired relays, and relays, observations and refusals of rankers that left."""
         self._expire(now)
         for key in [k for k, r in self.relays.items() if r.instance not in instances]:
             self._remove(key)
-        for table in (self.observed, self.refusals):
+        for table in (self.observed, self.refusals, self.due):
             for instance in [i for i in table if i not in instances]:
                 del table[instance]
 

@@ -82,9 +82,8 @@ class TriggerConfig(ServiceOptions):
     relay_take_share: float = field(
         default=0.75,
         metadata=helped(
-            "most of a ranker's relay room left (its share of the budget less what is held) one"
-            " relay may take: as the room binds, only relays of fewer bytes, which save a"
-            " violation each at a lower cost in room, are admitted (1: first come, first served)",
+            "deprecated, ignored: the room's price now follows the at-risk relays asked for, by"
+            " size (a relay is refused only where smaller ones would fill the room)",
             SHARE,
         ),
     )

@@ -14,6 +14,7 @@ from relaygr.cluster import Directory, RankerRecord
 from relaygr.placement import route_rank
 from relaygr.room import Relay, RelayRoom
 from services.trigger.config import Mode, TriggerConfig
+from services.trigger.demand import RelayDemand
 
 # How many relay ends `TriggerConfig.no_show_prior` weighs as: the prior decides until about
 # this many relays have ended on the rankers, the measured share after.
@@ -97,7 +98,9 @@ class AdmissionPolicy:
     needs now), else NOT_AT_RISK; the same prefix already relayed ->
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
     order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
-    there (`RelayRoom.fits`: no unexpired refusal either) and its prefill starts before its
+    there (`RelayRoom.fits`: no unexpired refusal either; the relays whose Rank is due since
+    the ranker last reported are taken as consumed in the share that is ranked, 1 -
+    `no_show_share`), is not priced out (below), and its prefill starts before its
     Rank is expected (expected_gap_ms) behind the background prefill that will run ahead of it
     there (`background_ahead_ms`: the no-shows' share of the ranker's reported and this
     trigger's unreported prefill); none -> LOAD_LIMIT if the relay had room somewhere, else
@@ -106,18 +109,18 @@ class AdmissionPolicy:
     target.
 
     Value-ordered footprint (sequence-aware): when the relay room binds, the relays kept are
-    those that save the most SLO violations per byte, not the first to arrive. Past the spare
-    mark every relay the policy admits is at risk, so it saves one violation if its Rank comes
-    (which the trigger cannot tell apart: filtered and abandoned requests look the same at
-    retrieval), and its value per byte is 1 / its KV bytes. A byte of room is priced by what is
-    left: a relay may take at most `relay_take_share` of the room left on a ranker (its share of
-    the budget less what is held), i.e. its value per byte must be at least
-    1 / (relay_take_share * room left). While the room is ample every relay passes; as it
-    fills, the price rises and only shorter prefixes get in, so a long prefix that arrives first
-    cannot take the room that several shorter ones, arriving later, would each use to save a
-    violation. Whatever the arrival order, of two relays only one of which fits under the price,
-    that one is admitted.
-    `relay_take_share` 1 is first come, first served.
+    those that save the most SLO violations per byte, not the first to arrive. A relay at risk
+    saves one violation if its Rank comes (which the trigger cannot tell apart: filtered and
+    abandoned requests look the same at retrieval), so its value per byte is 1 / its KV bytes,
+    and the smallest relays are worth the most. The trigger keeps the at-risk relays it is asked
+    for by size (`RelayDemand`, rates in size classes of 2^(1/4)) and prices a byte of room by
+    them: a relay is refused (NO_ROOM) when the relays of smaller size classes alone, each
+    holding its bytes as long as a relay is held (`hold_s`: until its Rank, the expected gap,
+    or its window for the no-show share), would fill the relay room of the rankers in the order
+    (`relay_budget_share` of each budget). Where the room does not bind, nothing is priced out
+    and a relay is admitted wherever it fits, into an empty room whatever its size; where it
+    binds, a long prefix cannot take the room that shorter ones, arriving before or after it,
+    would each save a violation with. Relays within a size class are first come, first served.
     Relays are booked per (user, model version, prefix): a prefix relayed for one version is
     neither cached nor in flight for another.
     """
@@ -125,6 +128,7 @@ class AdmissionPolicy:
     def __init__(self, cfg: TriggerConfig) -> None:
         self.cfg = cfg
         self.room = RelayRoom(cfg.relay_window_s, cfg.refusal_cooldown_ms / 1e3)
+        self.demand = RelayDemand()
 
     def reconfigure(self, cfg: TriggerConfig) -> None:
         self.cfg = cfg
@@ -161,23 +165,35 @@ class AdmissionPolicy:
             reason = Reason.IN_FLIGHT if relay.settled_at is None else Reason.ALREADY_CACHED
             return dataclasses.replace(decided, reason=reason)
         if aware:
-            placed = self._place(event, order[:1] if not at_risk else order, predicted, digest, now)
+            if at_risk:
+                self.demand.add(event.prefix_tokens * owner.kv_bytes_per_token, now)
+            priced_out = self._priced_out(event, order, now)
+            targets = order[:1] if not at_risk else order
+            placed = self._place(event, targets, predicted, digest, priced_out, now)
             if not placed.admitted:
                 reason = placed.reason if at_risk else Reason.NOT_AT_RISK
                 return dataclasses.replace(decided, reason=reason)
             decided = placed if at_risk else dataclasses.replace(placed, reason=Reason.SPARE)
         expires = now + cfg.relay_window_s  # in flight: until its dispatch deadline at most
-        self.room.start(
-            key,
-            Relay(decided.target, decided.kv_bytes, expires, decided.prefill_ms, admitted_at=now),
-        )
+        due = now + cfg.expected_gap_ms / 1e3
+        booked = Relay(
+            decided.target, decided.kv_bytes, expires, decided.prefill_ms, admitted_at=now,
+            due_at=due,
+        )  # fmt: skip
+        self.room.start(key, booked)
         return decided
 
     def _place(
-        self, event: Event, order: Sequence[RankerRecord], predicted: float, digest: str, now: float
+        self,
+        event: Event,
+        order: Sequence[RankerRecord],
+        predicted: float,
+        digest: str,
+        priced_out: bool,
+        now: float,
     ) -> Decision:
         """The first ranker of `order` with room and time for the relay (ADMITTED there), or
-        why there is none."""
+        why there is none. `priced_out`: the room it fits is worth more to smaller relays."""
         cfg = self.cfg
         # The Rank arrives after the gap and then either waits for its prefix or computes it in
         # full, whichever the ranker predicts is sooner: a relay whose prefill starts before
@@ -189,7 +205,7 @@ class AdmissionPolicy:
             nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
             if nbytes > self.room.budget(ranker) * cfg.relay_budget_share:
                 continue  # would never fit there
-            if not self._affordable(ranker, nbytes, now):
+            if priced_out or not self._fits(ranker, nbytes, now):
                 reason = Reason.LOAD_LIMIT if reason is Reason.LOAD_LIMIT else Reason.NO_ROOM
                 continue
             reason = Reason.LOAD_LIMIT
@@ -222,20 +238,30 @@ class AdmissionPolicy:
         would need now; past either mark, only relays at risk go."""
         cfg = self.cfg
         budget = self.room.budget(owner) * cfg.relay_budget_share
-        held = self.room.held(owner.instance_id, now)
+        held = self.room.held(owner.instance_id, now, 1 - self.no_show_share())
         ahead = self.background_ahead_ms(owner.instance_id, now)
         return held < budget * cfg.relay_spare_share and ahead < cfg.expected_gap_ms / 2
 
-    def _affordable(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
-        """Does the relay fit the ranker's room at the price a byte of it costs now: at most
-        `relay_take_share` of the room left (`relay_budget_share` of the budget less what is
-        held), and no unexpired refusal?"""
+    def hold_s(self) -> float:
+        """How long a relay holds its bytes, expected: until its Rank (the expected gap), or
+        for its window when its Rank never comes (the no-show share)."""
+        share = self.no_show_share()
         cfg = self.cfg
-        if self.room.refused(ranker.instance_id, now):
-            return False
-        left = self.room.budget(ranker) * cfg.relay_budget_share
-        left -= self.room.held(ranker.instance_id, now)
-        return nbytes <= left * cfg.relay_take_share
+        return (1 - share) * cfg.expected_gap_ms / 1e3 + share * cfg.relay_window_s
+
+    def _priced_out(self, event: Event, order: Sequence[RankerRecord], now: float) -> bool:
+        """Would the at-risk relays of smaller size classes than this one, each held `hold_s`,
+        fill the relay room of `order` (`relay_budget_share` of each ranker's budget)?"""
+        room = sum(self.room.budget(r) for r in order) * self.cfg.relay_budget_share
+        nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
+        return self.demand.held_below(nbytes, self.hold_s(), now) >= room
+
+    def _fits(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
+        """Does the relay fit the ranker's room now (`relay_budget_share` of the budget less
+        what is held, the relays whose Rank is due taken as consumed in the measured share that
+        is ranked), with no unexpired refusal?"""
+        ranked = 1 - self.no_show_share()
+        return self.room.fits(ranker, nbytes, now, self.cfg.relay_budget_share, ranked)
 
     @staticmethod
     def _decision(event: Event, ranker: RankerRecord, predicted: float, digest: str) -> Decision:

@@ -50,11 +50,11 @@ async def test_a_burst_lands_where_there_is_room(
         for name in RANKERS:
             await mesh.add_ranker(name, hbm_budget_mb=budget_mb, max_relay_window_ms=30_000)
         router_stub = await mesh.add_router()
-        # Relays of one length: the room is filled first come, first served (no price), and
-        # the mediums, not at risk, are not relayed on spare room.
+        # Relays of one length, one size class: the room is filled first come, first served,
+        # and the mediums, not at risk, are not relayed on spare room.
         trigger = await mesh.add_trigger(
-            mode=mode, relay_window_ms=20_000, relay_budget_share=0.9, relay_take_share=1.0,
-            relay_spare_share=0.0, **SLO,
+            mode=mode, relay_window_ms=20_000, relay_budget_share=0.9, relay_spare_share=0.0,
+            **SLO,
         )  # fmt: skip
         servicer, router = mesh.triggers[0].servicer, mesh.routers[0].servicer
         # The user's fallback order is what the router walks: r0 first for every long user.

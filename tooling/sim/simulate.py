@@ -171,11 +171,6 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="share of each ranker's relay budget the trigger fills",
     )  # fmt: skip
     fleet.add_argument(
-        "--relay-take-share", type=Bounded(float, SHARE),
-        default=default_of(TriggerConfig, "relay_take_share"),
-        help="most of a ranker's relay room left one relay may take (1: first come, first served)",
-    )  # fmt: skip
-    fleet.add_argument(
         "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE),
         default=default_of(RankerConfig, "prefill_chunk_tokens"),
         help="background prefill chunk",
@@ -225,7 +220,6 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
             expected_gap_ms=args.gap_ms,
             relay_window_ms=args.relay_window_ms,
             relay_budget_share=args.relay_budget_share,
-            relay_take_share=args.relay_take_share,
         ),
         gap_s=args.gap_ms / 1e3,
     )

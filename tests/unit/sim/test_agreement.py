@@ -216,9 +216,6 @@ def settings(mode: Mode, relay_enabled: bool) -> FleetSettings:
             margin_ms=10.0,
             expected_gap_ms=1000.0,
             relay_window_ms=1500,
-            # A device tier of a few prefixes: with the room priced (relay_take_share < 1) a
-            # trace may admit none, and the comparison would exercise no relay.
-            relay_take_share=1.0,
             relay_spare_share=0.0,  # only what is at risk: the trace's relays are those
         ),
         gap_s=SPEC.gap_s,

@@ -53,13 +53,11 @@ def seen(pinned: int, budget: int = 10**9, queued_ms: float = 0.0) -> RoomReport
 
 
 def config(**overrides: Any) -> TriggerConfig:
-    # defaults: slo 50, margin 5, window 2 s, cooldown 1 s; a relay may take all the room left
-    # (first come, first served) unless said, so that the room tests count bytes alone
-    # Relays of prefixes not at risk (relay_spare_share) and the room's price (relay_take_share)
-    # have tests of their own: here, only what is at risk, first come first served.
-    return TriggerConfig(
-        **{"plaintext": True, "relay_take_share": 1.0, "relay_spare_share": 0.0, **overrides}
-    )
+    # defaults: slo 50, margin 5, window 2 s, cooldown 1 s. The room's price binds only once
+    # many relays have been asked for (`ask`), so elsewhere the room tests count bytes alone.
+    # Relays of prefixes not at risk (relay_spare_share) have tests of their own: here, only
+    # what is at risk.
+    return TriggerConfig(**{"plaintext": True, "relay_spare_share": 0.0, **overrides})
 
 
 class Digest:
@@ -325,6 +323,34 @@ def test_a_covered_relay_still_pinned_is_counted_once() -> None:
     policy.settled("user-0", "digest-a", X, NBYTES, 0.5)
     policy.room.observe(X, seen(NBYTES + 1000), 0.7)  # its pin and another of 1,000 bytes
     assert policy.room.held(X, 0.8) == NBYTES + 1000
+
+
+def test_relays_due_since_the_last_report_count_as_consumed_in_the_share_ranked() -> None:
+    # A quarter of relays are never ranked (the prior, nothing measured yet): once a relay's
+    # Rank is due (1 s after admission), three quarters of its bytes are taken as freed.
+    # Room for the relay and another only once most of the first is taken as freed.
+    budget = 2 * NBYTES - 1000
+
+    def trigger(no_show_prior: float) -> AdmissionPolicy:
+        policy = AdmissionPolicy(
+            config(expected_gap_ms=1000, no_show_prior=no_show_prior, relay_budget_share=1.0)
+        )
+        relay(policy, now=0.0)
+        policy.settled("user-0", "digest-a", X, NBYTES, 0.2)
+        policy.room.observe(X, seen(NBYTES, budget), 0.5)  # counted pinned: not due yet
+        return policy
+
+    policy = trigger(no_show_prior=0.25)
+    assert policy.decide(event("b"), [ranker()], 0.999).reason is Reason.NO_ROOM
+    assert policy.decide(event("c"), [ranker()], 1.0).admitted
+    room = trigger(no_show_prior=0.25).room
+    assert room.held(X, 1.0, ranked=0.75) == NBYTES / 4
+    assert room.held(X, 1.0) == NBYTES  # the router's view: no share ranked, nothing taken
+    # A report sent after the Rank was due says what happened: nothing more is taken off.
+    room.observe(X, seen(NBYTES), 1.1)  # a no-show, still pinned
+    assert room.held(X, 1.2, ranked=0.75) == NBYTES
+    # With every relay assumed a no-show (the default prior), nothing is taken off either.
+    assert trigger(no_show_prior=1.0).decide(event("b"), [ranker()], 1.5).reason is (Reason.NO_ROOM)
 
 
 def test_settle_records_where_the_relay_landed_and_its_size() -> None:
@@ -717,38 +743,76 @@ def test_relays_are_booked_per_model_version() -> None:
     assert cached.reason is Reason.ALREADY_CACHED
 
 
+def ask(policy: AdmissionPolicy, n: int, prefix: int, start: float, per_s: float) -> None:
+    """`n` at-risk relays of `prefix` tokens asked for from `start`, `per_s` a second (users
+    `flow-*`), whether or not they are admitted."""
+    target = ranker(hbm_budget_bytes=250_000)
+    for i in range(n):
+        policy.decide(event(f"flow-{i}", prefix=prefix), [target], start + i / per_s)
+
+
 def test_binding_room_admits_more_violations_saved_per_byte_whatever_the_arrival_order() -> None:
     # Both at risk, so each saves one violation: the short prefix (96,000 bytes) saves more per
-    # byte than the long one (192,000). Room for one of them, not both (250,000).
+    # byte than the long one (192,000). Room for one of them, not both (250,000). Short relays
+    # have been asked for at 10 a second: held 2 s each (the no-show prior 1: their window),
+    # they alone would fill the room, so the long one is priced out even into an empty room.
     short, long = event("short", prefix=PREFIX), event("long", prefix=2 * PREFIX)
     target = ranker(hbm_budget_bytes=250_000)
+    later = NOW + 10.0  # the flow's relays have all expired
 
-    def admitted_of(first: Event, second: Event, take: float) -> list[str]:
-        policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=take))
-        decisions = [(e.user_id, policy.decide(e, [target], NOW)) for e in (first, second)]
+    def admitted_of(first: Event, second: Event, flow: int) -> list[str]:
+        policy = AdmissionPolicy(config(relay_budget_share=1.0))
+        ask(policy, flow, PREFIX, NOW, per_s=10)
+        decisions = [(e.user_id, policy.decide(e, [target], later)) for e in (first, second)]
         return [user for user, d in decisions if d.admitted]
 
-    assert admitted_of(long, short, take=0.5) == ["short"]
-    assert admitted_of(short, long, take=0.5) == ["short"]
-    # First come, first served: the long prefix takes the room the short one would use.
-    assert admitted_of(long, short, take=1.0) == ["long"]
-    # Where the room does not bind, both.
-    policy = AdmissionPolicy(config(relay_take_share=0.5))  # budget 10^9
-    assert policy.decide(long, [ranker()], NOW).admitted
-    assert policy.decide(short, [ranker()], NOW).admitted
+    assert admitted_of(long, short, flow=40) == ["short"]
+    assert admitted_of(short, long, flow=40) == ["short"]
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    ask(policy, 40, PREFIX, NOW, per_s=10)
+    assert policy.decide(long, [target], later).reason is Reason.NO_ROOM
+    # No short ones asked for: the room does not bind, first come, first served.
+    assert admitted_of(long, short, flow=0) == ["long"]
 
 
-def test_the_price_of_room_is_exact_and_follows_what_is_held() -> None:
-    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=0.5))
-    # 96,000 bytes against half the room left: 192,000 left admits it exactly, 191,999 not.
-    assert policy.decide(event("a"), [ranker(hbm_budget_bytes=2 * NBYTES)], NOW).admitted
-    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=0.5))
-    decision = policy.decide(event("a"), [ranker(hbm_budget_bytes=2 * NBYTES - 1)], NOW)
-    assert decision.reason is Reason.NO_ROOM
-    # What the ranker reports held counts against the room left, and a costlier relay spills to
-    # the next ranker of the order where room is ample.
-    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_take_share=0.5))
-    policy.room.observe(X, seen(10**9 - 2 * NBYTES + 1), NOW)
+def test_a_relay_that_fits_an_empty_room_is_admitted_while_the_room_does_not_bind() -> None:
+    # 240,000 of 250,000 bytes: nearly the whole room, and nothing smaller asked for.
+    target = ranker(hbm_budget_bytes=250_000)
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    assert policy.decide(event("long", prefix=240), [target], NOW).admitted
+    # A few short relays asked for (one a second, 96,000 bytes held 2 s: 192,000 of 250,000)
+    # leave room for it too, once the first has gone.
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    ask(policy, 4, PREFIX, NOW, per_s=1)
+    assert policy.decide(event("long", prefix=240), [target], NOW + 10.0).admitted
+
+
+def test_how_long_a_relay_holds_room_follows_the_no_show_share() -> None:
+    # The same flow of short relays: held for their window (2 s) it fills the room, held until
+    # their Rank (the 100 ms gap) it does not.
+    long = event("long", prefix=2 * PREFIX)
+    for prior, admitted in ((1.0, False), (0.0, True)):
+        policy = AdmissionPolicy(
+            config(relay_budget_share=1.0, expected_gap_ms=100, no_show_prior=prior)
+        )
+        assert policy.hold_s() == pytest.approx(2.0 if prior else 0.1)
+        ask(policy, 40, PREFIX, NOW, per_s=10)
+        assert policy.decide(long, [ranker(hbm_budget_bytes=250_000)], NOW + 10).admitted is (
+            admitted
+        )
+
+
+def test_the_room_is_exact_and_follows_what_is_held() -> None:
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    # 96,000 bytes: a room of 96,000 admits it exactly, 95,999 not.
+    assert policy.decide(event("a"), [ranker(hbm_budget_bytes=NBYTES)], NOW).admitted
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    decision = policy.decide(event("a"), [ranker(hbm_budget_bytes=NBYTES - 1)], NOW)
+    assert decision.reason is Reason.FOOTPRINT_LIMIT
+    # What the ranker reports held counts against the room left, and a relay spills to the
+    # next ranker of the order where it fits.
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    policy.room.observe(X, seen(10**9 - NBYTES + 1), NOW)
     decision = policy.decide(event("b"), [ranker(), ranker(Y)], NOW)
     assert decision.admitted and decision.target == Y
 
