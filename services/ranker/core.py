@@ -25,6 +25,7 @@ from services.ranker.core_types import (
     FullForward,
     JobEnd,
     JobEnded,
+    Kept,
     Observation,
     PrefixRef,
     PreInferAnswer,
@@ -68,10 +69,13 @@ class RankerCore(Generic[KV]):
     expected. A Rank that finds background work for its prefix either waits for it, promoting it
     to rank priority, or restarts it as its own one-call computation, whichever the cost model
     predicts finishes first. A finished prefix is stored before it leaves the in-flight table,
-    so no request ever sees neither. A miss is served by full inference, computed as prefill +
-    rank (the same work), which leaves the prefix cached for return visits. With `peers`, a
-    missing prefix a peer may hold is fetched when that is predicted sooner than every local
-    way; when no peer delivers it, the same flight computes it, so a fetch never fails a request.
+    so no request ever sees neither. A Rank that must compute its prefix from nothing does so
+    in one call, the full inference, which also keeps the prefix's K/V (`FullForward.keep`):
+    the same scores and prefix as a prefill and then a rank, one call's overhead instead of
+    two, and it batches with other full inferences; the prefix stays cached for return visits.
+    With `peers`, a missing prefix a peer may hold is fetched when that is predicted sooner
+    than every local way; when no peer delivers it, the same flight computes it, so a fetch
+    never fails a request.
 
     The driver runs one model call at a time: it asks `worker_free` for the next when its
     worker is idle. A call is one job's step, or the steps of several jobs batched
@@ -487,7 +491,7 @@ class RankerCore(Generic[KV]):
             return
         flight = self.flights.get(key)
         if flight is not None:
-            if self._take_over(key, flight, r.prefix, r.deadline, r.own, r.arrived):
+            if self._take_over(key, flight, r):
                 r.role = Role.OWN
             else:
                 self._hasten(flight, r.deadline, r.arrived)
@@ -500,8 +504,9 @@ class RankerCore(Generic[KV]):
     def _compute_own(self, r: Pending) -> None:
         assert r.key is not None
         flight = self._start(
-            r.key, r.prefix, Priority.RANK, r.deadline, None, r.own, tag=r.tag, place=r.arrived
-        )
+            r.key, r.prefix, Priority.RANK, r.deadline, None, r.own, tag=r.tag, place=r.arrived,
+            scores=r,
+        )  # fmt: skip
         r.role = Role.OWN
         flight.waiters.append(r.rid)
 
@@ -540,13 +545,17 @@ class RankerCore(Generic[KV]):
         due: float | None = None,
         tag: Any = None,
         place: float | None = None,
+        scores: Pending | None = None,
     ) -> Flight:
         """The cheapest way to make `key` device-resident, as the key's one flight. Background
         work runs in chunks, so that ranks overtake it; rank work in one call, in `place` (the
-        arrival of the Rank it serves)."""
+        arrival of the Rank it serves). The Rank `scores` computes its prefix from nothing as
+        its full inference, keeping the prefix (`_one_call`)."""
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
         peers = self._planner.fetch_peers(key)
         source, spec, computed, step_ms = self._planner.plan(key, prefix, chunk, peers)
+        if scores is not None and source is Source.PREFILL:
+            spec, step_ms = self._one_call(scores)
         if source is Source.FETCH:
             flight = Flight(key, prefix, FlightState.FETCHING, source, 0, pin_for, due, origin)
             flight.tag = tag
@@ -560,9 +569,18 @@ class RankerCore(Generic[KV]):
         job = self._submit(key, source, spec, step_ms, priority, deadline, due, tag, place)
         flight = Flight(key, prefix, FlightState.COMPUTING, source, computed, pin_for, due,
                         origin, job, tag=tag)  # fmt: skip
+        if isinstance(spec, FullForward):
+            flight.scores_for = scores.rid if scores is not None else None
         self.flights[key] = flight
         self._owner[job] = key
         return flight
+
+    def _one_call(self, r: Pending) -> tuple[FullForward, tuple[float, ...]]:
+        """Rank `r`'s prefix computed from nothing with its scores: its full inference, keeping
+        the prefix, and that call's predicted time."""
+        assert r.rank is not None
+        spec = FullForward(r.rank, keep=True)
+        return spec, (self.cost_model.shape_ms(call_shape(spec, self._held_of)),)
 
     def _submit(
         self,
@@ -598,31 +616,27 @@ class RankerCore(Generic[KV]):
         job.tag = tag
         return job
 
-    def _take_over(
-        self,
-        key: CacheKey,
-        flight: Flight,
-        prefix: PrefixRef,
-        deadline: float | None,
-        origin: Origin | None,
-        place: float | None = None,
-    ) -> bool:
-        """Whether a Rank computes its prefix itself rather than wait for its in-flight job:
+    def _take_over(self, key: CacheKey, flight: Flight, r: Pending) -> bool:
+        """Whether Rank `r` computes its prefix itself rather than wait for its in-flight job:
         background work still queued is restarted as the Rank's one call when the cost model
         predicts that sooner than the job's remaining chunks (each chunk pays a call's fixed
-        cost). Rank work, a taken job and a fetch are waited for."""
+        cost); from nothing, that call is the Rank's full inference, keeping the prefix. Rank
+        work, a taken job and a fetch are waited for."""
         job = flight.job
         if job is None or job.priority is not Priority.BACKGROUND:
             return False
-        source, spec, computed, step_ms = self._planner.plan(key, prefix, None)
-        if not sooner(sum(step_ms), job.remaining_ms) or not self.queues.restart(
-            job, spec, step_ms, deadline, place
-        ):
+        source, spec, computed, step_ms = self._planner.plan(key, r.prefix, None)
+        if not sooner(sum(step_ms), job.remaining_ms):
+            return False
+        if source is Source.PREFILL:
+            spec, step_ms = self._one_call(r)
+        if not self.queues.restart(job, spec, step_ms, r.deadline, r.arrived):
             return False
         flight.source, flight.computed_tokens = source, computed
         flight.pin_for, flight.taken_over = None, True
+        flight.scores_for = r.rid if source is Source.PREFILL else None
         if source is Source.RELOAD:
-            flight.origin = self._planner.reload_origin(key, origin)
+            flight.origin = self._planner.reload_origin(key, r.own)
         return True
 
     def _hasten(self, flight: Flight, deadline: float | None, place: float | None = None) -> None:
@@ -660,11 +674,16 @@ class RankerCore(Generic[KV]):
             error = DeadlineExceeded(f"{job.name}: deadline passed while queued")
         if isinstance(owner, CacheKey):
             flight = self.flights.pop(owner)
-            work = _WORK[flight.source]
+            one_call = isinstance(job.spec, FullForward)
+            work = work_of(job.spec) if one_call else _WORK[flight.source]
             if end is JobEnd.DONE:
+                scores = None
+                if isinstance(result, Kept):
+                    scores, result = result.scores, result.kv
                 self.store.put_device(owner, result, pin_for=flight.pin_for, origin=flight.origin)
-                self._observe(JobEnded(job, work, end, flight.computed_tokens, result))
-                self._landed(flight, result)
+                self._observe(JobEnded(job, work, end, flight.computed_tokens, result,
+                                       call=call if one_call else None))  # fmt: skip
+                self._landed(flight, result, scores)
             else:
                 self._observe(JobEnded(job, work, end))
                 self._failed(flight, error)
@@ -678,7 +697,9 @@ class RankerCore(Generic[KV]):
         elif end is not JobEnd.CANCELLED:
             self._answer(r.rid, error=error)
 
-    def _landed(self, flight: Flight, kv: KV) -> None:
+    def _landed(self, flight: Flight, kv: KV, scores: Any = None) -> None:
+        """`flight` made `kv` device-resident: PreInfers pin it, Ranks score on it; the Rank
+        its job scored as it computed (`Flight.scores_for`) is answered with `scores`."""
         for rid in flight.waiters:
             r = self._requests.get(rid)
             if r is None:
@@ -695,6 +716,9 @@ class RankerCore(Generic[KV]):
                     self._actions.append(Waited(rid))
                 else:
                     self._own_landed(r, flight)
+                if rid == flight.scores_for:
+                    self._scored(r, scores)
+                    continue
                 try:
                     self._score_prefix(r, kv)
                 except ResourceExhausted as err:

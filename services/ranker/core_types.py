@@ -96,9 +96,20 @@ class Score(Generic[KV]):
 
 @dataclass(frozen=True, slots=True)
 class FullForward:
-    """Full inference of `request`, nothing cached (one step)."""
+    """Full inference of `request`, nothing cached (one step). `keep`: the call also keeps the
+    K/V of the request's prefix, its product a `Kept` (a miss computed in one call);
+    otherwise its product is the scores alone."""
 
     request: RankRef
+    keep: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Kept(Generic[KV]):
+    """What a `FullForward` that keeps its prefix makes: the Rank's scores and the prefix."""
+
+    scores: Any
+    kv: KV
 
 
 Spec = Prefill | Extend[Any] | Reload[Any] | Score[Any] | FullForward

@@ -8,7 +8,7 @@ request's future with its answer.
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +29,7 @@ from services.ranker.core_types import (
     FullForward,
     JobEnd,
     JobEnded,
+    Kept,
     Observation,
     Prefill,
     PreInferAnswer,
@@ -435,8 +436,8 @@ class RankerEngine:
             assert isinstance(rank, ServiceRank)
             r = rank.request
             return model.rank(spec.kv, r.short_term, r.candidates, r.request_ts)
-        assert isinstance(spec, FullForward) and isinstance(spec.request, ServiceRank)
-        return model.full_forward(spec.request.request)
+        assert isinstance(spec, FullForward)
+        return self._full([job])[0]
 
     def _chunk(self, job: Job) -> Prefix | Extension:
         """The prefill chunk `job`'s next step computes (`chunk_span`): the user features and
@@ -458,15 +459,23 @@ class RankerEngine:
         head = jobs[0].spec
         if isinstance(head, Prefill | Extend):
             return self.model.chunk_batch([self._chunk(job) for job in jobs])
-        ranks = [_service_rank(job.spec.request) for job in jobs]
         if isinstance(head, Score):
+            ranks = [_service_rank(job.spec.request) for job in jobs]
             return self.model.rank_batch(
                 [
                     RankItem(job.spec.kv, r.short_term, r.candidates, r.request_ts)
                     for job, r in zip(jobs, ranks, strict=True)
                 ]
             )
-        return self.model.full_forward_batch(ranks)
+        return self._full(jobs)
+
+    def _full(self, jobs: Sequence[Job]) -> list[Any]:
+        """Full inferences in one call: each job's scores, or (`FullForward.keep`) its scores
+        and its prefix (`Kept`)."""
+        ranks = [_service_rank(job.spec.request) for job in jobs]
+        keep = [job.spec.keep for job in jobs]
+        done = self.model.full_forward_keeping(ranks, keep)
+        return [scores if kv is None else Kept(scores, kv) for scores, kv in done]
 
     # -- fetch -----------------------------------------------------------------------------
 

@@ -42,6 +42,9 @@ class Flight:
     fallback_deadline: float | None = None
     waiters: list[RequestId] = field(default_factory=list)
     tag: Any = None  # the starting request's
+    # The Rank its job scores as it computes the prefix (a miss computed in one call, a
+    # `FullForward` that keeps the prefix): answered from the job's scores when it lands.
+    scores_for: RequestId | None = None
 
     @property
     def relay(self) -> bool:

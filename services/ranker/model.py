@@ -188,6 +188,19 @@ class RankingModel(nn.Module):
     @torch.inference_mode()
     def full_forward_batch(self, requests: Sequence[RankInput]) -> list[torch.Tensor]:
         """`full_forward` of each request, in one pass: scores [tasks, candidates] in order."""
+        kept = self.full_forward_keeping(requests, [False] * len(requests))
+        return [scores for scores, _ in kept]
+
+    @torch.inference_mode()
+    def full_forward_keeping(
+        self, requests: Sequence[RankInput], keep: Sequence[bool]
+    ) -> list[tuple[torch.Tensor, PrefixKV | None]]:
+        """Full inference of each request in one pass, and, where `keep` says, its prefix's
+        K/V: scores [tasks, candidates] and the PrefixKV a `prefill` of the request's prefix
+        gives (its tokens come first in the history and attend to nothing after them), or
+        None. A miss computed this way is one call, not a prefill and then a rank."""
+        if len(keep) != len(requests):
+            raise ValueError("one keep flag per request")
         for request in requests:
             validate_rank_input(request, self.cfg)
         histories = [
@@ -200,12 +213,16 @@ class RankingModel(nn.Module):
             for r in requests
         ]
         new = self._history(histories)
-        return self._score(
+        scores = self._score(
             [
                 _Scored(None, keys, run.ts, r.candidates, r.request_ts)
                 for r, run, keys in zip(requests, histories, new, strict=True)
             ]
         )
+        return [
+            (s, self._kept_prefix(r.prefix, run, keys) if k else None)
+            for r, run, keys, s, k in zip(requests, histories, new, scores, keep, strict=True)
+        ]
 
     @torch.inference_mode()
     def rank_batch(self, items: Sequence[RankItem]) -> list[torch.Tensor]:
@@ -407,6 +424,18 @@ class RankingModel(nn.Module):
         return _Keys(
             [past.keys[i].float() for i in range(len(self.layers))],
             [past.values[i].float() for i in range(len(self.layers))],
+        )
+
+    def _kept_prefix(self, prefix: Prefix, run: "_Run", keys: _Keys) -> PrefixKV:
+        """The K/V of `prefix`'s tokens, the first of the history `run` computed to `keys`."""
+        n = prefix.num_tokens
+        return PrefixKV(
+            keys=self._stack_for_storage([k[:, :n] for k in keys.keys]),
+            values=self._stack_for_storage([v[:, :n] for v in keys.values]),
+            timestamps=run.ts[:n].clone(),
+            num_user_tokens=len(prefix.user_features),
+            hasher=PrefixHasher.start(prefix.user_features).absorb(prefix.long_term),
+            model_version=self.model_version,
         )
 
     def _stack_for_storage(self, per_layer: list[torch.Tensor]) -> torch.Tensor:

@@ -21,7 +21,7 @@ async def test_describe_publishes_the_fit_error_and_learns_from_served_ranks(
         assert calibrated == 4  # two lengths: a prefill and a full inference each
         assert info.cost_model.median_abs_rel_error >= 0.0
         assert r.engine.cost_model.full_ms(64, 8) > 0
-        for i in range(4):  # misses: each times a prefill and a rank, 8 timings (a refit's worth)
+        for i in range(8):  # misses: each one call, its full inference timed (8: a refit's worth)
             request = rank_input(rng, prefix(rng, 20 + 10 * i, user_id=f"u{i}"))
             await r.stub.Rank(rank_request_to_proto(request))
 

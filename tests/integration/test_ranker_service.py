@@ -459,13 +459,14 @@ async def test_describe_reports_queued_rank_work(rng: np.random.Generator) -> No
         gate = Gate(r)
         await gate.wait_entered()
         assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).queued_rank_ms == 0.0
-        request = rank_input(rng, prefix(rng, 100, user_id="a"))  # a miss: 104-token prefill
+        request = rank_input(rng, prefix(rng, 100, user_id="a"))  # a miss: 104-token prefix
         ranked = asyncio.ensure_future(r.stub.Rank(rank_request_to_proto(request)))
         await poll(lambda: r.engine.inflight() == 1)
         info = await r.stub.Describe(ranker_pb2.DescribeRequest())
-        # The miss's prefill runs at rank priority: rank work, not background (the Rank's own
-        # scoring joins the rank work, with its predicted time, when the prefill lands).
-        assert info.queued_rank_ms == pytest.approx(COST.prefill_ms(104))
+        # The miss is one call at rank priority, its full inference (keeping the prefix): rank
+        # work, not background.
+        history = request.history_tokens
+        assert info.queued_rank_ms == pytest.approx(COST.full_ms(history, len(request.candidates)))
         assert info.queued_prefill_ms == 0.0
         gate.open()
         await ranked

@@ -25,7 +25,9 @@ from services.ranker.core_types import (
     CoreSettings,
     Extend,
     FullForward,
+    Kept,
     Prefill,
+    PrefixRef,
     PreInferAnswer,
     RankAnswer,
     Reload,
@@ -396,15 +398,19 @@ class SimRanker:
             actions += self.core.step_done(job, self._product(job), seconds)
         self._apply(actions)
 
-    def _product(self, job: Job) -> SimKV | None:
+    def _product(self, job: Job) -> SimKV | Kept[SimKV] | None:
         """What a step leaves: a prefix job its prefix's size (steps compute nothing), a scoring
-        job nothing."""
+        job nothing, a full inference that keeps its prefix that prefix (`Kept`)."""
         spec = job.spec
         if isinstance(spec, _PREFIX):
-            prefix = spec.prefix
-            tokens = prefix.user_features + prefix.behaviours
-            return SimKV(prefix.behaviours, tokens, tokens * self.profile.kv_bytes_per_token)
+            return self._sized(spec.prefix)
+        if isinstance(spec, FullForward) and spec.keep:
+            return Kept(None, self._sized(spec.request.prefix))
         return _on_device(spec.host) if isinstance(spec, Reload) else None
+
+    def _sized(self, prefix: PrefixRef) -> SimKV:
+        tokens = prefix.user_features + prefix.behaviours
+        return SimKV(prefix.behaviours, tokens, tokens * self.profile.kv_bytes_per_token)
 
     # -- peer fetch -------------------------------------------------------------------------
 

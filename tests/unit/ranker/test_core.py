@@ -17,6 +17,7 @@ from services.ranker.core_types import (
     CoreSettings,
     Extend,
     FullForward,
+    Kept,
     Observation,
     Prefill,
     PreInferAnswer,
@@ -183,6 +184,8 @@ def product(job: Job) -> object:
         return size(spec.prefix)
     if isinstance(spec, Reload):
         return replace(spec.host, on_device=True)
+    if isinstance(spec, FullForward) and spec.keep:
+        return Kept("scores", size(spec.request.prefix))
     return "scores"
 
 
@@ -298,7 +301,7 @@ def test_a_cached_prefix_that_does_not_start_the_new_history_is_not_extended() -
     other = prefix("e", 140, start=1)  # longer, but its first 100 behaviours differ
     rank = d.rank(R(other))
     ran = d.run()
-    assert [type(j.spec) for j in ran] == [Prefill, Score]
+    assert [(type(j.spec), j.spec.keep) for j in ran] == [(FullForward, True)]  # type: ignore[union-attr]
     assert d.result(rank).outcome is CacheOutcome.MISS  # type: ignore[union-attr]
 
 
@@ -307,11 +310,15 @@ def test_a_miss_computes_the_prefix_in_one_call_and_keeps_it() -> None:
     a = prefix("m")
     first = d.rank(R(a))
     ran = d.run()
-    assert [type(j.spec) for j in ran] == [Prefill, Score]
-    assert all(j.priority is Priority.RANK for j in ran) and len(ran[0].step_ms) == 1
+    # Its full inference, keeping the prefix: one call's overhead, not a prefill's and a rank's.
+    [job] = ran
+    assert isinstance(job.spec, FullForward) and job.spec.keep
+    assert job.priority is Priority.RANK and len(job.step_ms) == 1
+    assert job.step_ms[0] == pytest.approx(COST.full_ms(104 + 8, 16))
     result = d.result(first)
     assert isinstance(result, RankAnswer)
     assert (result.outcome, result.computed_tokens) == (CacheOutcome.MISS, 104 + 24)
+    assert result.scores == "scores"
     again = d.rank(R(a))
     d.run()
     assert d.result(again).outcome is CacheOutcome.HBM_HIT  # type: ignore[union-attr]
@@ -353,7 +360,7 @@ def test_a_miss_a_peer_holds_is_fetched_when_sooner() -> None:
 def test_a_dear_transfer_is_not_fetched() -> None:
     _core, d, _ = make(peers=Peers(["old"], ms=1e6))
     d.rank(R(prefix("moved")))
-    assert d.fetches == [] and [type(j.spec) for j in d.run()] == [Prefill, Score]
+    assert d.fetches == [] and [type(j.spec) for j in d.run()] == [FullForward]
 
 
 @pytest.mark.parametrize("waiting_ranks", [0, 2])
@@ -402,8 +409,9 @@ def test_one_prefix_is_computed_once_however_many_ask() -> None:
     ranks = [d.rank(R(a)) for _ in range(3)]
     assert core.inflight() == 1
     ran = d.run()
-    assert sum(isinstance(j.spec, Prefill) for j in ran) == 1
-    assert sum(isinstance(j.spec, Score) for j in ran) == 3
+    # The first Rank restarts the queued prefill as its own full inference, keeping the prefix;
+    # the others score on it.
+    assert [type(j.spec) for j in ran] == [FullForward, Score, Score]
     outcomes = [d.result(r).outcome for r in pres + ranks]
     assert outcomes.count(PreInferOutcome.COMPUTED) + outcomes.count(CacheOutcome.MISS) == 1
 
@@ -436,7 +444,7 @@ def test_a_refitted_cost_model_decides_from_then_on() -> None:
     d.run()
     core.cost_model_refitted(replace(COST, reload_ms_per_mb=1e9))  # reloading is now dear
     d.rank(R(a))
-    assert [type(j.spec) for j in d.run()] == [Prefill, Score]
+    assert [type(j.spec) for j in d.run()] == [FullForward]
 
 
 def test_reading_the_stats_changes_nothing_and_a_tick_expires_relays() -> None:
@@ -459,29 +467,33 @@ def test_reading_the_stats_changes_nothing_and_a_tick_expires_relays() -> None:
 
 
 def test_a_miss_is_scored_before_ranks_that_arrived_after_it() -> None:
-    """A's Rank misses: its prefill runs, then its scoring; B's Rank (a hit) arrives while A's
-    prefill runs. A's scoring, queued when the prefill lands, goes before B's: the miss keeps
-    the place its Rank had in line (a cache-only server that ran a miss as one job would score A
-    first too)."""
-    core, d, clock = make()
-    b = prefix("b", start=1000)
+    """A's Rank misses its device tier: its host copy is reloaded, then it is scored; B's Rank
+    (a hit) arrives while A's reload runs. A's scoring, queued when the reload lands, goes
+    before B's: the miss keeps the place its Rank had in line (a cache-only server that ran a
+    miss as one job would score A first too)."""
+    core, d, clock = make(hbm_prefixes=1.5)
+    a, b = prefix("a"), prefix("b", start=1000)
+    d.pre_infer(a)
+    d.run()
+    d.rank(R(a))
+    d.run()
     d.pre_infer(b)
-    d.run()  # b is resident: its Rank is a hit
-    a = prefix("a")
+    d.run()  # b is pinned: its Rank is a hit; a went to the host tier
+    assert core.store.tier_of(core.key(a)) is Tier.DRAM
     miss = d.rank(R(a))  # arrives first
-    d.feed(core.worker_free())  # A's prefill is taken
+    d.feed(core.worker_free())  # A's reload is taken
     [running] = d.running
-    assert isinstance(running.spec, Prefill)
+    assert isinstance(running.spec, Reload)
     clock.now += 1.0
-    hit = d.rank(R(b))  # arrives while A's prefill runs: its scoring queues at once
+    hit = d.rank(R(b))  # arrives while A's reload runs: its scoring queues at once
     clock.now += 1.0
-    ran = d.run()  # A's prefill lands, A's scoring queues behind B's by submission
+    ran = d.run()  # A's reload lands, A's scoring queues behind B's by submission
     scored = [j.name for j in ran if isinstance(j.spec, Score)]
     assert scored == ["rank", "rank"]
     first = next(j for j in ran if isinstance(j.spec, Score))
     assert first.spec.request.prefix == a, "B's later Rank overtook A's miss"
     assert isinstance(d.result(miss), RankAnswer) and isinstance(d.result(hit), RankAnswer)
-    assert d.result(miss).outcome is CacheOutcome.MISS  # type: ignore[union-attr]
+    assert d.result(miss).outcome is CacheOutcome.DRAM_HIT  # type: ignore[union-attr]
 
 
 def test_a_rank_waiting_for_a_background_prefill_lifts_it_into_its_own_place() -> None:

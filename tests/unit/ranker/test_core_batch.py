@@ -15,6 +15,7 @@ from services.ranker.core_types import (
     CoreSettings,
     FullForward,
     JobEnded,
+    Kept,
     Observation,
     Prefill,
     RankAnswer,
@@ -23,6 +24,7 @@ from services.ranker.core_types import (
     Score,
     ScoringCall,
 )
+from services.ranker.kv_store import Tier
 from services.ranker.outcomes import CacheOutcome, Work
 from services.ranker.queues import Job, Priority
 from tests.unit.ranker.test_core import (
@@ -36,6 +38,7 @@ from tests.unit.ranker.test_core import (
     prefix,
     product,
 )
+from tests.unit.ranker.test_core import size as sized
 
 ROWS = 8 + 16  # one R's short-term behaviours + candidates
 CACHED = USER_FEATURES + 100  # a resident prefix: user features + 100 long-term behaviours
@@ -97,7 +100,10 @@ def users(jobs: tuple[Job, ...] | list[Job]) -> list[str]:
 def finish(core: RankerCore[KV], d: Driver, jobs: list[Job]) -> None:
     d.running = []
     for job in jobs:
-        d.feed(core.step_done(job, f"scores of {job.spec.request.prefix.user}"))
+        spec = job.spec
+        scores = f"scores of {spec.request.prefix.user}"
+        keeps = isinstance(spec, FullForward) and spec.keep
+        d.feed(core.step_done(job, Kept(scores, sized(spec.request.prefix)) if keeps else scores))
 
 
 def test_ranks_queued_behind_a_running_step_run_as_one_call_bounded_by_max_requests() -> None:
@@ -173,25 +179,42 @@ def test_a_rank_past_its_deadline_or_cancelled_is_not_in_the_batch() -> None:
     assert {d.result(a).outcome, d.result(e).outcome} == {CacheOutcome.HBM_HIT}  # type: ignore[union-attr]
 
 
-def test_a_miss_keeps_its_place_a_batch_does_not_jump_its_prefill() -> None:
-    """Rank order a (hit), m (miss), b (hit): m's prefill is rank work that is not a scoring
-    step, so a's call stops before it; m's scoring, queued when its prefill lands, keeps m's
-    place and is batched with b behind it."""
+def test_a_miss_keeps_its_place_a_batch_does_not_jump_it() -> None:
+    """Rank order a (hit), m (miss), b (hit): m's one call (its full inference, keeping the
+    prefix) is no cached Rank's scoring step, so a's call stops before it, and b's waits behind
+    it."""
     core, d, clock = make(hbm_prefixes=12, settings=batched())
     resident(d, "a", "b")
     chunk = holding(core, d, "g")
     d.rank(hit("a"))
     clock.now += 1.0
-    d.rank(R(prefix("m")))
+    miss = d.rank(R(prefix("m")))
     clock.now += 1.0
     d.rank(hit("b"))
     [first] = calls(release(core, d, chunk))
     assert users(first) == ["a"]
     finish(core, d, list(first))
-    [prefill] = calls(_next(core, d))
-    assert isinstance(prefill[0].spec, Prefill) and prefill[0].priority is Priority.RANK
-    [after] = calls(release(core, d, prefill[0]))
-    assert users(after) == ["m", "b"]
+    [full] = calls(_next(core, d))
+    assert [(type(j.spec), j.priority) for j in full] == [(FullForward, Priority.RANK)]
+    [after] = calls(release(core, d, full[0]))
+    assert users(after) == ["b"]
+    assert d.result(miss).outcome is CacheOutcome.MISS  # type: ignore[union-attr]
+
+
+def test_misses_computed_in_one_call_batch_together_and_each_keeps_its_prefix() -> None:
+    core, d, _ = make(settings=batched())
+    x = d.rank(R(prefix("x")))
+    d.feed(core.worker_free())
+    [running] = d.running
+    assert isinstance(running.spec, FullForward) and running.spec.keep
+    y, z = d.rank(R(prefix("y"))), d.rank(R(prefix("z")))
+    [call] = calls(release(core, d, running))
+    assert users(call) == ["y", "z"]
+    assert all(isinstance(j.spec, FullForward) and j.spec.keep for j in call)
+    finish(core, d, list(call))
+    for rid, user in zip((x, y, z), "xyz", strict=True):
+        assert d.result(rid).outcome is CacheOutcome.MISS  # type: ignore[union-attr]
+        assert core.store.tier_of(core.key(prefix(user))) is Tier.HBM
 
 
 def test_full_inferences_batch_together() -> None:

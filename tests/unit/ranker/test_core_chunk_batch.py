@@ -9,6 +9,7 @@ from relaygr.cost import CallShape
 from services.ranker.core import RankerCore
 from services.ranker.core_types import (
     Computed,
+    FullForward,
     JobEnded,
     Observation,
     Prefill,
@@ -111,9 +112,9 @@ def test_a_chunk_call_stops_at_max_rows_and_the_chunk_that_does_not_fit_keeps_it
 
 def test_background_chunks_never_share_a_call_with_rank_work_and_a_rank_goes_first() -> None:
     """While a chunk call runs, a cached Rank (x) and a miss (m) arrive: at the next free worker
-    x's Score runs first, alone (the chunks queued are never put in its call), then m's
-    prefill (rank work: alone), then m's Score, and only then the users' next chunks, again as
-    one call."""
+    x's Score runs first, alone (the chunks queued are never put in its call), then m's one
+    call (its full inference, keeping the prefix), and only then the users' next chunks, again
+    as one call."""
     core, d, clock = make(hbm_prefixes=12, settings=BATCHING)
     resident(d, "x")
     pre_infer(d, *"abc")
@@ -127,11 +128,8 @@ def test_background_chunks_never_share_a_call_with_rank_work_and_a_rank_goes_fir
     assert users(score) == ["x"] and isinstance(score[0].spec, Score)
     done(core, d, score)
     [own] = next_call(core, d)
-    assert isinstance(own.spec, Prefill) and own.priority is Priority.RANK
+    assert isinstance(own.spec, FullForward) and own.priority is Priority.RANK
     done(core, d, (own,))
-    [m] = next_call(core, d)
-    assert isinstance(m.spec, Score) and users((m,)) == ["m"]
-    done(core, d, (m,))
     assert chunks(next_call(core, d)) == [("a", 1), ("b", 1), ("c", 1)]
 
 

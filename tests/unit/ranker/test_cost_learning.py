@@ -204,7 +204,7 @@ def test_engine_reports_the_compute_of_each_job(rng: np.random.Generator) -> Non
     try:
 
         async def scenario() -> None:
-            await engine.rank(first, None)  # a miss: prefill (chunked), then rank
+            await engine.rank(first, None)  # a miss: one call, its full inference
             await engine.rank(again, None)  # the user came back with more: extend, then rank
 
         asyncio.run(scenario())
@@ -212,8 +212,7 @@ def test_engine_reports_the_compute_of_each_job(rng: np.random.Generator) -> Non
         engine.stop()
     p1, p2 = first.prefix.num_tokens, again.prefix.num_tokens
     assert [s[:4] for s in observer.seen] == [
-        (Work.PREFILL, p1, None, 0),
-        (Work.RANK, first.history_tokens, p1, CANDIDATES),
+        (Work.FULL_FORWARD, first.history_tokens, None, CANDIDATES),
         (Work.EXTEND, p2, p1, 0),
         (Work.RANK, again.history_tokens, p2, CANDIDATES),
     ]

@@ -100,7 +100,9 @@ def test_a_rank_never_extends_a_cached_prefix_that_does_not_start_its_history(
             CacheOutcome.MISS,
             TOKENS + MORE + USER_FEATURES + SHORT + CANDIDATES,
         )
-        assert observer.landed[-1] == (Work.PREFILL, TOKENS + MORE + USER_FEATURES)
+        # Computed from nothing, as its full inference (which keeps the new prefix).
+        assert observer.landed == [(Work.PREFILL, TOKENS + USER_FEATURES)]
+        assert observer.scored == [Work.FULL_FORWARD]
 
 
 @pytest.mark.parametrize("diverge", list(DIVERGING))

@@ -202,8 +202,8 @@ def test_a_rank_computes_a_far_behind_queued_prefix_itself_when_that_is_sooner(
             return arrived, chunked, await ranked, outcomes
 
         arrived, chunked, ranked, pres = asyncio.run(scenario())
-        # The prefix the Rank took over, computed in one call: its rank step follows once the
-        # event loop hears of it, and a background chunk may slip in before (as behind any miss).
+        # The prefix the Rank took over, computed in one call: the Rank's full inference, which
+        # keeps the prefix and answers the Rank.
         done = finished_at(engine, "prefill:a")
         assert (ranked.outcome, ranked.computed_tokens, ranked.relayed) == (
             CacheOutcome.MISS,
@@ -212,12 +212,10 @@ def test_a_rank_computes_a_far_behind_queued_prefix_itself_when_that_is_sooner(
         )
         # b and c computed theirs; a's PreInfer shared the Rank's computation.
         assert pres == [PreInferOutcome.COMPUTED] * 2 + [PreInferOutcome.JOINED_INFLIGHT]
-        landed = sorted(observer.landed, key=lambda w: w[1])
-        assert landed == [(Work.PREFILL, TOKENS + USER_FEATURES)] * 2 + [
-            (Work.PREFILL, LONG_TOKENS)
-        ]
+        assert observer.landed == [(Work.PREFILL, TOKENS + USER_FEATURES)] * 2
+        assert observer.scored == [Work.FULL_FORWARD]
         assert first_steps(engine) == ["prefill:a", "prefill:b", "prefill:c"]  # ranking first
-    in_full = COST.prefill_ms(LONG_TOKENS) / 1e3
+    in_full = COST.full_ms(request.history_tokens, CANDIDATES) / 1e3
     assert chunked == pytest.approx(COST.prefill_ms(LONG_TOKENS) + 4 * COST.fixed_ms)
     assert done - arrived == pytest.approx(in_full)  # no later than computing in full
     assert_full_inference(ranked, request)
@@ -245,7 +243,9 @@ def test_every_request_for_a_queued_prefix_gets_exact_scores(rng: np.random.Gene
             return list(await asyncio.gather(*ranks))
 
         ranks = asyncio.run(scenario())
-        assert observer.landed == [(Work.PREFILL, LONG_TOKENS)]
+        # Computed once, as the first Rank's full inference, keeping the prefix.
+        assert observer.landed == []
+        assert sorted(observer.scored) == [Work.FULL_FORWARD] + [Work.RANK] * 3
     outcomes = sorted(r.outcome for r in ranks)
     assert outcomes == [CacheOutcome.MISS] + [CacheOutcome.WAITED_INFLIGHT] * 3
     for ranked in ranks:

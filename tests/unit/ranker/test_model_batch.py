@@ -120,6 +120,40 @@ def test_batched_scores_equal_unbatched_and_the_dense_reference(
         assert rel_err(batched_full, expected) <= FP32_TOLERANCE
 
 
+@pytest.mark.parametrize("size", [1, 4])
+def test_a_full_inference_that_keeps_its_prefix_equals_prefill_and_the_dense_reference(
+    model: RankingModel, rng: np.random.Generator, size: int
+) -> None:
+    # A miss computed as one call: its scores are full inference's, and the prefix it keeps
+    # is the one a prefill makes, so a later visit ranked on it scores the same again.
+    requests = _requests(rng, size)
+    keep = [i % 2 == 0 for i in range(size)]
+    kept = model.full_forward_keeping(requests, keep)
+    reference = DenseReference(model)
+    for request, wanted, (scores, kv) in zip(requests, keep, kept, strict=True):
+        expected = reference.forward(request).scores
+        assert rel_err(scores, model.full_forward(request)) <= BATCH_NOISE
+        assert rel_err(scores, expected) <= FP32_TOLERANCE
+        if not wanted:
+            assert kv is None
+            continue
+        assert kv is not None
+        prefilled = model.prefill(request.prefix)
+        assert (kv.num_tokens, kv.num_user_tokens) == (
+            prefilled.num_tokens, prefilled.num_user_tokens,
+        )  # fmt: skip
+        assert kv.digest == prefilled.digest and kv.model_version == model.model_version
+        assert torch.equal(kv.timestamps, prefilled.timestamps)
+        assert kv.keys.shape == prefilled.keys.shape and kv.keys.dtype == prefilled.keys.dtype
+        if kv.num_tokens:  # (an empty prefix has no K/V to compare)
+            assert rel_err(kv.keys.float(), prefilled.keys.float()) <= BATCH_NOISE
+            assert rel_err(kv.values.float(), prefilled.values.float()) <= BATCH_NOISE
+        again = model.rank(kv, request.short_term, request.candidates, request.request_ts)
+        assert rel_err(again, expected) <= FP32_TOLERANCE
+    with pytest.raises(ValueError, match="one keep flag per request"):
+        model.full_forward_keeping(requests, [])
+
+
 def test_batched_chunk_steps_equal_one_prefill(
     model: RankingModel, rng: np.random.Generator
 ) -> None:

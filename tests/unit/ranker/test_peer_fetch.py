@@ -231,7 +231,8 @@ def test_a_fetch_dearer_than_recomputing_is_not_made(rng: np.random.Generator) -
         ranked = asyncio.run(engine.rank(request, None))
         assert ranked.outcome is CacheOutcome.MISS
         assert peers.calls == [] and observer.fetches == []
-        assert observer.landed == [(Work.PREFILL, TOKENS + USER_FEATURES)]
+        # Computed here instead, as its full inference (which keeps the prefix).
+        assert (observer.landed, observer.scored) == ([], [Work.FULL_FORWARD])
     assert_full_inference(ranked, request)
 
 
