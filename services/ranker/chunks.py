@@ -8,17 +8,40 @@ Span = tuple[int, int]  # (tokens cached before the step, tokens cached after it
 def prefill_spans(user_features: int, behaviours: int, chunk: int) -> list[Span]:
     """The steps of a prefill in `chunk`-token chunks: the first computes the user features and
     the behaviours that fill its chunk, each later one the next `chunk` behaviours."""
-    first = max(chunk - user_features, 0)
-    head = (0, user_features + min(first, behaviours))
-    return [head, *extension_spans(user_features, first, behaviours, chunk)]
+    steps = 1 + _extension_steps(_first_chunk(user_features, chunk), behaviours, chunk)
+    return [prefill_span(user_features, behaviours, chunk, step) for step in range(steps)]
 
 
 def extension_spans(user_features: int, start: int, behaviours: int, chunk: int) -> list[Span]:
     """The steps extending a prefix of `start` behaviours to `behaviours`, `chunk` at a time."""
-    return [
-        (user_features + begin, user_features + min(begin + chunk, behaviours))
-        for begin in range(start, behaviours, chunk)
-    ]
+    steps = _extension_steps(start, behaviours, chunk)
+    return [extension_span(user_features, start, behaviours, chunk, step) for step in range(steps)]
+
+
+def prefill_span(user_features: int, behaviours: int, chunk: int, step: int) -> Span:
+    """Step `step` of `prefill_spans`, without listing the others (a scheduler asks for one
+    step at a time); IndexError past the last."""
+    first = _first_chunk(user_features, chunk)
+    if step == 0:
+        return (0, user_features + min(first, behaviours))
+    return extension_span(user_features, first, behaviours, chunk, step - 1)
+
+
+def extension_span(user_features: int, start: int, behaviours: int, chunk: int, step: int) -> Span:
+    """Step `step` of `extension_spans`; IndexError past the last."""
+    begin = start + step * chunk
+    if step < 0 or begin >= behaviours:
+        raise IndexError(f"no step {step} extending {start} to {behaviours} behaviours")
+    return (user_features + begin, user_features + min(begin + chunk, behaviours))
+
+
+def _first_chunk(user_features: int, chunk: int) -> int:
+    """Behaviours in a prefill's first chunk, beside the user features."""
+    return max(chunk - user_features, 0)
+
+
+def _extension_steps(start: int, behaviours: int, chunk: int) -> int:
+    return max(0, -(-(behaviours - start) // chunk))
 
 
 def chunk_ms(cost: CostModel, span: Span) -> float:

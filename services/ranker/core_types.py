@@ -9,7 +9,7 @@ from typing import Any, Generic, NewType, Protocol, TypeVar
 from relaygr.behaviours import UserId
 from relaygr.bucket_counts import BucketCounts
 from relaygr.cost import CallShape, CostModel
-from services.ranker.chunks import Span, extension_spans, prefill_spans
+from services.ranker.chunks import Span, extension_span, prefill_span
 from services.ranker.digest import PrefixDigest
 from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
@@ -122,13 +122,12 @@ def chunk_span(spec: Spec, step: int) -> Span | None:
     step is no chunk."""
     if isinstance(spec, Prefill):
         prefix = spec.prefix
-        return prefill_spans(prefix.user_features, prefix.behaviours, spec.chunk)[step]
+        return prefill_span(prefix.user_features, prefix.behaviours, spec.chunk, step)
     if isinstance(spec, Extend) and step > 0:
         prefix = spec.prefix
-        spans = extension_spans(
-            prefix.user_features, spec.base_behaviours, prefix.behaviours, spec.chunk
+        return extension_span(
+            prefix.user_features, spec.base_behaviours, prefix.behaviours, spec.chunk, step - 1
         )
-        return spans[step - 1]
     return None
 
 

@@ -1,9 +1,16 @@
 """Chunk spans of a prefill or extension and their predicted times."""
 
+import numpy as np
 import pytest
 
 from relaygr.cost import CostModel
-from services.ranker.chunks import chunk_ms, extension_spans, prefill_spans
+from services.ranker.chunks import (
+    chunk_ms,
+    extension_span,
+    extension_spans,
+    prefill_span,
+    prefill_spans,
+)
 
 COST = CostModel(2.0, 0.05, 2e-5, 1e-4, reload_ms_per_mb=0.3)
 
@@ -26,3 +33,33 @@ def test_chunks_cost_one_prefill_plus_a_fixed_cost_per_extra_call() -> None:
     spans = prefill_spans(4, 300, 64)
     total = sum(chunk_ms(COST, s) for s in spans)
     assert total == pytest.approx(COST.prefill_ms(304) + (len(spans) - 1) * COST.fixed_ms)
+
+
+def _steps(user_features: int, start: int, behaviours: int, chunk: int) -> list[tuple[int, int]]:
+    """An independent statement of the chunking: `chunk` behaviours a step from `start`."""
+    return [
+        (user_features + begin, user_features + min(begin + chunk, behaviours))
+        for begin in range(start, behaviours, chunk)
+    ]
+
+
+def test_each_step_and_the_lists_match_an_independent_statement(rng: np.random.Generator) -> None:
+    for _ in range(500):
+        user_features, chunk = int(rng.integers(0, 20)), int(rng.integers(1, 200))
+        behaviours, start = int(rng.integers(0, 2000)), int(rng.integers(0, 2000))
+        first = max(chunk - user_features, 0)
+        whole = [(0, user_features + min(first, behaviours))]
+        whole += _steps(user_features, first, behaviours, chunk)
+        assert prefill_spans(user_features, behaviours, chunk) == whole
+        assert [prefill_span(user_features, behaviours, chunk, k) for k in range(len(whole))] == (
+            whole
+        )
+        with pytest.raises(IndexError):
+            prefill_span(user_features, behaviours, chunk, len(whole))
+        more = _steps(user_features, start, behaviours, chunk)
+        assert extension_spans(user_features, start, behaviours, chunk) == more
+        assert [
+            extension_span(user_features, start, behaviours, chunk, k) for k in range(len(more))
+        ] == more
+        with pytest.raises(IndexError):
+            extension_span(user_features, start, behaviours, chunk, len(more))
