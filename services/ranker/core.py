@@ -554,8 +554,10 @@ class RankerCore(Generic[KV]):
         chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
         peers = self._planner.fetch_peers(key)
         source, spec, computed, step_ms = self._planner.plan(key, prefix, chunk, peers)
+        scores_for = None
         if scores is not None and source is Source.PREFILL:
             spec, step_ms = self._one_call(scores)
+            scores_for = scores.rid
         if source is Source.FETCH:
             flight = Flight(key, prefix, FlightState.FETCHING, source, 0, pin_for, due, origin)
             flight.tag = tag
@@ -568,9 +570,7 @@ class RankerCore(Generic[KV]):
             origin = self._planner.reload_origin(key, origin)
         job = self._submit(key, source, spec, step_ms, priority, deadline, due, tag, place)
         flight = Flight(key, prefix, FlightState.COMPUTING, source, computed, pin_for, due,
-                        origin, job, tag=tag)  # fmt: skip
-        if isinstance(spec, FullForward):
-            flight.scores_for = scores.rid if scores is not None else None
+                        origin, job, tag=tag, scores_for=scores_for)  # fmt: skip
         self.flights[key] = flight
         self._owner[job] = key
         return flight
