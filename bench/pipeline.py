@@ -14,7 +14,13 @@ from bench.report import add_render_arguments, dumps_result, reproduce_command
 from services.ranker.model_config import PRESETS, ModelPreset
 from tooling.local.drive import Point, RequestRecord, drive_mesh
 from tooling.local.mesh import LocalMesh
-from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
+from tooling.local.workload import (
+    Arrival,
+    Population,
+    WorkloadSpec,
+    follow_ups,
+    poisson_arrivals,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,15 +35,27 @@ class Variant:
 @dataclass(slots=True)
 class Ran:
     """One point as it was driven, for a benchmark that replays it (the simulator's check):
-    its arrivals, when it began (`time.monotonic()` just before its trigger mode was set; its
+    its arrivals and each one's follow-up (its gap to its Rank, and whether a Rank follows:
+    `follow_of`), when it began (`time.monotonic()` just before its trigger mode was set; its
     schedule starts about half a second later) and every record, warm-up included."""
 
     label: str
     rate: float
     arrivals: list[Arrival]
+    follow: tuple[Sequence[float], Sequence[bool]]
     began: float
     warmup_s: float
     records: list[RequestRecord] = field(default_factory=list)
+
+
+def follow_of(
+    population: Population, arrivals: Sequence[Arrival]
+) -> tuple[Sequence[float], Sequence[bool]]:
+    """Each arrival's gap to its Rank and whether a Rank follows at all, as the population's
+    spec draws them (`gap_sigma`, `no_show_p`): the same for every variant's copy of a seed's
+    trace (`population`), as the arrivals are."""
+    gaps, ranked = follow_ups(population.spec, population.seed, len(arrivals))
+    return gaps.tolist(), ranked.tolist()
 
 
 def run_point(
@@ -51,7 +69,8 @@ def run_point(
     `ran`: when given, the point's `Ran` is appended to it."""
     duration = max(args.duration, args.min_requests / rate)
     arrivals = poisson_arrivals(population, rate, duration)
-    kept = Ran(variant.label, rate, arrivals, time.monotonic(), duration * args.warmup)
+    follow = follow_of(population, arrivals)
+    kept = Ran(variant.label, rate, arrivals, follow, time.monotonic(), duration * args.warmup)
     point = drive_mesh(
         variant.mesh,
         variant.mode,
@@ -62,6 +81,7 @@ def run_point(
         warmup_s=kept.warmup_s,
         timeout_s=args.timeout,
         records=kept.records if ran is not None else None,
+        follow=follow,
     )
     if ran is not None:
         ran.append(kept)

@@ -114,7 +114,7 @@ def replay(
     visits, spans = [], []
     for point in ran:
         offset = point.began - ran[0].began
-        own = visits_of(point.arrivals)
+        own = visits_of(point.arrivals, point.follow)
         spans.append((len(visits), len(visits) + len(own), offset))
         visits += [dataclasses.replace(v, at=v.at + offset) for v in own]
     records, _ = run_visits(profile, settings, visits, seed)

@@ -8,7 +8,7 @@ with the generator's own length draws, in bulk, and never builds a behaviour arr
 millions of requests over 10^8 users cost memory by the visits drawn, not by the population.
 """
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -47,8 +47,17 @@ class Visit:
         return self.prefix_tokens + self.short_term
 
 
-def visits_of(arrivals: Iterable[Arrival]) -> list[Visit]:
-    """The simulator's view of real arrivals."""
+def visits_of(
+    arrivals: Sequence[Arrival], follow: tuple[Sequence[float], Sequence[bool]] | None = None
+) -> list[Visit]:
+    """The simulator's view of real arrivals. `follow`: each arrival's gap to its Rank and
+    whether a Rank follows (`tooling.local.workload.follow_ups`, as the mesh driver was given
+    them); None: the fleet's gap, every one ranked."""
+    n = len(arrivals)
+    gaps: Sequence[float | None] = [None] * n if follow is None else follow[0]
+    ranked: Sequence[bool] = [True] * n if follow is None else follow[1]
+    if len(gaps) != n or len(ranked) != n:
+        raise ValueError(f"follow must give {n} gaps and {n} flags")
     return [
         Visit(
             a.at,
@@ -57,8 +66,10 @@ def visits_of(arrivals: Iterable[Arrival]) -> list[Visit]:
             len(a.request.prefix.long_term),
             len(a.request.short_term),
             len(a.request.candidates),
+            None if gap is None else float(gap),
+            bool(rank),
         )
-        for a in arrivals
+        for a, gap, rank in zip(arrivals, gaps, ranked, strict=True)
     ]
 
 

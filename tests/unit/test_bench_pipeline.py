@@ -1,0 +1,60 @@
+"""The mesh benchmarks' points send the workload's no-shows and gaps, and the simulator's replay
+of them keeps both: a `--no-show` run that ranked every retrieval measured something else."""
+
+import argparse
+from typing import Any
+
+import numpy as np
+import pytest
+
+import bench.pipeline as pipeline
+from tooling.local.drive import Point
+from tooling.local.workload import WorkloadSpec, poisson_arrivals
+from tooling.sim.workload import visits_of
+
+SPEC = WorkloadSpec(users=10_000, gap_s=0.2, gap_sigma=0.5, no_show_p=0.4)
+
+
+def test_a_point_drives_the_populations_no_shows_and_gaps(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_point` hands the driver each arrival's own gap and whether a Rank follows, as the
+    workload draws them; and every variant of a seed gets the same ones."""
+    seed = int(rng.integers(0, 2**31))
+    driven: list[dict[str, Any]] = []
+
+    def drive_mesh(mesh: object, mode: str, arrivals: list[object], **kw: Any) -> Point:
+        driven.append({"arrivals": arrivals, **kw})
+        return Point.of(kw["label"], kw["rate"], arrivals, [], 0.0)
+
+    monkeypatch.setattr(pipeline, "drive_mesh", drive_mesh)
+    args = argparse.Namespace(duration=60.0, min_requests=1, warmup=0.2, timeout=5.0)
+    ran: list[pipeline.Ran] = []
+    for label in ("relay all", "relay sequence-aware"):
+        variant = pipeline.Variant(label, mesh=None, mode="all")  # type: ignore[arg-type]
+        pipeline.run_point(variant, pipeline.population(label, SPEC, seed), 4.0, args, ran)
+
+    first, second = (d["follow"] for d in driven)
+    gaps, ranked = first
+    assert len(gaps) == len(ranked) == len(driven[0]["arrivals"]) > 100
+    assert 0.25 < 1 - np.mean(ranked) < 0.55  # no_show_p 0.4
+    assert np.std(np.log(gaps)) == pytest.approx(0.5, abs=0.15)  # gap_sigma 0.5
+    n = min(len(gaps), len(second[0]))  # each copy's schedule is the same draws
+    assert list(ranked[:n]) == list(second[1][:n])
+    assert [r.follow for r in ran] == [first, second]
+
+
+def test_the_simulators_replay_keeps_each_arrivals_gap_and_no_show(
+    rng: np.random.Generator,
+) -> None:
+    population = pipeline.population("x", SPEC, int(rng.integers(0, 2**31)))
+    arrivals = poisson_arrivals(population, 4.0, 30.0)
+    gaps, ranked = pipeline.follow_of(population, arrivals)
+    visits = visits_of(arrivals, (gaps, ranked))
+    assert [v.ranked for v in visits] == list(ranked)
+    assert [v.gap_s for v in visits] == list(gaps)
+    assert not all(ranked)
+    plain = visits_of(arrivals)
+    assert all(v.ranked and v.gap_s is None for v in plain)  # the fleet's gap, all ranked
+    with pytest.raises(ValueError, match="gaps"):
+        visits_of(arrivals, (gaps[1:], ranked[1:]))
