@@ -143,9 +143,10 @@ class RelayRoom:
     due: dict[str, _Due] = field(default_factory=dict)  # per instance, of its observation
     ends: RelayEnds = field(default_factory=RelayEnds)
     # Kept in step with `relays` so that a decision costs O(log n), not a scan: the uncovered
-    # bytes and prefill per instance, and a heap of (expires_at, key) whose stale entries are
-    # skipped.
+    # and the unsettled bytes and the prefill per instance, and a heap of (expires_at, key)
+    # whose stale entries are skipped.
     _uncovered: Counter[str] = field(default_factory=Counter)
+    _unsettled: Counter[str] = field(default_factory=Counter)
     _unqueued: dict[str, float] = field(default_factory=dict)
     _expiries: list[tuple[float, int, Hashable]] = field(default_factory=list)
     _on: dict[str, dict[Hashable, None]] = field(default_factory=dict)  # instance -> its relays
@@ -172,6 +173,13 @@ class RelayRoom:
         consumed = 0.0 if due is None or not ranked else ranked * due.nbytes(now)
         return seen.pinned_bytes - consumed + self._uncovered[instance]
 
+    def in_flight(self, instance: str, now: float) -> int:
+        """Bytes of the relays started here for the instance and not yet settled: accepted or
+        on their way, their prefill not yet done, so pinned nowhere yet and counted by no
+        ranker's own check (`KVStore.fits_device` counts what is pinned)."""
+        self._expire(now)
+        return self._unsettled[instance]
+
     def budget(self, record: RankerRecord) -> int:
         """The instance's relay budget: what it last reported, else what it registered."""
         seen = self.observed.get(record.instance_id)
@@ -193,20 +201,13 @@ class RelayRoom:
         refusal = self.refusals.get(instance)
         return refusal is not None and now < refusal.until
 
-    def fits(
-        self,
-        record: RankerRecord,
-        nbytes: int,
-        now: float,
-        share: float = 1.0,
-        ranked: float = 0.0,
-    ) -> bool:
-        """Would `nbytes` more fit `share` of the instance's relay budget now (`held`, with
-        `ranked` of the relays due taken as consumed)? Not after a refusal not yet cleared."""
+    def fits(self, record: RankerRecord, nbytes: int, now: float) -> bool:
+        """Would `nbytes` more fit the instance's relay budget now (`held`)? Not after a refusal
+        not yet cleared. (The router orders a PreInfer's rankers by it.)"""
         instance = record.instance_id
         if self.refused(instance, now):
             return False
-        return self.held(instance, now, ranked) + nbytes <= self.budget(record) * share
+        return self.held(instance, now) + nbytes <= self.budget(record)
 
     # -- relays ---------------------------------------------------------------------------
 
@@ -299,6 +300,8 @@ class RelayRoom:
         self._on.setdefault(relay.instance, {})[key] = None
         if not relay.observed:
             self._uncovered[relay.instance] += relay.nbytes
+        if relay.settled_at is None:
+            self._unsettled[relay.instance] += relay.nbytes
         if not relay.prefill_observed:
             self._unqueued[relay.instance] = (
                 self._unqueued.get(relay.instance, 0.0) + relay.prefill_ms
@@ -316,6 +319,10 @@ class RelayRoom:
             del self._on[relay.instance]
         if not relay.observed:
             self._uncover(relay)
+        if relay.settled_at is None:
+            self._unsettled[relay.instance] -= relay.nbytes
+            if not self._unsettled[relay.instance]:
+                del self._unsettled[relay.instance]
         if not relay.prefill_observed:
             self._unqueue(relay.instance, relay.prefill_ms)
         return relay

@@ -97,14 +97,13 @@ class AdmissionPolicy:
     its Rank whether or not it is at risk, and one not at risk takes only what nothing at risk
     needs now), else NOT_AT_RISK; the same prefix already relayed ->
     IN_FLIGHT or ALREADY_CACHED. Then (sequence-aware) the relay goes to the first ranker of the
-    order where its KV bytes fit `relay_budget_share` of the relay budget beside what is held
-    there (`RelayRoom.fits`: no unexpired refusal either; the relays whose Rank is due since
-    the ranker last reported are taken as consumed in the share that is ranked, 1 -
-    `no_show_share`), is not priced out (below), and its prefill starts before its
-    Rank is expected (expected_gap_ms) behind the background prefill that will run ahead of it
-    there (`background_ahead_ms`: the no-shows' share of the ranker's reported and this
-    trigger's unreported prefill); none -> LOAD_LIMIT if the relay had room somewhere, else
-    NO_ROOM if it fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays
+    order where its KV bytes fit `relay_budget_share` of the relay budget beside this trigger's
+    relays in flight there (`_fits`), that has not refused a relay for room since it last
+    reported, where it is not priced out (below), and where its prefill starts before its Rank
+    is expected (expected_gap_ms) behind the background prefill that will run ahead of it there
+    (`background_ahead_ms`: the no-shows' share of the ranker's reported and this trigger's
+    unreported prefill); none -> LOAD_LIMIT if the relay had room somewhere, else NO_ROOM if it
+    fits some ranker's budget at all, else FOOTPRINT_LIMIT. Mode `all` relays
     every event that is not a duplicate to the owner. An admitted relay is booked at once on its
     target.
 
@@ -257,11 +256,23 @@ class AdmissionPolicy:
         return self.demand.held_below(nbytes, self.hold_s(), now) >= room
 
     def _fits(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
-        """Does the relay fit the ranker's room now (`relay_budget_share` of the budget less
-        what is held, the relays whose Rank is due taken as consumed in the measured share that
-        is ranked), with no unexpired refusal?"""
-        ranked = 1 - self.no_show_share()
-        return self.room.fits(ranker, nbytes, now, self.cfg.relay_budget_share, ranked)
+        """Does the relay fit `relay_budget_share` of the ranker's relay budget beside this
+        trigger's relays in flight there (`RelayRoom.in_flight`), with no refusal for room
+        since the ranker last reported?
+
+        The ranker has the final word on what is pinned: it pins a relay only while its pinned
+        bytes leave room, and refuses it RESOURCE_EXHAUSTED otherwise (the router tries the
+        next ranker; the refusal marks the ranker full here until it reports again). What its
+        check cannot see is what is on its way: the relays sent and not yet pinned, which this
+        trigger books so that a burst stops at the room. The trigger does not judge by the
+        ranker's reported pinned bytes as well: a report up to a Describe period old, with the
+        relays settled since counted until a later one, saw rooms full that the rankers still
+        had room in, and the relays it refused were the long ones that set the P99
+        (docs/benchmarks.md, "The trigger and the ranker's room")."""
+        if self.room.refused(ranker.instance_id, now):
+            return False
+        in_flight = self.room.in_flight(ranker.instance_id, now)
+        return in_flight + nbytes <= self.room.budget(ranker) * self.cfg.relay_budget_share
 
     @staticmethod
     def _decision(event: Event, ranker: RankerRecord, predicted: float, digest: str) -> Decision:

@@ -240,14 +240,12 @@ def test_in_flight_relay_that_never_settles_lapses_after_one_window() -> None:
     assert policy.decide(event(), [ranker()], 2.0).admitted
 
 
-@pytest.mark.parametrize(
-    ("pinned", "reason"), [(104_000, Reason.ADMITTED), (104_001, Reason.NO_ROOM)]
-)
-def test_footprint_boundary_is_exact(pinned: int, reason: Reason) -> None:
-    # relay budget 400,000 * 0.5 = 200,000 = observed 104,000 + 96,000 exactly
+@pytest.mark.parametrize(("tokens", "reason"), [(104, Reason.ADMITTED), (105, Reason.NO_ROOM)])
+def test_footprint_boundary_is_exact(tokens: int, reason: Reason) -> None:
+    # relay budget 400,000 * 0.5 = 200,000 = in flight 104,000 + 96,000 exactly
     policy = AdmissionPolicy(config(relay_budget_share=0.5))
     target = ranker(hbm_budget_bytes=400_000)
-    policy.room.observe(X, seen(pinned, budget=400_000), NOW)
+    assert policy.decide(event("first", prefix=tokens), [target], NOW).admitted
     decision = policy.decide(event(), [target], NOW)
     assert decision.reason is reason
     assert decision.kv_bytes == NBYTES and decision.digest == "digest-a"
@@ -261,6 +259,34 @@ def test_footprint_counts_this_triggers_relays_on_the_same_target_only() -> None
     assert policy.decide(event("c"), [target], 0.0).reason is Reason.NO_ROOM
     other = ranker("ranker-1", hbm_budget_bytes=400_000)
     assert policy.decide(event("c"), [other], 0.0).admitted
+
+
+def test_a_relay_in_flight_stops_counting_once_settled_the_ranker_counts_it_pinned() -> None:
+    policy = AdmissionPolicy(config(relay_budget_share=0.5))
+    target = ranker(hbm_budget_bytes=400_000)
+    relay(policy, "a", target=target)
+    relay(policy, "b", target=target)
+    assert policy.room.in_flight(X, 0.1) == 2 * NBYTES
+    policy.settled("a", "digest-a", X, NBYTES, 0.1)
+    assert policy.room.in_flight(X, 0.1) == NBYTES
+    assert policy.decide(event("c"), [target], 0.1).admitted
+
+
+def test_a_relay_goes_to_its_owner_however_full_the_view_until_the_owner_refuses() -> None:
+    """The ranker has the final word on what is pinned: a room its last report shows full is
+    asked anyway while this trigger's relays in flight there leave room; its refusal marks it
+    full, and the next relay goes to the next ranker of the order."""
+    policy = AdmissionPolicy(config(relay_budget_share=0.5))
+    target, other = ranker(hbm_budget_bytes=400_000), ranker("ranker-1", hbm_budget_bytes=400_000)
+    policy.room.observe(X, seen(200_000, budget=400_000), NOW)  # the whole relay room pinned
+    relay(policy, "a", target=target, now=NOW)
+    assert policy.room.held(X, NOW) == 200_000 + NBYTES
+    decided = policy.decide(event("b"), [target, other], NOW)
+    assert (decided.reason, decided.target) == (Reason.ADMITTED, X)
+    policy.refused(decided, "b", NOW)
+    decided = policy.decide(event("c"), [target, other], NOW)
+    assert (decided.reason, decided.target) == (Reason.ADMITTED, "ranker-1")
+    assert policy.decide(event("d"), [target], NOW).reason is Reason.NO_ROOM
 
 
 def test_refusal_blocks_the_target_until_the_cooldown_passes() -> None:
@@ -327,22 +353,26 @@ def test_a_covered_relay_still_pinned_is_counted_once() -> None:
 
 def test_relays_due_since_the_last_report_count_as_consumed_in_the_share_ranked() -> None:
     # A quarter of relays are never ranked (the prior, nothing measured yet): once a relay's
-    # Rank is due (1 s after admission), three quarters of its bytes are taken as freed.
-    # Room for the relay and another only once most of the first is taken as freed.
-    budget = 2 * NBYTES - 1000
-
+    # Rank is due (1 s after admission), three quarters of its bytes are taken as freed. The
+    # owner's room (one relay) has room to spare for a relay not at risk only once most of the
+    # first is taken as freed.
     def trigger(no_show_prior: float) -> AdmissionPolicy:
         policy = AdmissionPolicy(
-            config(expected_gap_ms=1000, no_show_prior=no_show_prior, relay_budget_share=1.0)
-        )
-        relay(policy, now=0.0)
+            config(
+                expected_gap_ms=1000, no_show_prior=no_show_prior, relay_budget_share=1.0,
+                relay_spare_share=1.0,
+            )
+        )  # fmt: skip
+        relay(policy, now=0.0, target=ranker(hbm_budget_bytes=NBYTES))
         policy.settled("user-0", "digest-a", X, NBYTES, 0.2)
-        policy.room.observe(X, seen(NBYTES, budget), 0.5)  # counted pinned: not due yet
+        policy.room.observe(X, seen(NBYTES, NBYTES), 0.5)  # counted pinned: not due yet
         return policy
 
-    policy = trigger(no_show_prior=0.25)
-    assert policy.decide(event("b"), [ranker()], 0.999).reason is Reason.NO_ROOM
-    assert policy.decide(event("c"), [ranker()], 1.0).admitted
+    def spare(policy: AdmissionPolicy, now: float) -> Reason:
+        return policy.decide(event("b", candidates=SAFE), [ranker()], now).reason
+
+    assert spare(trigger(no_show_prior=0.25), 0.999) is Reason.NOT_AT_RISK
+    assert spare(trigger(no_show_prior=0.25), 1.0) is Reason.SPARE
     room = trigger(no_show_prior=0.25).room
     assert room.held(X, 1.0, ranked=0.75) == NBYTES / 4
     assert room.held(X, 1.0) == NBYTES  # the router's view: no share ranked, nothing taken
@@ -350,7 +380,7 @@ def test_relays_due_since_the_last_report_count_as_consumed_in_the_share_ranked(
     room.observe(X, seen(NBYTES), 1.1)  # a no-show, still pinned
     assert room.held(X, 1.2, ranked=0.75) == NBYTES
     # With every relay assumed a no-show (the default prior), nothing is taken off either.
-    assert trigger(no_show_prior=1.0).decide(event("b"), [ranker()], 1.5).reason is (Reason.NO_ROOM)
+    assert spare(trigger(no_show_prior=1.0), 1.5) is Reason.NOT_AT_RISK
 
 
 def test_settle_records_where_the_relay_landed_and_its_size() -> None:
@@ -501,18 +531,17 @@ class Walk:
 
 WALKS = [
     Walk("owner-has-room", Reason.ADMITTED, X),
-    Walk("owner-full-second-has-room", Reason.ADMITTED, Y, {X: FULL}),
-    Walk("owner-and-second-full", Reason.ADMITTED, Z, {X: FULL, Y: FULL}),
-    Walk("nobody-has-room", Reason.NO_ROOM, X, {X: FULL, Y: FULL, Z: FULL}),
+    Walk("owner-full-in-the-view-is-still-asked", Reason.ADMITTED, X, {X: FULL}),
     Walk("owner-refused-second-has-room", Reason.ADMITTED, Y, refused=(X,)),
-    Walk("all-refused", Reason.NO_ROOM, X, refused=ORDER),
+    Walk("owner-and-second-refused", Reason.ADMITTED, Z, refused=(X, Y)),
+    Walk("all-refused", Reason.NO_ROOM, X, {Y: FULL}, refused=ORDER),
     Walk("owner-too-small-ever", Reason.ADMITTED, Y, budgets={X: NBYTES - 1}),
     Walk("larger-than-every-budget", Reason.FOOTPRINT_LIMIT, X, budgets=dict.fromkeys(ORDER, 1)),
-    Walk("too-small-or-full", Reason.NO_ROOM, X, {Y: FULL, Z: FULL}, budgets={X: 1}),
+    Walk("too-small-or-refused", Reason.NO_ROOM, X, refused=(Y, Z), budgets={X: 1}),
     Walk("owner-queue-busy-second-idle", Reason.ADMITTED, Y, {X: BUSY_QUEUE}),
     Walk("every-queue-busy", Reason.LOAD_LIMIT, X, dict.fromkeys(ORDER, BUSY_QUEUE)),
-    Walk("full-or-busy", Reason.LOAD_LIMIT, X, {X: FULL, Y: BUSY_QUEUE, Z: FULL}),
-    Walk("busy-or-full", Reason.LOAD_LIMIT, X, {X: BUSY_QUEUE, Y: FULL, Z: FULL}),
+    Walk("refused-or-busy", Reason.LOAD_LIMIT, X, {Y: BUSY_QUEUE}, refused=(X, Z)),
+    Walk("busy-or-refused", Reason.LOAD_LIMIT, X, {X: BUSY_QUEUE}, refused=(Y, Z)),
 ]
 
 
@@ -537,8 +566,11 @@ def test_admission_walks_the_fallback_order(walk: Walk) -> None:
 def test_each_ranker_is_judged_by_its_own_bytes_per_token_and_cost_model() -> None:
     policy = AdmissionPolicy(config(relay_budget_share=1.0))
     owner = ranker(X, hbm_budget_bytes=NBYTES)  # room for exactly one relay
-    second = ranker(Y, kv_bytes_per_token=10, per_token_ms=0.25)  # prefill(96) = 1 + 24 + 4.5
+    second = ranker(Y, hbm_budget_bytes=960, kv_bytes_per_token=10, per_token_ms=0.25)
     assert policy.decide(event("a"), [owner, second], NOW).target == X
+    # 96 tokens: more than the owner's budget in its bytes, exactly the second's in its own;
+    # prefill(96) there = 1 + 24 + 4.5 ms.
+    owner = ranker(X, hbm_budget_bytes=NBYTES - 1)
     decision = policy.decide(event("b"), [owner, second], NOW)
     assert decision == Decision(Reason.ADMITTED, PREDICTED[AT_RISK], Y, 960, 29.5, "digest-a")
 
@@ -589,10 +621,9 @@ def test_a_stale_view_ages_out_to_unknown() -> None:
     policy = AdmissionPolicy(config())  # window 2 s: every pin it counted is gone after it
     policy.room.observe(X, FULL, 1.0)
     assert policy.room.report(X, 2.999) == FULL
-    assert policy.decide(event("a"), [ranker(), ranker(Y)], 2.999).target == Y
+    assert policy.room.held(X, 2.999) == FULL.pinned_bytes
     assert policy.room.report(X, 3.0) is None  # unknown: only this trigger's relays count
     assert policy.room.held(X, 3.0) == 0
-    assert policy.decide(event("b"), [ranker(), ranker(Y)], 3.0).target == X
 
 
 def test_a_refusal_marks_the_ranker_full_until_an_observation_sent_after_it() -> None:
@@ -809,10 +840,10 @@ def test_the_room_is_exact_and_follows_what_is_held() -> None:
     policy = AdmissionPolicy(config(relay_budget_share=1.0))
     decision = policy.decide(event("a"), [ranker(hbm_budget_bytes=NBYTES - 1)], NOW)
     assert decision.reason is Reason.FOOTPRINT_LIMIT
-    # What the ranker reports held counts against the room left, and a relay spills to the
-    # next ranker of the order where it fits.
+    # A ranker that refused a relay for room is full until it reports again: the relay spills
+    # to the next ranker of the order.
     policy = AdmissionPolicy(config(relay_budget_share=1.0))
-    policy.room.observe(X, seen(10**9 - NBYTES + 1), NOW)
+    policy.room.refuse(X, NOW)
     decision = policy.decide(event("b"), [ranker(), ranker(Y)], NOW)
     assert decision.admitted and decision.target == Y
 
