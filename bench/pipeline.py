@@ -16,6 +16,7 @@ from tooling.local.drive import Point, RequestRecord, drive_mesh
 from tooling.local.mesh import LocalMesh
 from tooling.local.workload import (
     Arrival,
+    Follow,
     Population,
     WorkloadSpec,
     follow_ups,
@@ -42,15 +43,13 @@ class Ran:
     label: str
     rate: float
     arrivals: list[Arrival]
-    follow: tuple[Sequence[float], Sequence[bool]]
+    follow: Follow
     began: float
     warmup_s: float
     records: list[RequestRecord] = field(default_factory=list)
 
 
-def follow_of(
-    population: Population, arrivals: Sequence[Arrival]
-) -> tuple[Sequence[float], Sequence[bool]]:
+def follow_of(population: Population, arrivals: Sequence[Arrival]) -> Follow:
     """Each arrival's gap to its Rank and whether a Rank follows at all, as the population's
     spec draws them (`gap_sigma`, `no_show_p`): the same for every variant's copy of a seed's
     trace (`population`), as the arrivals are."""

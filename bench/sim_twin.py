@@ -89,6 +89,7 @@ def run_one(
 ) -> Point:
     """One variant's point of one seed through a fresh simulated fleet."""
     kind, mode = VARIANTS[label]
+    # The simulator runs the profile, not the model: the mesh flags' model path is never read.
     settings = fleet_settings(mesh_spec(kind, Path("model.json"), args), mode, args)
     pop = population(label, workload(args), seed)
     arrivals = poisson_arrivals(pop, rate, args.duration)

@@ -30,7 +30,7 @@ from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2, trigger_pb2_grp
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
 from services.trigger.live_config import live_config_key
 from tooling.local.mesh import LocalMesh
-from tooling.local.workload import Arrival
+from tooling.local.workload import Arrival, Follow, check_follow
 
 OUTCOMES = {v: k.removeprefix("CACHE_OUTCOME_").lower() for k, v in common_pb2.CacheOutcome.items()}
 REASONS = {
@@ -294,14 +294,14 @@ class OpenLoopDriver:
         timeout_s: float,
         hang_grace_s: float = 2.0,
         keep_scores: bool = False,
-        follow: tuple[Sequence[float], Sequence[bool]] | None = None,
+        follow: Follow | None = None,
     ) -> None:
         self._arrivals = arrivals
         n = len(arrivals)
+        if follow is not None:
+            check_follow(follow, n)
         self._gaps = [gap_s] * n if follow is None else [float(g) for g in follow[0]]
         self._ranked = [True] * n if follow is None else [bool(r) for r in follow[1]]
-        if len(self._gaps) != n or len(self._ranked) != n:
-            raise ValueError(f"follow must give {n} gaps and {n} flags")
         self._timeout_s = timeout_s
         self._hang_after_s = timeout_s + hang_grace_s
         self._keep_scores = keep_scores
@@ -424,7 +424,7 @@ async def drive(
     on_done: Callable[[], None] | None = None,
     tls: TlsSettings = PLAINTEXT,
     records: list[RequestRecord] | None = None,
-    follow: tuple[Sequence[float], Sequence[bool]] | None = None,
+    follow: Follow | None = None,
 ) -> Point:
     """Run `arrivals` through the pipeline with an `OpenLoopDriver` (no trigger call when
     `trigger_address` is None) and sum its records up.
@@ -452,7 +452,7 @@ def drive_mesh(
     timeout_s: float,
     on_done: Callable[[], None] | None = None,
     records: list[RequestRecord] | None = None,
-    follow: tuple[Sequence[float], Sequence[bool]] | None = None,
+    follow: Follow | None = None,
 ) -> Point:
     """Put `mesh`'s trigger in `mode`, then drive `arrivals` through its trigger and router
     (blocking; the demo's and the mesh benchmarks' one point). `records`, `follow`: as

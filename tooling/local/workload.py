@@ -17,7 +17,7 @@ here), so about 15% of users sit at the cap, as heavy users do in production.
 import heapq
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +100,16 @@ class Arrival:
     @property
     def prefix_tokens(self) -> int:
         return self.request.prefix.num_tokens
+
+
+# Each arrival's gap to its Rank (seconds) and whether a Rank follows at all (`follow_ups`).
+Follow = tuple[Sequence[float], Sequence[bool]]
+
+
+def check_follow(follow: Follow, count: int) -> None:
+    """ValueError unless `follow` gives one gap and one flag for each of `count` arrivals."""
+    if len(follow[0]) != count or len(follow[1]) != count:
+        raise ValueError(f"follow must give {count} gaps and {count} flags")
 
 
 def follow_ups(spec: WorkloadSpec, seed: int, count: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,8 +15,10 @@ import numpy as np
 
 from tooling.local.workload import (
     Arrival,
+    Follow,
     WorkloadSpec,
     burn_in_s,
+    check_follow,
     first_length,
     follow_ups,
     new_behaviours,
@@ -47,17 +49,15 @@ class Visit:
         return self.prefix_tokens + self.short_term
 
 
-def visits_of(
-    arrivals: Sequence[Arrival], follow: tuple[Sequence[float], Sequence[bool]] | None = None
-) -> list[Visit]:
+def visits_of(arrivals: Sequence[Arrival], follow: Follow | None = None) -> list[Visit]:
     """The simulator's view of real arrivals. `follow`: each arrival's gap to its Rank and
     whether a Rank follows (`tooling.local.workload.follow_ups`, as the mesh driver was given
     them); None: the fleet's gap, every one ranked."""
     n = len(arrivals)
+    if follow is not None:
+        check_follow(follow, n)
     gaps: Sequence[float | None] = [None] * n if follow is None else follow[0]
     ranked: Sequence[bool] = [True] * n if follow is None else follow[1]
-    if len(gaps) != n or len(ranked) != n:
-        raise ValueError(f"follow must give {n} gaps and {n} flags")
     return [
         Visit(
             a.at,
