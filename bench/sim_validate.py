@@ -14,6 +14,10 @@ mesh's own flags. Compared per point: P50 and P99 (target: within 15%), hit rate
 share of answered Ranks (within 3 points); per variant, SLO-compliant throughput
 (report.max_compliant; within one step of the rate grid).
 
+With --mesh-runs 2, the real sweep runs twice per seed, each time on fresh meshes over the same
+trace, and the simulator replays the first: the fidelity verdict (`fidelity`) sets the
+simulator's P50, P90 and P99 beside the spread between the two real runs.
+
     .venv/bin/python bench/sim_validate.py            # about 10 minutes on 2 cores
     .venv/bin/python bench/sim_validate.py --quick    # smoke run, results not recorded in docs
 """
@@ -69,6 +73,7 @@ NAME = "sim_validate"
 CHECKED = (CACHE_ONLY, RELAY_AWARE)
 LATENCY_TARGET = 0.15  # |simulated / real - 1| at most this, for P50 and P99
 SHARE_TARGET = 0.03  # |simulated - real| at most this, for hit rate and relayed share
+FIDELITY_QUANTILES = (50, 90, 99)
 Config = TypeVar("Config")
 
 
@@ -166,7 +171,7 @@ def compare_variant(
     simulated = replay(profile, fleet_settings(spec, VARIANTS[label][1], args), ran, seed)
     points = []
     for point, records in zip(ran, simulated, strict=True):
-        real = Point.of(point.label, point.rate, point.arrivals, point.records, point.warmup_s)
+        real = Point(**real_summary(point))
         twin = Point.of(point.label, point.rate, point.arrivals, records, point.warmup_s)
         counted = [r for r in point.records if point.arrivals[r.index].at >= point.warmup_s]
         server = [r.server_ms for r in counted if r.status == OK]
@@ -192,9 +197,11 @@ def compare_variant(
     }
 
 
-def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dict, int]:
-    """Fresh meshes, their profiles, the real sweep, then the simulated one; and the rankers'
-    intra-op threads."""
+def real_sweep(
+    seed: int, model_path: Path, args: argparse.Namespace
+) -> tuple[list[Ran], dict[str, DeviceProfile], dict[str, DeviceProfile], int]:
+    """One real sweep on fresh meshes: its points, each variant's profile read before and after
+    it, and the rankers' intra-op threads."""
     specs = {label: mesh_spec(VARIANTS[label][0], model_path, args) for label in CHECKED}
     with ExitStack() as stack:
         meshes: dict[str, LocalMesh] = {}
@@ -208,10 +215,22 @@ def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dic
         ran: list[Ran] = []
         sweep(variants, workload(args), args, seed, math.inf, ran)
         after = {label: measured(mesh, label) for label, mesh in meshes.items()}
-        threads = meshes[CHECKED[0]].ranker_threads
+        return ran, profiles, after, meshes[CHECKED[0]].ranker_threads
+
+
+def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dict, int]:
+    """`args.mesh_runs` real sweeps, then the first one's points through the simulator; and the
+    rankers' intra-op threads. The later sweeps are kept as each variant's `again`."""
+    sweeps = []
+    for k in range(args.mesh_runs):
+        print(f"seed {seed}: real sweep {k + 1} of {args.mesh_runs}", flush=True)
+        sweeps.append(real_sweep(seed, model_path, args))
+    ran, profiles, after, threads = sweeps[0]
+    specs = {label: mesh_spec(VARIANTS[label][0], model_path, args) for label in CHECKED}
     print(f"seed {seed}: the same arrivals through the simulator", flush=True)
-    variants_out = {
-        label: compare_variant(
+    variants_out = {}
+    for label in CHECKED:
+        out = compare_variant(
             label,
             [r for r in ran if r.label == label],
             profiles[label],
@@ -220,9 +239,17 @@ def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dic
             seed,
             args,
         )
-        for label in CHECKED
-    }
+        out["again"] = [
+            [real_summary(r) for r in later if r.label == label] for later, *_ in sweeps[1:]
+        ]
+        variants_out[label] = out
     return variants_out, threads
+
+
+def real_summary(point: Ran) -> dict[str, object]:
+    """The point's sums and latencies, as a result file keeps them."""
+    real = Point.of(point.label, point.rate, point.arrivals, point.records, point.warmup_s)
+    return real.summary()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -262,6 +289,79 @@ def share_cell(real: float, sim: float) -> tuple[str, bool]:
     """Both shares and whether they are within the share target."""
     within = abs(sim - real) <= SHARE_TARGET + 1e-9
     return f"{real:.0%} / {sim:.0%} ({'yes' if within else 'no'})", within
+
+
+def fidelity(runs: Sequence[float], sim: float) -> tuple[float, float, bool]:
+    """One quantile of a point over its real runs and the simulator: the runs' spread (highest
+    over lowest, less 1), the simulator's error against their mean (sim / mean - 1), and whether
+    the simulator sits within the runs' range or within LATENCY_TARGET of their mean, whichever
+    is wider."""
+    finite = [v for v in runs if math.isfinite(v) and v > 0]
+    if len(finite) < len(runs) or not runs or not math.isfinite(sim):
+        return math.nan, math.nan, False
+    low, high, mean = min(finite), max(finite), statistics.fmean(finite)
+    error = sim / mean - 1
+    return high / low - 1, error, low <= sim <= high or abs(error) <= LATENCY_TARGET + 1e-9
+
+
+def quantile_ms(point: Point, q: float) -> float:
+    return float(np.percentile(point.latencies_ms, q)) if point.latencies_ms else math.inf
+
+
+def fidelity_section(per_seed: dict[str, dict[str, Any]]) -> list[str]:
+    """The fidelity verdict over every point that has later real runs (--mesh-runs 2 or more);
+    none: no lines."""
+    rows: list[str] = []
+    within = {q: 0 for q in FIDELITY_QUANTILES}
+    spreads: dict[int, list[float]] = {q: [] for q in FIDELITY_QUANTILES}
+    errors: dict[int, list[float]] = {q: [] for q in FIDELITY_QUANTILES}
+    for seed, variants in per_seed.items():
+        for label, out in variants.items():
+            for i, raw in enumerate(out["points"]):
+                later = [Point(**run[i]) for run in out.get("again", []) if i < len(run)]
+                if not later:
+                    continue
+                real = [Point(**raw["real"]), *later]
+                sim = Point(**raw["sim"])
+                cells = []
+                for q in FIDELITY_QUANTILES:
+                    runs = [quantile_ms(r, q) for r in real]
+                    spread, error, ok = fidelity(runs, quantile_ms(sim, q))
+                    within[q] += ok
+                    spreads[q].append(spread)
+                    errors[q].append(abs(error))
+                    cells.append(
+                        f"{' / '.join(f'{v:.0f}' for v in runs)} | {quantile_ms(sim, q):.0f} "
+                        f"| {spread:.0%} | {error:+.0%} ({'yes' if ok else 'no'})"
+                    )
+                ns = " / ".join(str(r.ok) for r in [*real, sim])
+                rows.append(f"| {seed} | {label} | {real[0].rate:g} | {ns} | {' | '.join(cells)} |")
+    if not rows:
+        return []
+    n = len(rows)
+    summary = "; ".join(
+        f"P{q} {within[q]} of {n} (median spread {statistics.median(spreads[q]):.0%}, median "
+        f"error {statistics.median(errors[q]):.0%})"
+        for q in FIDELITY_QUANTILES
+    )
+    head = " | ".join(
+        f"P{q} real runs ms | P{q} sim ms | P{q} real spread | P{q} sim error (within)"
+        for q in FIDELITY_QUANTILES
+    )
+    return [
+        "**Fidelity: the same trace through the mesh twice and the simulator once.** Target: "
+        "the simulator's P50, P90 and P99 within the range of the real runs, or within "
+        f"{LATENCY_TARGET:.0%} of their mean, whichever is wider (`sim_validate.fidelity`). "
+        "Spread: the real runs' highest over their lowest, less 1; error: simulated over the "
+        "real runs' mean, less 1.",
+        "",
+        f"**Within: {summary}.**",
+        "",
+        f"| seed | variant | rate req/s | Ranks real runs / sim | {head} |",
+        "|---:|---|---:|---|" + "---|---:|---:|---|" * len(FIDELITY_QUANTILES),
+        *rows,
+        "",
+    ]
 
 
 def grid_steps(real: float, sim: float, rates: Sequence[float]) -> int:
@@ -380,6 +480,7 @@ def render(saved: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---|---|",
         *rows,
         "",
+        *fidelity_section(per_seed),
         f"**SLO-compliant throughput at {args.slo_ms:.0f} ms, req/s:**",
         "",
         "| seed | variant | real | simulated | grid steps apart (within one) |",
@@ -432,6 +533,11 @@ def main() -> int:
     add_mesh_arguments(parser)
     parser.set_defaults(duration=60.0, min_requests=30)
     parser.add_argument("--seeds", type=int, default=1, help="seeds: --seed, --seed + 1, ...")
+    parser.add_argument(
+        "--mesh-runs", type=int, default=1,
+        help="real sweeps per seed, each on fresh meshes over the same trace (2: the fidelity"
+        " verdict, the simulator beside the real runs' spread)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.from_json is not None:
         saved = load_result(args.from_json)

@@ -1,0 +1,61 @@
+"""The simulator's fidelity verdict (bench/sim_validate.py): the simulated P50, P90 and P99 of a
+point judged against two real runs of the same trace."""
+
+import dataclasses
+import math
+
+import pytest
+
+from bench.sim_validate import fidelity, fidelity_section
+from tooling.local.drive import Point
+
+
+@pytest.mark.parametrize(
+    ("runs", "sim", "within"),
+    [
+        ([1000.0, 2000.0], 1900.0, True),  # inside the runs' range, 27% above their mean
+        ([1000.0, 2000.0], 2001.0, False),  # above the range and 33% above the mean
+        ([1000.0, 1050.0], 1175.0, True),  # outside a narrow range, 14.6% above the mean
+        ([1000.0, 1050.0], 1190.0, False),  # 16% above the mean
+        ([1000.0, 1050.0], 870.0, False),  # 15.1% below the mean
+        ([1000.0, math.inf], 1000.0, False),  # a run with no answered Rank decides nothing
+    ],
+)
+def test_the_simulator_sits_in_the_real_runs_range_or_within_15_percent(
+    runs: list[float], sim: float, within: bool
+) -> None:
+    assert fidelity(runs, sim)[2] is within
+
+
+def test_spread_and_error_are_stated_against_the_runs() -> None:
+    spread, error, _ = fidelity([1000.0, 1250.0], 900.0)
+    assert spread == pytest.approx(0.25)
+    assert error == pytest.approx(900 / 1125 - 1)
+
+
+def point(latencies: list[float]) -> dict[str, object]:
+    return dataclasses.asdict(Point("x", 0.5, ok=len(latencies), latencies_ms=latencies))
+
+
+def test_the_section_counts_each_quantile_over_points_with_a_second_run() -> None:
+    first = [float(v) for v in range(1, 101)]  # P50 50.5, P90 90.1, P99 99.01
+    second = [v * 1.1 for v in first]
+    sim_close = [v * 1.05 for v in first]  # inside the range at every quantile
+    sim_far = [v * 2 for v in first]
+    variant = {
+        "points": [
+            {"real": point(first), "sim": point(sim_close)},
+            {"real": point(first), "sim": point(sim_far)},
+            {"real": point(first), "sim": point(first)},  # no second run: not judged
+        ],
+        "again": [[point(second), point(second)]],
+    }
+    text = "\n".join(fidelity_section({"7": {"relay": variant}}))
+    assert "P50 1 of 2" in text and "P90 1 of 2" in text and "P99 1 of 2" in text
+    assert text.count("| 7 | relay |") == 2
+    assert "+90% (no)" in text  # twice the first run, against the runs' mean 1.05
+
+
+def test_a_run_without_second_sweeps_has_no_fidelity_section() -> None:
+    variant = {"points": [{"real": point([1.0]), "sim": point([1.0])}]}
+    assert fidelity_section({"7": {"relay": variant}}) == []
