@@ -16,7 +16,7 @@ import argparse
 import math
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -79,9 +79,10 @@ def map_points(
     return points
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None, description: str | None = __doc__) -> argparse.Namespace:
+    """The map's options; `description`: the --help text of a benchmark that shares them."""
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--profiles", nargs="+", default=list(PROFILES), help="names under profiles/")
     p.add_argument("--rankers", type=int, default=2)
@@ -222,9 +223,15 @@ def tier_mib(name: str) -> float:
 
 
 def measure_point(
-    args: argparse.Namespace, name: str, base: DeviceProfile, point: MapPoint, seed: int
+    args: argparse.Namespace,
+    name: str,
+    base: DeviceProfile,
+    point: MapPoint,
+    seed: int,
+    systems: Mapping[str, tuple[str, bool]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The four variants at one point and seed, on the same visits."""
+    """The four variants at one point and seed, on the same visits. `systems`: instead, label
+    -> (variant, whether its trigger is told the no-shows: `FleetSettings.no_show_oracle`)."""
     spec = point_spec(args, base, point.values, seed)
     drawn: dict[float, list[Visit]] = {}
 
@@ -236,17 +243,16 @@ def measure_point(
     def log(text: str) -> None:
         print(f"{name} {point.label:>22} seed {seed}: {text}", flush=True)
 
-    return [
-        {
-            "profile": name,
-            "point": point.label,
-            "values": point.values,
-            "seed": seed,
-            "variant": variant,
-            **search_variant(args, spec, variant, seed, visits_at, log),
-        }
-        for variant in VARIANTS
-    ]
+    systems = {v: (v, False) for v in VARIANTS} if systems is None else systems
+    rows = []
+    for label, (variant, oracle) in systems.items():
+        told = replace(spec, fleet=replace(spec.fleet, no_show_oracle=oracle))
+        found = search_variant(args, told, variant, seed, visits_at, log)
+        rows.append({
+            "profile": name, "point": point.label, "values": point.values, "seed": seed,
+            "variant": label, **found,
+        })  # fmt: skip
+    return rows
 
 
 def measure(

@@ -62,6 +62,9 @@ class FleetSettings:
     # admission policy's books here (optimistic: real replicas each keep their own).
     triggers: int = 1
     rank_timeout_s: float = 30.0  # the ranking caller's deadline
+    # A bound, not a system (bench/sim_bound.py): the trigger is never shown a retrieval whose
+    # Rank will not come, as if it knew the no-shows at retrieval time.
+    no_show_oracle: bool = False
 
     @classmethod
     def serving(
@@ -100,6 +103,7 @@ class FleetStats:
 
 
 MakeRanker = Callable[[str, "Fleet"], Ranker]
+ORACLE_NO_SHOW = "oracle_no_show"  # the decision recorded for a retrieval the oracle hid
 
 
 def sim_ranker(instance: str, fleet: "Fleet") -> SimRanker:
@@ -368,6 +372,12 @@ class Fleet:
 
     def _retrieval(self, index: int, visit: Visit) -> None:
         now = self.loop.now
+        if self.settings.no_show_oracle and not visit.ranked:
+            self.records[index] = RequestRecord(
+                index, visit.at + self._gap_s(visit), 0.0, NO_RANK, decision_status=OK,
+                decision=ORACLE_NO_SHOW,
+            )  # fmt: skip
+            return
         view = self.cluster.view()
         # One model version here: the trigger's choice, as the service makes it.
         split = self._index(view)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from relaygr.errors import InvalidInput
+from services.trigger.config import Mode
 from tests.unit.sim.test_agreement import PROFILE
-from tooling.local.drive import NO_RANK
+from tooling.local.drive import NO_RANK, OK
 from tooling.local.workload import WorkloadSpec, follow_ups
-from tooling.sim.fleet import FleetSettings
+from tooling.sim.fleet import ORACLE_NO_SHOW, FleetSettings, run_visits
 from tooling.sim.profile import write_profile
 from tooling.sim.simulate import parser, profile_of, workload_of
 from tooling.sim.sweep import SweepSpec, run_sweep
@@ -90,3 +91,24 @@ def test_simulate_takes_the_knobs_from_its_command_line(tmp_path: Path) -> None:
     profile = profile_of(args)
     assert profile.utilisation == 0.5
     assert profile.cost.per_token_ms == PROFILE.cost.per_token_ms / 2
+
+
+def test_a_trigger_told_the_no_shows_never_sees_them_and_still_decides_the_ranked() -> None:
+    s = seed()
+    workload = replace(SPEC, no_show_p=0.4)
+    visits = light_visits(workload, 10.0, 20.0, s)
+    fleet = FleetSettings(rankers=2, gap_s=0.5)
+    fleet = replace(fleet, trigger=replace(fleet.trigger, mode=Mode.ALL))
+    plain, _ = run_visits(PROFILE, fleet, visits, s)
+    told, _ = run_visits(PROFILE, replace(fleet, no_show_oracle=True), visits, s)
+    shows = [i for i, v in enumerate(visits) if v.ranked]
+    hidden = [i for i, v in enumerate(visits) if not v.ranked]
+    assert shows and hidden
+    assert {plain[i].decision for i in hidden} == {"admitted"}  # relay all relays them all
+    for i in hidden:
+        assert (told[i].decision, told[i].admitted, told[i].status) == (
+            ORACLE_NO_SHOW, False, NO_RANK,
+        )  # fmt: skip
+    for i in shows:  # decided by the trigger (a repeat visit may be in flight), then ranked
+        assert told[i].decision != ORACLE_NO_SHOW and told[i].status == OK
+    assert sum(told[i].admitted for i in shows) > len(shows) / 2
