@@ -33,10 +33,11 @@ from bench.sim_map import (
     map_points,
     measure_point,
     parse,
+    profile_rows,
     ratio,
     spread,
 )
-from tooling.sim.profile import DeviceProfile, load_profile
+from tooling.sim.profile import DeviceProfile
 from tooling.sim.sweep import RELAYS
 
 AWARE = "relay sequence-aware"
@@ -83,12 +84,11 @@ def measure(args: argparse.Namespace, wanted: frozenset[str] | None = None) -> d
     stamp = machine_info(threads=1)
     seeds = [args.seed + i for i in range(args.seeds)]
     points = [p for p in bound_points() if wanted is None or p.label in wanted]
-    rows: list[dict[str, Any]] = []
-    for name in args.profiles:
-        base = load_profile(ROOT / "profiles" / f"{name}.toml")
-        for point in points:
-            for seed in seeds:
-                rows += measure_bound_point(args, name, base, point, seed)
+    rows = [
+        row
+        for name in args.profiles
+        for row in profile_rows(args, name, points, seeds, measure_bound_point)
+    ]
     return {"machine": stamp, "seeds": seeds, "points": [p.label for p in points], "rows": rows}
 
 

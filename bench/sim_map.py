@@ -255,6 +255,27 @@ def measure_point(
     return rows
 
 
+MeasureOne = Callable[[argparse.Namespace, str, DeviceProfile, MapPoint, int], list[dict[str, Any]]]
+
+
+def profile_rows(
+    args: argparse.Namespace,
+    name: str,
+    points: list[MapPoint],
+    seeds: list[int],
+    measure_one: MeasureOne = measure_point,
+) -> list[dict[str, Any]]:
+    """Every point x seed on the profile `name` (under profiles/), each measured by
+    `measure_one` (default `measure_point`: the four variants)."""
+    base = load_profile(ROOT / "profiles" / f"{name}.toml")
+    return [
+        row
+        for point in points
+        for seed in seeds
+        for row in measure_one(args, name, base, point, seed)
+    ]
+
+
 def measure(
     args: argparse.Namespace, done: Callable[[dict[str, Any]], None] = lambda _: None
 ) -> dict[str, Any]:
@@ -266,10 +287,7 @@ def measure(
     points = map_points(axes, () if args.no_corners else CORNERS)
     rows: list[dict[str, Any]] = []
     for name in args.profiles:
-        base = load_profile(ROOT / "profiles" / f"{name}.toml")
-        for point in points:
-            for seed in seeds:
-                rows += measure_point(args, name, base, point, seed)
+        rows += profile_rows(args, name, points, seeds)
         finished = sorted({r["profile"] for r in rows}, key=args.profiles.index)
         results = {
             "machine": stamp,
