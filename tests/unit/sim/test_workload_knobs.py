@@ -104,7 +104,9 @@ def test_a_trigger_told_the_no_shows_never_sees_them_and_still_decides_the_ranke
     shows = [i for i, v in enumerate(visits) if v.ranked]
     hidden = [i for i, v in enumerate(visits) if not v.ranked]
     assert shows and hidden
-    assert {plain[i].decision for i in hidden} == {"admitted"}  # relay all relays them all
+    # Shown them, relay all relays no-shows as any retrieval (a repeat visit's may be in flight).
+    assert ORACLE_NO_SHOW not in {plain[i].decision for i in hidden}
+    assert sum(plain[i].admitted for i in hidden) > len(hidden) / 2
     for i in hidden:
         assert (told[i].decision, told[i].admitted, told[i].status) == (
             ORACLE_NO_SHOW, False, NO_RANK,
