@@ -121,17 +121,6 @@ class RankerConfig(ServiceOptions):
     calibration_candidates: int = field(
         default=64, metadata=helped("candidates when calibrating", POSITIVE)
     )
-    calibration_short_term: int = field(
-        # A served Rank scores its candidates against a cached prefix plus the short-term
-        # behaviours: timing only full inferences, the fit extrapolated that call 3-5x too slow
-        # (docs/benchmarks.md, "Simulator validation ... (fidelity)").
-        default=64,
-        metadata=helped(
-            "short-term behaviours of the Rank on a cached prefix timed at each calibration"
-            " length; near the count your Ranks carry",
-            POSITIVE,
-        ),
-    )
     calibration_repeats: int = field(
         default=3,
         metadata=helped("timed runs per calibration length (the median is fitted)", POSITIVE),

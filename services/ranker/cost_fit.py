@@ -26,11 +26,10 @@ _MIN_SCALE = 0.02
 class Sample:
     """One timed run of `ms`: `tokens` history tokens and `candidates` scored.
 
-    `cached_tokens` None: the run started from nothing (a prefill or full inference); an int:
-    it extended, or scored on, a cached prefix of that many tokens and computed only the rest.
-    Either way it was one model call and paid the fixed cost, as `CostModel.rank_ms` predicts
-    it (fitted without it, the Ranks' overheads moved into the per-token terms and the median
-    error of a CPU calibration doubled, 5% to 12%).
+    `cached_tokens` None: the run started from nothing (a prefill or full inference), so it
+    paid the fixed cost; an int: it extended, or scored on, a cached prefix of that many tokens
+    and computed only the rest, with no fixed cost of its own (the model's full inference is
+    prefill + rank, so a rank's overheads are carried by its per-token terms).
     """
 
     tokens: int
@@ -42,7 +41,7 @@ class Sample:
         """The coefficients' multipliers: (fixed, per_token, per_pair, per_candidate_key)."""
         cached = self.cached_tokens or 0
         return (
-            1.0,
+            1.0 if self.cached_tokens is None else 0.0,
             float(self.tokens - cached + self.candidates),
             (self.tokens**2 - cached**2) / 2,
             float(self.candidates * self.tokens),

@@ -34,24 +34,17 @@ def measure(
     chunk_tokens: int = 512,
     repeats: int = 3,
     timer: Timer = time.perf_counter,
-    short_term: int = 64,
 ) -> list[Sample]:
-    """Time, on this device, the two calls of a relayed Rank at each of `lengths`: the chunked
-    background prefill of the prefix, then the Rank on it (`short_term` behaviours computed on
-    top, `candidates` scored). Returns per length the median prefill, the median Rank on the
-    cached prefix, and their sum as the full inference of prefix and short-term.
+    """Time, on this device, the work of a miss as the engine serves it at each of `lengths`:
+    chunked prefill, then ranking `candidates` on the prefix. Returns per length the median
+    prefill (candidates 0) and the median prefill + rank (a full inference).
 
-    The Rank is timed on its own: a fit to prefills and full inferences alone leaves the
-    candidate terms to the difference of two long runs, and on this machine's CPU it priced the
-    Rank of a 3k-token user 3-5x too slow. Rounds interleave the lengths, so a burst of load
-    elsewhere on the host slows one run of several lengths rather than every run of one: the
-    median drops it. Lengths beyond the model's history limit, less the short-term, are clamped
-    to it.
+    Rounds interleave the lengths, so a burst of load elsewhere on the host slows one run of
+    several lengths rather than every run of one: the median drops it. Lengths beyond the
+    model's history limit are clamped to it.
     """
     cfg = model.cfg
-    short_term = min(max(0, short_term), cfg.max_history_tokens - 1)
-    limit = cfg.max_history_tokens - short_term
-    lengths = sorted({min(max(1, n), limit) for n in lengths})
+    lengths = sorted({min(max(1, n), cfg.max_history_tokens) for n in lengths})
     candidates = min(candidates, cfg.max_candidates)
     rng = np.random.default_rng(0)
     items = rng.integers(0, 1 << 40, candidates)
@@ -61,10 +54,6 @@ def measure(
             np.zeros(0, np.int64),
             random_behaviours(rng, n, 1_700_000_000, 60 * n, cfg.num_actions),
         )
-        for n in lengths
-    }
-    shorts = {
-        n: random_behaviours(rng, short_term, 1_700_000_000 + 60 * n, 60, cfg.num_actions)
         for n in lengths
     }
 
@@ -78,7 +67,7 @@ def measure(
     def run(n: int) -> tuple[float, float]:
         prefill_ms, kv = timed(lambda: _chunked_prefill(model, prefixes[n], chunk_tokens))
         assert isinstance(kv, PrefixKV)
-        rank_ms, _ = timed(lambda: model.rank(kv, shorts[n], items, 1_800_000_000))
+        rank_ms, _ = timed(lambda: model.rank(kv, Behaviours.empty(), items, 1_800_000_000))
         return prefill_ms, rank_ms
 
     for n in {lengths[0], lengths[-1]}:  # warm-up: first calls and the largest buffers
@@ -89,10 +78,8 @@ def measure(
             runs[n].append(run(n))
     samples = []
     for n, timings in runs.items():
-        total = n + short_term
         samples.append(Sample(n, 0, statistics.median(p for p, _ in timings)))
-        samples.append(Sample(total, candidates, statistics.median(r for _, r in timings), n))
-        samples.append(Sample(total, candidates, statistics.median(p + r for p, r in timings)))
+        samples.append(Sample(n, candidates, statistics.median(p + r for p, r in timings)))
     return samples
 
 
@@ -103,11 +90,9 @@ def calibrate(
     timer: Timer = time.perf_counter,
     repeats: int = 3,
     chunk_tokens: int = 512,
-    short_term: int = 64,
 ) -> CostModel:
-    """Time prefill, the Rank on a cached prefix and full inference on this device at `lengths`
-    and fit the cost model."""
-    samples = measure(model, lengths, candidates, chunk_tokens, repeats, timer, short_term)
+    """Time full inference and prefill on this device at `lengths` and fit the cost model."""
+    samples = measure(model, lengths, candidates, chunk_tokens, repeats, timer)
     cost = fit_cost_model(samples, reload_ms_per_mb=reload_ms_per_mb(model.device, timer))
     batches = measure_batches(model, (min(lengths), max(lengths)), candidates, repeats=repeats)
     return fit_batch_saving(cost, batches)

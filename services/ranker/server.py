@@ -147,7 +147,6 @@ def calibrate_alone(
             cfg.calibration_candidates,
             cfg.prefill_chunk_tokens,
             cfg.calibration_repeats,
-            short_term=cfg.calibration_short_term,
         )
         lengths = cfg.calibration_lengths
         batches = measure_batches(

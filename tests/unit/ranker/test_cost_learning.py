@@ -91,13 +91,15 @@ def test_plain_least_squares_is_what_outliers_break(rng: np.random.Generator) ->
 
 
 def test_rank_and_extension_timings_fit_the_same_coefficients() -> None:
-    # A Rank on a cached prefix and an extension are one model call each, priced as the ranker
-    # predicts them (`rank_ms`, the fixed cost included). Fitted from those alone plus
-    # prefills, full inference is recovered.
+    # A rank on a cached prefix costs full - prefill; an extension prefill(t) - prefill(base):
+    # neither pays the fixed cost. Fitted from those alone plus prefills, full is recovered.
     samples = [Sample(t, 0, TRUTH.prefill_ms(t)) for t in LENGTHS]
-    samples += [Sample(t + 64, 64, TRUTH.rank_ms(t, 64, 64), cached_tokens=t) for t in LENGTHS]
     samples += [
-        Sample(t, 0, TRUTH.rank_ms(t - 512, 512, 0), cached_tokens=t - 512) for t in LENGTHS[1:]
+        Sample(t, 64, TRUTH.full_ms(t, 64) - TRUTH.prefill_ms(t), cached_tokens=t) for t in LENGTHS
+    ]
+    samples += [
+        Sample(t, 0, TRUTH.prefill_ms(t) - TRUTH.prefill_ms(t - 512), cached_tokens=t - 512)
+        for t in LENGTHS[1:]
     ]
     fitted = fit_cost_model(samples, reload_ms_per_mb=0.3)
     assert_predicts(fitted, TRUTH, rel=0.01)

@@ -1,13 +1,11 @@
 """Cost model: the fit recovers known coefficients; calibration yields a usable model."""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 
 from relaygr.cost import CostModel
-from services.ranker.cost_model import Sample, calibrate, fit_cost_model, measure
+from services.ranker.cost_model import Sample, calibrate, fit_cost_model
 from services.ranker.model import RankingModel
 
 from .factories import tiny_config
@@ -59,24 +57,3 @@ def test_calibration_on_this_device_predicts_growth() -> None:
         torch.set_num_threads(threads)
     assert cost.full_ms(2048, 16) > cost.full_ms(256, 16) > 0
     assert cost.reload_ms_per_mb > 0
-
-
-def test_calibration_times_the_rank_on_a_cached_prefix_as_its_own_call() -> None:
-    # Every timed span lasts 1 ms on this clock: the samples' structure is what is checked.
-    ticks = itertools.count()
-    model = RankingModel(tiny_config(), seed=1)
-    samples = measure(
-        model,
-        (32, 64),
-        candidates=8,
-        chunk_tokens=32,
-        repeats=1,
-        timer=lambda: next(ticks) / 1e3,
-        short_term=16,
-    )
-    assert len(samples) == 6
-    for n, (prefill, rank, full) in zip((32, 64), (samples[:3], samples[3:]), strict=True):
-        assert (prefill.tokens, prefill.candidates, prefill.cached_tokens) == (n, 0, None)
-        assert (rank.tokens, rank.candidates, rank.cached_tokens) == (n + 16, 8, n)
-        assert (full.tokens, full.candidates, full.cached_tokens) == (n + 16, 8, None)
-        assert full.ms == pytest.approx(prefill.ms + rank.ms)
