@@ -198,11 +198,10 @@ def compare_variant(
 
 
 def real_sweep(
-    seed: int, model_path: Path, args: argparse.Namespace
+    seed: int, specs: dict[str, MeshSpec], args: argparse.Namespace
 ) -> tuple[list[Ran], dict[str, DeviceProfile], dict[str, DeviceProfile], int]:
-    """One real sweep on fresh meshes: its points, each variant's profile read before and after
-    it, and the rankers' intra-op threads."""
-    specs = {label: mesh_spec(VARIANTS[label][0], model_path, args) for label in CHECKED}
+    """One real sweep on fresh meshes of `specs` (per variant): its points, each variant's
+    profile read before and after it, and the rankers' intra-op threads."""
     with ExitStack() as stack:
         meshes: dict[str, LocalMesh] = {}
         for label in CHECKED:
@@ -221,12 +220,12 @@ def real_sweep(
 def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dict, int]:
     """`args.mesh_runs` real sweeps, then the first one's points through the simulator; and the
     rankers' intra-op threads. The later sweeps are kept as each variant's `again`."""
+    specs = {label: mesh_spec(VARIANTS[label][0], model_path, args) for label in CHECKED}
     sweeps = []
     for k in range(args.mesh_runs):
         print(f"seed {seed}: real sweep {k + 1} of {args.mesh_runs}", flush=True)
-        sweeps.append(real_sweep(seed, model_path, args))
+        sweeps.append(real_sweep(seed, specs, args))
     ran, profiles, after, threads = sweeps[0]
-    specs = {label: mesh_spec(VARIANTS[label][0], model_path, args) for label in CHECKED}
     print(f"seed {seed}: the same arrivals through the simulator", flush=True)
     variants_out = {}
     for label in CHECKED:
