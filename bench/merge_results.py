@@ -12,7 +12,8 @@ bench/results/ to bench/results/parts/ (only a result renders a docs section); t
 
 Parts are joined only when the comparison stays one comparison: every part measured the same
 clean commit on the same kind of machine with the same threads, with the same arguments but for
-which seeds and variants it ran, and each variant of each seed comes from one part. Everything
+which seeds and variants it ran, each variant of each seed comes from one part, and every seed
+has every variant. Everything
 else a part records (the population, the rankers' threads) must agree. The joined file's command
 runs every part and then this join; its stamp is the first part's, dated from the first part's
 start to the last's, and each part's own stamp is kept under `parts` (by file name, in
@@ -99,6 +100,11 @@ def _join_seeds(names: Sequence[str], parts: Sequence[dict[str, Any]]) -> dict[s
                 came_from[(seed, label)] = name
             for key, points in runs.items():
                 joined.setdefault(key, []).extend(points)
+    everyone = {label for _, label in came_from}
+    for seed in seeds:
+        lacking = sorted(everyone - {label for s, label in came_from if s == seed})
+        if lacking:
+            raise PartsDisagree(f"seed {seed} lacks {', '.join(map(repr, lacking))}: run its part")
     return dict(sorted(seeds.items(), key=lambda item: int(item[0])))
 
 
@@ -110,6 +116,9 @@ def merge(
     if not parts:
         raise PartsDisagree("no parts to join")
     names = [p.name for p in paths]
+    for part_name, part in zip(names, parts, strict=True):
+        if f"bench/{name}.py" not in part.get("command", ""):
+            raise PartsDisagree(f"{part_name} is not a result of bench/{name}.py")
     _check_stamps(names, parts)
     _check_args(names, parts)
     seeds = _join_seeds(names, parts)

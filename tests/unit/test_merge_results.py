@@ -129,3 +129,16 @@ def test_the_join_writes_the_result_and_keeps_the_parts_beside_it(
     again.write_text(json.dumps(spoiled[0]))
     assert merge_results.main(["relay_bench", str(again), "--tag", "x"]) == 2
     assert again.exists() and not (results / "relay_bench_x.json").exists()
+
+
+def test_a_seed_whose_other_variant_has_not_run_yet_is_refused() -> None:
+    seeds = list(STORED["seeds"])
+    variants = STORED["args"]["variants"]
+    parts = [part(seeds[0], variants), part(seeds[1], variants[:1])]
+    with pytest.raises(PartsDisagree, match=f"seed {seeds[1]} lacks"):
+        merge("relay_bench", paths(2), parts)
+
+
+def test_a_result_of_another_benchmark_is_refused() -> None:
+    with pytest.raises(PartsDisagree, match=r"not a result of bench/sim_map\.py"):
+        merge("sim_map", paths(1), cut()[:1])
