@@ -205,10 +205,10 @@ def test_one_invalid_item_refuses_the_batch_before_any_compute(
     stranger = RankingModel(tiny_config(), seed=12)
     with pytest.raises(InvalidInput, match="prefix cache was built by model"):
         stranger.rank_batch(items)
+    # One token past the limit, whatever the drawn prefix holds (it may hold none).
+    past = model.cfg.max_history_tokens - items[0].kv.num_tokens + 1
     with pytest.raises(InvalidInput, match="over the limit"):
-        model.chunk_batch(
-            [requests[0].prefix, Extension(items[0].kv, _long(rng, model.cfg.max_history_tokens))]
-        )
+        model.chunk_batch([requests[0].prefix, Extension(items[0].kv, _long(rng, past))])
 
 
 def _long(rng: np.random.Generator, count: int) -> Behaviours:
