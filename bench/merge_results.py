@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.pipeline import ROOT
+from bench.pipeline import ROOT, result_name
 from bench.report import dumps_result
 
 # Arguments a part may set on its own: which seeds and variants it ran, and how it was saved.
@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cannot join: {err}", file=sys.stderr)
         return 2
     results = ROOT / "bench" / "results"
-    out = results / f"{args.name}{'_' + args.tag if args.tag else ''}.json"
+    out = results / f"{result_name(args.name, args)}.json"
     out.write_text(dumps_result(joined))
     kept = results / "parts"  # beside, not among, the results that render a docs section
     kept.mkdir(exist_ok=True)
