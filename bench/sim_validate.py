@@ -138,19 +138,17 @@ def miss_slowdown(
     point: Ran, records: Sequence[RequestRecord], cost: CostModel, outside: float | None
 ) -> list[float]:
     """Over the point's counted Ranks served by full inference (miss or bypass): the median
-    of their time in the ranker over their predicted compute (prefill, then rank on it), and
-    how many there were. Time in the ranker: the real `server_ms` (`outside` None), or the
-    simulated latency less the overhead `outside`."""
+    of their time in the ranker over their predicted compute (one full inference: the call
+    the ranker serves a miss as), and how many there were. Time in the ranker: the real
+    `server_ms` (`outside` None), or the simulated latency less the overhead `outside`."""
     ratios = []
     for r in records:
         arrival = point.arrivals[r.index]
         if arrival.at < point.warmup_s or r.status != OK or r.outcome not in ("miss", "bypass"):
             continue
         request = arrival.request
-        prefix = request.prefix.num_tokens
-        compute = cost.prefill_ms(prefix) + cost.rank_ms(
-            prefix, len(request.short_term), len(request.candidates)
-        )
+        history = request.prefix.num_tokens + len(request.short_term)
+        compute = cost.full_ms(history, len(request.candidates))
         spent = r.server_ms if outside is None else r.latency_s * 1e3 - outside
         ratios.append(spent / compute)
     return [statistics.median(ratios), len(ratios)] if ratios else []
@@ -371,9 +369,16 @@ def grid_steps(real: float, sim: float, rates: Sequence[float]) -> int:
 
 def cost_text(cost: CostModel | dict[str, float]) -> str:
     c = cost if isinstance(cost, dict) else dataclasses.asdict(cost)
-    return (
+    text = (
         f"fixed {c['fixed_ms']:.2f} ms, per token {c['per_token_ms']:.4f} ms, per pair "
         f"{c['per_pair_ms']:.3g} ms, per candidate-key {c['per_candidate_key_ms']:.3g} ms"
+    )
+    if not CostModel(**c).prices_cached_ranks:  # a result saved before they existed
+        return text
+    return (
+        f"{text}; cached rank: fixed {c['cached_fixed_ms']:.2f} ms, per row "
+        f"{c['cached_per_row_ms']:.3g} ms, per key {c['cached_per_key_ms']:.3g} ms, per row-key "
+        f"{c['cached_per_row_key_ms']:.3g} ms"
     )
 
 
@@ -501,7 +506,9 @@ def render(saved: dict) -> str:
         "Outside the ranker: client latency minus the ranker's `server_ms`. Full inference in "
         "the ranker: over the Ranks served by full inference, the median of their time in the "
         "ranker (real: `server_ms`; simulated: latency less the overhead) over the compute the "
-        "profile predicts for them (a prefill, then a rank on it), and how many there were: "
+        "profile predicts for them (one full inference; a result saved before the cached-rank "
+        "terms existed priced a prefill, then a rank on it: one call's fixed cost more), and "
+        "how many there were: "
         "above 1 is queueing, or compute slower than the cost model.",
         "",
         "| seed | variant | rate | real outside the ranker P50 / P99 ms | real ranker server_ms "

@@ -10,14 +10,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
-from relaygr.cost import CostModel
+from relaygr.cost import CACHED_TERMS, CostModel
 from relaygr.errors import InvalidInput
 from relaygr.json_object import json_object
 
 _MAX_PORT = 65535
 _COSTS = (
     "fixed_ms", "per_token_ms", "per_pair_ms", "per_candidate_key_ms", "reload_ms_per_mb",
-    "median_abs_rel_error", "batch_saving_ms",
+    "median_abs_rel_error", "batch_saving_ms", *CACHED_TERMS,
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -55,6 +55,12 @@ class RankerRecord:
     # `batch_samples`); absent from an older ranker's record, read as 0 (not known).
     batch_saving_ms: float = 0.0
     batch_samples: int = 0
+    # The cached-rank terms (`relaygr.cost.CACHED_TERMS`); absent from an older ranker's
+    # record, read as 0 (not fitted).
+    cached_fixed_ms: float = 0.0
+    cached_per_row_ms: float = 0.0
+    cached_per_key_ms: float = 0.0
+    cached_per_row_key_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -6,6 +6,11 @@ Free of torch, so the trigger and router import it without loading the model sta
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# The cached-rank terms' names (CostModel, ranker.proto CostModel, the membership record).
+CACHED_TERMS = (
+    "cached_fixed_ms", "cached_per_row_ms", "cached_per_key_ms", "cached_per_row_key_ms",
+)  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
@@ -17,6 +22,18 @@ class CostModel:
     `median_abs_rel_error` and `samples` say how far to trust it: the median of
     |predicted - measured| / measured over the `samples` timed runs it was fitted to (0 and 0:
     not fitted here, e.g. given by configuration or a test).
+
+    Scoring on a cached prefix (`rank_ms` with cached tokens and candidates) has terms of its
+    own, fitted to timed Ranks: a call that puts r = n + c rows (n short-term tokens, c
+    candidates) through the layers against k = p + n keys (p cached tokens) costs
+
+    cached rank = cached_fixed + cached_per_row * r + cached_per_key * k
+                  + cached_per_row_key * r * k
+
+    A full inference's few-query tail on a long prefix runs at another efficiency than the
+    prefill's large matrix products (and reads the whole cache), so the full-inference terms
+    price it badly (measured: 2-8x high on CPU). All four 0: not fitted, and the full-inference
+    terms price it (an assumed profile, an older ranker).
 
     Batches (`batch_ms`): `batch_saving_ms` is what each request after the first saves when B
     requests run as one model call instead of B calls (per-call work a batch pays once: kernel
@@ -33,6 +50,10 @@ class CostModel:
     samples: int = 0
     batch_saving_ms: float = 0.0
     batch_samples: int = 0
+    cached_fixed_ms: float = 0.0
+    cached_per_row_ms: float = 0.0
+    cached_per_key_ms: float = 0.0
+    cached_per_row_key_ms: float = 0.0
 
     def full_ms(self, tokens: int, candidates: int) -> float:
         return (
@@ -45,12 +66,33 @@ class CostModel:
     def prefill_ms(self, tokens: int) -> float:
         return self.fixed_ms + self.per_token_ms * tokens + self.per_pair_ms * tokens * tokens / 2
 
+    @property
+    def prices_cached_ranks(self) -> bool:
+        """Are the cached-rank terms fitted (any of them non-zero)?"""
+        return (
+            self.cached_fixed_ms
+            + self.cached_per_row_ms
+            + self.cached_per_key_ms
+            + self.cached_per_row_key_ms
+        ) > 0
+
     def rank_ms(self, cached_tokens: int, new_tokens: int, candidates: int) -> float:
         """One call on a cached prefix of `cached_tokens`: computing `new_tokens` (the short-term
-        behaviours) on top of it and scoring `candidates` against all of them. A prefill of
-        t tokens followed by this call costs `full_ms(t + new_tokens, candidates)` plus one
-        more call's fixed cost."""
+        behaviours) on top of it and scoring `candidates` against all of them.
+
+        With candidates on a cached prefix, the cached-rank terms when fitted. Otherwise the
+        full-inference terms: with no cached tokens this is `full_ms(new_tokens, candidates)`
+        (or `prefill_ms`), and a prefill of t tokens followed by this call costs
+        `full_ms(t + new_tokens, candidates)` plus one more call's fixed cost."""
         tokens = cached_tokens + new_tokens
+        if cached_tokens > 0 and candidates > 0 and self.prices_cached_ranks:
+            rows = new_tokens + candidates
+            return (
+                self.cached_fixed_ms
+                + self.cached_per_row_ms * rows
+                + self.cached_per_key_ms * tokens
+                + self.cached_per_row_key_ms * rows * tokens
+            )
         return (
             self.fixed_ms
             + self.per_token_ms * (new_tokens + candidates)

@@ -47,6 +47,16 @@ class Sample:
             float(self.candidates * self.tokens),
         )
 
+    @property
+    def is_cached_rank(self) -> bool:
+        """Did it score candidates on a cached prefix (fitted by the cached-rank terms)?"""
+        return bool(self.cached_tokens) and self.candidates > 0
+
+    def cached_features(self) -> tuple[float, float, float, float]:
+        """A cached rank's multipliers: (cached_fixed, per_row, per_key, per_row_key)."""
+        rows = float(self.tokens - (self.cached_tokens or 0) + self.candidates)
+        return (1.0, rows, float(self.tokens), rows * self.tokens)
+
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares over few columns, exactly: the optimum is the least-squares
@@ -78,50 +88,89 @@ def _weights(residuals: np.ndarray, tukey: bool) -> np.ndarray:
     return np.where(u <= _HUBER, 1.0, _HUBER / np.maximum(u, 1e-12))
 
 
-def relative_errors(model: CostModel, samples: Sequence[Sample]) -> np.ndarray:
-    """|predicted - measured| / measured of each sample under `model`."""
-    rows = np.array([s.features() for s in samples])
-    measured = np.array([s.ms for s in samples])
-    coef = np.array(
+def _main_terms(model: CostModel) -> np.ndarray:
+    return np.array(
         [model.fixed_ms, model.per_token_ms, model.per_pair_ms, model.per_candidate_key_ms]
     )
-    return np.abs(rows @ coef - measured) / measured
 
 
-def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostModel:
-    """Fit the four non-negative coefficients to `samples`, resisting outliers.
+def _cached_terms(model: CostModel) -> np.ndarray:
+    return np.array([
+        model.cached_fixed_ms, model.cached_per_row_ms, model.cached_per_key_ms,
+        model.cached_per_row_key_ms,
+    ])  # fmt: skip
 
-    Minimises relative, not absolute, error (a 100 ms run and a 4 s run count alike: the model
-    must hold across the length range) by iteratively reweighted non-negative least squares:
-    Huber weights, then Tukey's bisquare, on residuals scaled by their median absolute value.
-    The model carries the median relative error over all samples and their count.
-    """
-    usable = [s for s in samples if s.ms > 0]
-    if not usable:
-        raise ValueError("no timed samples to fit a cost model to")
-    rows = np.array([s.features() for s in usable])
-    measured = np.array([s.ms for s in usable])
+
+def predicted_ms(model: CostModel, sample: Sample) -> float:
+    """What `model` predicts for the timed run `sample`: a cached rank by the cached-rank
+    terms when they are fitted, anything else (and then a cached rank too) by the others."""
+    if sample.is_cached_rank and model.prices_cached_ranks:
+        return float(np.dot(sample.cached_features(), _cached_terms(model)))
+    return float(np.dot(sample.features(), _main_terms(model)))
+
+
+def relative_errors(model: CostModel, samples: Sequence[Sample]) -> np.ndarray:
+    """|predicted - measured| / measured of each sample under `model`."""
+    return np.array([abs(predicted_ms(model, s) - s.ms) / s.ms for s in samples])
+
+
+def _robust_fit(rows: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients for `rows` (one per timed run) against `measured`, resisting
+    outliers: minimises relative, not absolute, error (a 100 ms run and a 4 s run count alike:
+    the model must hold across the length range) by iteratively reweighted non-negative least
+    squares, Huber weights, then Tukey's bisquare, on residuals scaled by their median
+    absolute value."""
+    width = rows.shape[1]
     relative = rows / measured[:, None]  # each row scaled to its measurement: relative error
-    ones = np.ones(len(usable))
+    ones = np.ones(len(measured))
     weights = ones
-    coef = np.zeros(4)
+    coef = np.zeros(width)
     for i in range(_ITERATIONS):
         root = np.sqrt(weights)
         new = _nnls(relative * root[:, None], ones * root)
         residuals = relative @ new - ones
         weights = _weights(residuals, tukey=i >= _HUBER_ITERATIONS)
-        if weights.sum() < 4:  # too few inliers to fit four coefficients: keep them all
+        if weights.sum() < width:  # too few inliers to fit every coefficient: keep them all
             weights = ones
         done = i > _HUBER_ITERATIONS and np.allclose(new, coef, rtol=1e-6, atol=1e-12)
         coef = new
         if done:
             break
-    fixed, per_token, per_pair, per_candidate_key = (float(c) for c in coef)
-    fitted = CostModel(fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb)
-    error = float(np.median(relative_errors(fitted, usable)))
-    return CostModel(
-        fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb, error, len(usable)
+    return coef
+
+
+# Timed cached ranks needed to fit their four terms (calibration's two Ranks at each of three
+# lengths); fewer: they stay unfitted (0).
+_MIN_CACHED_RANKS = 6
+
+
+def fit_cost_model(samples: Sequence[Sample], reload_ms_per_mb: float) -> CostModel:
+    """Fit the model's non-negative coefficients to `samples` (`_robust_fit`): the
+    full-inference terms to the runs that started from nothing or extended a prefix, the
+    cached-rank terms to the runs that scored candidates on a cached prefix, when there are
+    at least `_MIN_CACHED_RANKS` of those. The model carries the median relative error over
+    all samples and their count.
+    """
+    usable = [s for s in samples if s.ms > 0]
+    main = [s for s in usable if not s.is_cached_rank]
+    if not main:
+        raise ValueError("no timed prefill or full inference to fit a cost model to")
+    fixed, per_token, per_pair, per_candidate_key = (
+        float(c)
+        for c in _robust_fit(np.array([s.features() for s in main]), np.array([s.ms for s in main]))
     )
+    ranks = [s for s in usable if s.is_cached_rank]
+    cached: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    if len(ranks) >= _MIN_CACHED_RANKS:
+        rows = np.array([s.cached_features() for s in ranks])
+        cached = tuple(float(c) for c in _robust_fit(rows, np.array([s.ms for s in ranks])))
+    fitted = CostModel(
+        fixed, per_token, per_pair, per_candidate_key, reload_ms_per_mb,
+        cached_fixed_ms=cached[0], cached_per_row_ms=cached[1], cached_per_key_ms=cached[2],
+        cached_per_row_key_ms=cached[3],
+    )  # fmt: skip
+    error = float(np.median(relative_errors(fitted, usable)))
+    return dataclasses.replace(fitted, median_abs_rel_error=error, samples=len(usable))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,10 @@ __all__ = [
 
 Timer = Callable[[], float]
 
+# Short-term behaviours in calibration's second cached Rank (the workloads served send tens to
+# a few hundred).
+_CALIBRATION_SHORT_TERM = 128
+
 
 def measure(
     model: RankingModel,
@@ -37,7 +41,11 @@ def measure(
 ) -> list[Sample]:
     """Time, on this device, the work of a miss as the engine serves it at each of `lengths`:
     chunked prefill, then ranking `candidates` on the prefix. Returns per length the median
-    prefill (candidates 0) and the median prefill + rank (a full inference).
+    prefill (candidates 0) and the median prefill + rank (a full inference); and, for the
+    cached-rank terms, the median of two Ranks on that prefix as cached ranks: `candidates`
+    with no short-term behaviours, and twice as many (at most the model's limit) after
+    `_CALIBRATION_SHORT_TERM` short-term behaviours, fewer where the history limit leaves less
+    room (rows and keys both vary, so the fit can tell their terms apart).
 
     Rounds interleave the lengths, so a burst of load elsewhere on the host slows one run of
     several lengths rather than every run of one: the median drops it. Lengths beyond the
@@ -46,6 +54,7 @@ def measure(
     cfg = model.cfg
     lengths = sorted({min(max(1, n), cfg.max_history_tokens) for n in lengths})
     candidates = min(candidates, cfg.max_candidates)
+    wide = min(2 * candidates, cfg.max_candidates)
     rng = np.random.default_rng(0)
     items = rng.integers(0, 1 << 40, candidates)
     prefixes = {
@@ -56,6 +65,13 @@ def measure(
         )
         for n in lengths
     }
+    wide_items = rng.integers(0, 1 << 40, wide)
+    short = random_behaviours(
+        rng, _CALIBRATION_SHORT_TERM, 1_790_000_000, 60 * _CALIBRATION_SHORT_TERM,
+        cfg.num_actions,
+    )  # fmt: skip
+    # Within the model's history limit: a prefix at the limit takes no short-term behaviours.
+    shorts = {n: short.slice(0, min(len(short), cfg.max_history_tokens - n)) for n in lengths}
 
     def timed(fn: Callable[[], PrefixKV | torch.Tensor]) -> tuple[float, PrefixKV | torch.Tensor]:
         start = timer()
@@ -64,22 +80,26 @@ def measure(
             torch.cuda.synchronize(model.device)
         return (timer() - start) * 1e3, out
 
-    def run(n: int) -> tuple[float, float]:
+    def run(n: int) -> tuple[float, float, float]:
         prefill_ms, kv = timed(lambda: _chunked_prefill(model, prefixes[n], chunk_tokens))
         assert isinstance(kv, PrefixKV)
         rank_ms, _ = timed(lambda: model.rank(kv, Behaviours.empty(), items, 1_800_000_000))
-        return prefill_ms, rank_ms
+        wide_ms, _ = timed(lambda: model.rank(kv, shorts[n], wide_items, 1_800_000_000))
+        return prefill_ms, rank_ms, wide_ms
 
     for n in {lengths[0], lengths[-1]}:  # warm-up: first calls and the largest buffers
         run(n)
-    runs: dict[int, list[tuple[float, float]]] = {n: [] for n in lengths}
+    runs: dict[int, list[tuple[float, float, float]]] = {n: [] for n in lengths}
     for _ in range(max(1, repeats)):
         for n in lengths:
             runs[n].append(run(n))
     samples = []
     for n, timings in runs.items():
-        samples.append(Sample(n, 0, statistics.median(p for p, _ in timings)))
-        samples.append(Sample(n, candidates, statistics.median(p + r for p, r in timings)))
+        samples.append(Sample(n, 0, statistics.median(p for p, _, _ in timings)))
+        samples.append(Sample(n, candidates, statistics.median(p + r for p, r, _ in timings)))
+        samples.append(Sample(n, candidates, statistics.median(r for _, r, _ in timings), n))
+        wide_ms = statistics.median(w for _, _, w in timings)
+        samples.append(Sample(n + len(shorts[n]), wide, wide_ms, n))
     return samples
 
 

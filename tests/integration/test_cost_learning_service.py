@@ -18,7 +18,8 @@ async def test_describe_publishes_the_fit_error_and_learns_from_served_ranks(
     async with running_ranker(cost=None, cost_refit_interval_s=0.05) as r:
         info = await r.stub.Describe(ranker_pb2.DescribeRequest())
         calibrated = info.cost_model.samples
-        assert calibrated == 4  # two lengths: a prefill and a full inference each
+        # Two lengths: a prefill, a full inference and two Ranks on the cached prefix each.
+        assert calibrated == 8
         assert info.cost_model.median_abs_rel_error >= 0.0
         assert r.engine.cost_model.full_ms(64, 8) > 0
         for i in range(8):  # misses: each one call, its full inference timed (8: a refit's worth)

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from statistics import fmean
 
-from relaygr.cost import CostModel
+from relaygr.cost import CACHED_TERMS, CostModel
 from relaygr.errors import InvalidInput
 from relaygr.tls import open_blocking_channel
 from relaygr.tls_settings import PLAINTEXT, TlsSettings
@@ -41,6 +41,7 @@ def profile_of(info: ranker_pb2.RankerInfo, address: str, when: datetime) -> Dev
             samples=c.samples,
             batch_saving_ms=c.batch_saving_ms,
             batch_samples=c.batch_samples,
+            **{term: getattr(c, term) for term in CACHED_TERMS},
         ),
         device_tier_bytes=info.hbm.budget_bytes,
         host_tier_bytes=info.dram.budget_bytes,
@@ -104,6 +105,7 @@ def mean_profile(profiles: Sequence[DeviceProfile], name: str) -> DeviceProfile:
             samples=sum(p.cost.samples for p in profiles),
             batch_saving_ms=mean("batch_saving_ms"),
             batch_samples=sum(p.cost.batch_samples for p in profiles),
+            **{term: mean(term) for term in CACHED_TERMS},
         ),
         device_tier_bytes=round(fmean(p.device_tier_bytes for p in profiles)),
         host_tier_bytes=round(fmean(p.host_tier_bytes for p in profiles)),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from relaygr.cost import CostModel
+from relaygr.cost import CACHED_TERMS, CostModel
 from relaygr.errors import InvalidInput
 
 MIB = 1 << 20
@@ -25,7 +25,8 @@ _SECTIONS: dict[str, dict[str, type]] = {
     # The fit's error and sample count are optional: a measured profile carries them, so that
     # writing it out and reading it back loses nothing; an assumed one has no fit. So is the
     # batch term (relaygr.cost.batch_ms): absent, a batch costs its requests' single calls.
-    # `utilisation`: the achieved share of the device's peak the cost figures stand for.
+    # `utilisation`: the achieved share of the device's peak the cost figures stand for. The
+    # cached-rank terms are optional too: a measured profile has them; absent, 0 (not fitted).
     "cost": {
         **{k: float for k in _COST_KEYS},
         "median_abs_rel_error": float,
@@ -33,6 +34,7 @@ _SECTIONS: dict[str, dict[str, type]] = {
         "utilisation": float,
         "batch_saving_ms": float,
         "batch_samples": int,
+        **{k: float for k in CACHED_TERMS},
     },
     # The device tier is either given (`device_tier_mib`) or sized from the device's memory
     # after what else it holds (`device_memory_mib` and the four shares after it).
@@ -105,8 +107,9 @@ class DeviceProfile:
 
     def at_utilisation(self, utilisation: float) -> "DeviceProfile":
         """The same device achieving `utilisation` of its peak instead: the compute-bound cost
-        terms (per token, per pair, per candidate key) scale by self.utilisation / utilisation;
-        the per-call overhead (launches, dispatch) and the host link's reload rate do not."""
+        terms (per token, per pair, per candidate key, and the cached rank's per row, key and
+        row-key pair) scale by self.utilisation / utilisation; the per-call overheads
+        (launches, dispatch) and the host link's reload rate do not."""
         if self.utilisation <= 0:
             raise InvalidInput(f"profile {self.name} states no utilisation to rescale from")
         if not 0 < utilisation <= 1:
@@ -118,6 +121,9 @@ class DeviceProfile:
             per_token_ms=c.per_token_ms * k,
             per_pair_ms=c.per_pair_ms * k,
             per_candidate_key_ms=c.per_candidate_key_ms * k,
+            cached_per_row_ms=c.cached_per_row_ms * k,
+            cached_per_key_ms=c.cached_per_key_ms * k,
+            cached_per_row_key_ms=c.cached_per_row_key_ms * k,
         )
         return _replace(self, cost=cost, utilisation=utilisation)
 
@@ -203,6 +209,7 @@ def _profile(raw: dict[str, Any]) -> DeviceProfile:
             samples=cost.get("samples", 0),
             batch_saving_ms=float(cost.get("batch_saving_ms", 0.0)),
             batch_samples=cost.get("batch_samples", 0),
+            **{k: float(cost.get(k, 0.0)) for k in CACHED_TERMS},
         ),
         device_tier_bytes=int(memory["device_tier_mib"] * MIB) if sized is None else sized.tier,
         host_tier_bytes=int(memory["host_tier_mib"] * MIB),
@@ -308,6 +315,7 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         f"utilisation = {profile.utilisation!r}",
         f"batch_saving_ms = {cost.batch_saving_ms!r}",
         f"batch_samples = {cost.batch_samples}",
+        *(f"{k} = {getattr(cost, k)!r}" for k in CACHED_TERMS),
         "",
         "[memory]",
         *_device_tier_lines(profile),

@@ -2,6 +2,7 @@
 timings, republication is rate-limited, and calibrations on one host never overlap."""
 
 import asyncio
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,20 +91,68 @@ def test_plain_least_squares_is_what_outliers_break(rng: np.random.Generator) ->
     assert best < worst
 
 
-def test_rank_and_extension_timings_fit_the_same_coefficients() -> None:
-    # A rank on a cached prefix costs full - prefill; an extension prefill(t) - prefill(base):
-    # neither pays the fixed cost. Fitted from those alone plus prefills, full is recovered.
-    samples = [Sample(t, 0, TRUTH.prefill_ms(t)) for t in LENGTHS]
-    samples += [
-        Sample(t, 64, TRUTH.full_ms(t, 64) - TRUTH.prefill_ms(t), cached_tokens=t) for t in LENGTHS
+# Cached-rank terms shaped like the small model's on one CPU core (calibrated, 2026-12-05).
+CACHED = dataclasses.replace(
+    TRUTH, cached_fixed_ms=2.8, cached_per_row_ms=0.037, cached_per_key_ms=1e-4,
+    cached_per_row_key_ms=2e-5,
+)  # fmt: skip
+
+
+def cached_ranks(model: CostModel) -> list[Sample]:
+    """Ranks on cached prefixes of every length, as calibration times them: 64 candidates with
+    no short-term behaviours, 128 after 128 short-term behaviours."""
+    return [
+        Sample(t + short, candidates, model.rank_ms(t, short, candidates), cached_tokens=t)
+        for t in LENGTHS
+        for short, candidates in ((0, 64), (128, 128))
     ]
+
+
+def test_cached_ranks_fit_their_own_terms_and_leave_the_full_inference_ones() -> None:
+    # Extensions (prefill(t) - prefill(base), no fixed cost) fit the full-inference terms with
+    # the prefills and full inferences; the cached ranks, their own terms. Both recovered.
+    samples = [Sample(t, c, CACHED.full_ms(t, c)) for t in LENGTHS for c in (0, 64)]
     samples += [
-        Sample(t, 0, TRUTH.prefill_ms(t) - TRUTH.prefill_ms(t - 512), cached_tokens=t - 512)
+        Sample(t, 0, CACHED.prefill_ms(t) - CACHED.prefill_ms(t - 512), cached_tokens=t - 512)
         for t in LENGTHS[1:]
     ]
+    samples += cached_ranks(CACHED)
     fitted = fit_cost_model(samples, reload_ms_per_mb=0.3)
-    assert_predicts(fitted, TRUTH, rel=0.01)
+    assert_predicts(fitted, CACHED, rel=0.01)
+    for t in (300, 2048, 6000, 8192):
+        for short, candidates in ((32, 128), (128, 128), (64, 32)):
+            assert fitted.rank_ms(t, short, candidates) == pytest.approx(
+                CACHED.rank_ms(t, short, candidates), rel=0.01
+            ), (t, short, candidates)
     assert float(np.max(relative_errors(fitted, samples))) < 0.01
+    # Timed the same way, the full-inference terms alone price the cached rank far off: what
+    # the cached-rank terms are for.
+    assert TRUTH.rank_ms(6000, 64, 128) > 2 * CACHED.rank_ms(6000, 64, 128)
+
+
+def test_too_few_cached_ranks_leave_their_terms_unfitted() -> None:
+    # Four terms from a handful of served Ranks would be noise fitted exactly: below the
+    # minimum they stay 0 and the full-inference terms price a cached rank, as before them.
+    samples = [Sample(t, c, TRUTH.full_ms(t, c)) for t in LENGTHS for c in (0, 64)]
+    samples += cached_ranks(CACHED)[:5]
+    fitted = fit_cost_model(samples, reload_ms_per_mb=0.3)
+    assert not fitted.prices_cached_ranks
+    assert fitted.rank_ms(2048, 64, 128) == pytest.approx(TRUTH.rank_ms(2048, 64, 128), rel=0.01)
+    assert fit_cost_model(
+        samples + cached_ranks(CACHED)[5:6], reload_ms_per_mb=0.3
+    ).prices_cached_ranks
+
+
+def test_the_cached_rank_terms_price_only_scoring_on_a_cached_prefix() -> None:
+    # A full inference, a prefill and its first chunk start from nothing; an extension chunk
+    # scores no candidates: all keep the full-inference terms.
+    assert CACHED.rank_ms(0, 2048, 64) == TRUTH.full_ms(2048, 64)
+    assert CACHED.rank_ms(0, 512, 0) == TRUTH.prefill_ms(512)
+    assert CACHED.rank_ms(1024, 512, 0) == TRUTH.rank_ms(1024, 512, 0)
+    # rows = 32 + 128, keys = 1024 + 32
+    assert CACHED.rank_ms(1024, 32, 128) == pytest.approx(
+        2.8 + 0.037 * 160 + 1e-4 * 1056 + 2e-5 * 160 * 1056
+    )
 
 
 def test_online_update_moves_a_wrong_model_to_served_timings(rng: np.random.Generator) -> None:
@@ -127,6 +176,32 @@ def test_online_update_moves_a_wrong_model_to_served_timings(rng: np.random.Gene
     assert before > 1.0 and after < 0.1
     assert refitted.samples == len(calibration) + 48
     assert learner.refit() is None  # no new sample since
+
+
+def test_served_cached_ranks_refit_their_terms_and_not_the_full_inference_ones(
+    rng: np.random.Generator,
+) -> None:
+    # Calibrated cached ranks 3x too slow; the Ranks served on cached prefixes teach their own
+    # terms, and the full-inference terms keep the calibration's (no miss was served).
+    slow = dataclasses.replace(
+        CACHED, cached_fixed_ms=3 * 2.8, cached_per_row_ms=3 * 0.037, cached_per_row_key_ms=6e-5
+    )
+    calibration = [Sample(t, c, TRUTH.full_ms(t, c)) for t in LENGTHS for c in (0, 64)]
+    calibration += cached_ranks(slow)
+    learner = CostLearner(calibration, fit_cost_model(calibration, 0.3), refit_after=8)
+    assert learner.model.rank_ms(4096, 64, 128) == pytest.approx(
+        slow.rank_ms(4096, 64, 128), rel=0.01
+    )
+    for _ in range(48):
+        cached = int(rng.integers(200, 8192))
+        short, candidates = int(rng.integers(32, 129)), 128
+        ms = CACHED.rank_ms(cached, short, candidates) * float(rng.normal(1.0, 0.03))
+        learner.observe(Sample(cached + short, candidates, ms, cached_tokens=cached))
+    refitted = learner.refit()
+    assert refitted is not None
+    for t in (500, 3000, 8000):
+        assert refitted.rank_ms(t, 64, 128) == pytest.approx(CACHED.rank_ms(t, 64, 128), rel=0.1)
+    assert_predicts(refitted, TRUTH, rel=0.01)
 
 
 def test_learner_keeps_only_the_most_recent_served_samples() -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from relaygr.cost import CostModel
-from services.ranker.cost_model import Sample, calibrate, fit_cost_model
+from services.ranker.cost_model import Sample, calibrate, fit_cost_model, measure
 from services.ranker.model import RankingModel
 
 from .factories import tiny_config
@@ -57,3 +57,20 @@ def test_calibration_on_this_device_predicts_growth() -> None:
         torch.set_num_threads(threads)
     assert cost.full_ms(2048, 16) > cost.full_ms(256, 16) > 0
     assert cost.reload_ms_per_mb > 0
+    # The cached rank has terms of its own, fitted to the Ranks timed on each prefix.
+    assert cost.prices_cached_ranks
+    assert cost.rank_ms(2048, 32, 16) > cost.rank_ms(256, 32, 16) > 0
+
+
+def test_calibration_times_two_cached_ranks_per_length_within_the_history_limit() -> None:
+    # Rows and keys both vary between the two, so their terms can be told apart; a prefix at
+    # the model's limit leaves no room for short-term behaviours (the model would refuse it).
+    cfg = tiny_config(max_history_tokens=256, max_candidates=24)
+    ticks = iter(range(10**6))
+    samples = measure(
+        RankingModel(cfg, seed=1), (64, 1000), candidates=16, repeats=1,
+        timer=lambda: float(next(ticks)),
+    )  # fmt: skip
+    ranks = [(s.cached_tokens, s.tokens, s.candidates) for s in samples if s.is_cached_rank]
+    assert ranks == [(64, 64, 16), (64, 192, 24), (256, 256, 16), (256, 256, 24)]
+    assert all(s.ms == 1000.0 for s in samples if s.is_cached_rank)  # one tick each

@@ -41,6 +41,10 @@ def info(instance: str = "ranker-0", per_token_ms: float = 0.16) -> ranker_pb2.R
             samples=12,
             batch_saving_ms=1.5,
             batch_samples=6,
+            cached_fixed_ms=2.5,
+            cached_per_row_ms=0.03,
+            cached_per_key_ms=per_token_ms / 100,
+            cached_per_row_key_ms=2e-5,
         ),
         relay_enabled=True,
         intra_op_threads=1,
@@ -50,7 +54,11 @@ def info(instance: str = "ranker-0", per_token_ms: float = 0.16) -> ranker_pb2.R
 def test_describe_becomes_a_measured_profile() -> None:
     profile = profile_of(info(), "127.0.0.1:4242", WHEN)
     assert profile.kind == "measured"
-    assert profile.cost == CostModel(6.0, 0.16, 7e-5, 2e-4, 0.5, 0.02, 12, 1.5, 6)
+    assert profile.cost == CostModel(
+        6.0, 0.16, 7e-5, 2e-4, 0.5, 0.02, 12, 1.5, 6,
+        cached_fixed_ms=2.5, cached_per_row_ms=0.03, cached_per_key_ms=0.0016,
+        cached_per_row_key_ms=2e-5,
+    )  # fmt: skip
     assert profile.device_tier_bytes == 128 * MIB  # the budget, not what is used
     assert profile.host_tier_bytes == 512 * MIB
     assert profile.kv_bytes_per_token == 6152  # K, V and the timestamp
@@ -76,6 +84,10 @@ def test_the_mean_of_a_mesh_predicts_the_mean_prediction() -> None:
     mean = mean_profile([a, b], "mesh")
     assert mean.name == "mesh" and mean.kind == "measured"
     assert mean.cost.per_token_ms == pytest.approx(0.15)
+    assert mean.cost.cached_per_key_ms == pytest.approx(0.0015)
+    assert mean.cost.rank_ms(4096, 64, 128) == pytest.approx(
+        (a.cost.rank_ms(4096, 64, 128) + b.cost.rank_ms(4096, 64, 128)) / 2
+    )
     assert mean.cost.samples == 24
     assert mean.request_overhead_ms == pytest.approx(3.0)
     full = [p.cost.full_ms(3000, 128) for p in (a, b)]

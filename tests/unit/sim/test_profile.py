@@ -46,7 +46,8 @@ TOP_KEYS = "expected one of name, description, kind, sources, assumptions"
 COST_KEYS = (
     "expected one of fixed_ms, per_token_ms, per_pair_ms, per_candidate_key_ms, "
     "reload_ms_per_mb, median_abs_rel_error, samples, utilisation, "
-    "batch_saving_ms, batch_samples"
+    "batch_saving_ms, batch_samples, cached_fixed_ms, cached_per_row_ms, cached_per_key_ms, "
+    "cached_per_row_key_ms"
 )
 NUMBER = "must be a finite number >= 0, got"
 
@@ -83,6 +84,10 @@ def _profile(**changes: Any) -> DeviceProfile:
             samples=9,
             batch_saving_ms=0.1 + 0.7,
             batch_samples=4,
+            cached_fixed_ms=2.5,
+            cached_per_row_ms=0.1 + 0.4,
+            cached_per_key_ms=1e-300,
+            cached_per_row_key_ms=2.0174899762357557e-05,
         ),
         device_tier_bytes=40 * 1024 * MIB + 12345,
         host_tier_bytes=3,

@@ -64,13 +64,22 @@ def test_a_misshapen_sizing_is_refused(tmp_path: Path, text: str, message: str) 
 
 
 def test_utilisation_scales_compute_terms_not_overheads(tmp_path: Path) -> None:
-    profile = _load(tmp_path, SIZED)  # at 0.25
+    cached = "cached_fixed_ms = 0.5\ncached_per_row_ms = 0.02\ncached_per_key_ms = 0.001\n"
+    cached += "cached_per_row_key_ms = 2e-6\n"
+    profile = _load(tmp_path, SIZED.replace("[memory]", cached + "[memory]"))  # at 0.25
     faster = profile.at_utilisation(0.5)  # twice the throughput: compute terms halve
     c, f = profile.cost, faster.cost
-    assert (f.per_token_ms, f.per_pair_ms, f.per_candidate_key_ms) == (
+    assert c.prices_cached_ranks
+    assert (
+        f.per_token_ms, f.per_pair_ms, f.per_candidate_key_ms, f.cached_per_row_ms,
+        f.cached_per_key_ms, f.cached_per_row_key_ms,
+    ) == (
         c.per_token_ms / 2, c.per_pair_ms / 2, c.per_candidate_key_ms / 2,
+        c.cached_per_row_ms / 2, c.cached_per_key_ms / 2, c.cached_per_row_key_ms / 2,
     )  # fmt: skip
-    assert (f.fixed_ms, f.reload_ms_per_mb) == (c.fixed_ms, c.reload_ms_per_mb)
+    assert (f.fixed_ms, f.cached_fixed_ms, f.reload_ms_per_mb) == (
+        c.fixed_ms, c.cached_fixed_ms, c.reload_ms_per_mb,
+    )  # fmt: skip
     assert faster.utilisation == 0.5 and faster.at_utilisation(0.25) == profile
     with pytest.raises(InvalidInput, match="states no utilisation"):
         _load(tmp_path, BASE).at_utilisation(0.5)  # a profile that states none
