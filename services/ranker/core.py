@@ -125,6 +125,10 @@ class RankerCore(Generic[KV]):
         self._observe = observe or (lambda _: None)
         self._wall_ns = wall_ns
         self.flights: dict[CacheKey, Flight] = {}
+        # Device bytes the relay flights will pin when they land (their `reserved_bytes`): a
+        # PreInfer is admitted only if its prefix fits beside the pinned and the reserved, so
+        # no prefill is computed that could not be pinned.
+        self._reserved_bytes = 0
         self._requests: dict[RequestId, Pending] = {}
         self._owner: dict[Job, CacheKey | RequestId] = {}  # a job's flight key or Rank
         self._next_id = 0
@@ -362,7 +366,7 @@ class RankerCore(Generic[KV]):
                 flight.origin = producer  # a Rank's: the content is its producer's
             # may not fit; the waiters still use it
             self.store.put_device(key, kv, pin_for=flight.pin_for, origin=flight.origin)
-            del self.flights[key]
+            self._end_flight(key)
             self._landed(flight, kv)
             return self._flush()
         chunk = (
@@ -377,7 +381,7 @@ class RankerCore(Generic[KV]):
             job = self._submit(key, source, spec, step_ms, flight.fallback_priority,
                                flight.fallback_deadline, flight.due, flight.tag)  # fmt: skip
         except ResourceExhausted as err:
-            del self.flights[key]
+            self._end_flight(key)
             self._failed(flight, err)
             return self._flush()
         flight.state, flight.job, flight.source = FlightState.COMPUTING, job, source
@@ -438,13 +442,14 @@ class RankerCore(Generic[KV]):
             flight.waiters.append(request.rid)
             return
         nbytes = self._planner.nbytes(prefix)
-        if not self.store.fits_device(nbytes):
+        if not self.store.fits_device(nbytes + self._reserved_bytes):
             del self._requests[request.rid]
             usage = self.store.usage(Tier.HBM)
+            free = usage.budget_bytes - usage.pinned_bytes - self._reserved_bytes
             raise ResourceExhausted(
                 f"prefix of {prefix.user_features + prefix.behaviours} tokens needs {nbytes} "
-                f"bytes; the device tier has {usage.budget_bytes - usage.pinned_bytes} bytes not "
-                "pinned by other relays"
+                f"bytes; the device tier has {max(free, 0)} bytes not pinned by other relays "
+                "or reserved for those in flight"
             )
         due = self.clock() + (rank_expected_in_s or window)
         try:
@@ -453,7 +458,20 @@ class RankerCore(Generic[KV]):
         except ResourceExhausted:
             del self._requests[request.rid]
             raise
+        flight.reserved_bytes = nbytes
+        self._reserved_bytes += nbytes
         flight.waiters.append(request.rid)
+
+    def _end_flight(self, key: CacheKey) -> Flight:
+        """Take `key`'s flight out of the table, releasing the room it reserved."""
+        flight = self.flights.pop(key)
+        self._release(flight)
+        return flight
+
+    def _release(self, flight: Flight) -> None:
+        """`flight` will pin nothing (it ended, or is no longer a relay): its room is free."""
+        self._reserved_bytes -= flight.reserved_bytes
+        flight.reserved_bytes = 0
 
     def _pin(self, request: Pending, outcome: PreInferOutcome) -> None:
         assert request.key is not None
@@ -634,6 +652,7 @@ class RankerCore(Generic[KV]):
             return False
         flight.source, flight.computed_tokens = source, computed
         flight.pin_for, flight.taken_over = None, True
+        self._release(flight)
         flight.scores_for = r.rid if source is Source.PREFILL else None
         if source is Source.RELOAD:
             flight.origin = self._planner.reload_origin(key, r.own)
@@ -673,7 +692,7 @@ class RankerCore(Generic[KV]):
         if end is JobEnd.EXPIRED:
             error = DeadlineExceeded(f"{job.name}: deadline passed while queued")
         if isinstance(owner, CacheKey):
-            flight = self.flights.pop(owner)
+            flight = self._end_flight(owner)
             one_call = isinstance(job.spec, FullForward)
             work = work_of(job.spec) if one_call else _WORK[flight.source]
             if end is JobEnd.DONE:

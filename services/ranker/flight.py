@@ -45,6 +45,8 @@ class Flight:
     # The Rank its job scores as it computes the prefix (a miss computed in one call, a
     # `FullForward` that keeps the prefix): answered from the job's scores when it lands.
     scores_for: RequestId | None = None
+    # Device bytes reserved for it by the PreInfer that started it (0: a Rank's, or joined).
+    reserved_bytes: int = 0
 
     @property
     def relay(self) -> bool:
