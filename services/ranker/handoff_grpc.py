@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import Tracer
 
+from relaygr.aio import cancellation_requests
 from relaygr.behaviours import UserId
 from relaygr.tls import open_channel
 from relaygr.tls_settings import TlsSettings
@@ -46,18 +47,24 @@ class GrpcHandoffPort:
 
     async def send(self, target: Target, pieces: AsyncIterator[Piece], timeout_s: float) -> Receipt:
         counted = [0, 0]  # entries, bytes
+        failed: list[Exception] = []  # what ended the entries' stream, if anything did
 
         async def messages() -> AsyncIterator[ranker_pb2.PrefixChunk]:
-            async for piece in pieces:
-                if isinstance(piece, EntryHeader):
-                    counted[0] += 1
-                    yield ranker_pb2.PrefixChunk(header=header_to_proto(piece))
-                else:
-                    counted[1] += len(piece)
-                    yield ranker_pb2.PrefixChunk(data=bytes(piece))
+            try:
+                async for piece in pieces:
+                    if isinstance(piece, EntryHeader):
+                        counted[0] += 1
+                        yield ranker_pb2.PrefixChunk(header=header_to_proto(piece))
+                    else:
+                        counted[1] += len(piece)
+                        yield ranker_pb2.PrefixChunk(data=bytes(piece))
+            except Exception as err:  # gRPC only cancels the call, and says why at debug level
+                failed.append(err)
+                raise
 
         attributes = {"relaygr.handoff.target": target.instance_id}
         channel = open_channel(target.address, self._tls, self._options, self._interceptors)
+        before = cancellation_requests()
         try:
             with root_span(self._tracer, "ranker.handoff.send", attributes) as span:
                 try:
@@ -70,6 +77,22 @@ class GrpcHandoffPort:
                             {"error": True, "relaygr.handoff.status": err.code().name}
                         )
                     raise HandoffFailed(f"{err.code().name}: {err.details()}") from err
+                except asyncio.CancelledError as err:
+                    if cancellation_requests() > before:
+                        raise  # this sender was cancelled
+                    # gRPC cancelled the call under us: the entries' stream raised, or the
+                    # receiver ended the call while entries were still being written. The
+                    # drain goes on without this stream, as after any failed one.
+                    if span is not None:
+                        span.set_attributes({"error": True, "relaygr.handoff.status": "CANCELLED"})
+                    why = (
+                        f"the entries' stream failed: {failed[0]!r}"
+                        if failed
+                        else (
+                            "the call was cancelled while entries were sent (the receiver ended it)"
+                        )
+                    )
+                    raise HandoffFailed(f"CANCELLED: {why}") from err
                 finally:
                     if span is not None:
                         span.set_attributes(

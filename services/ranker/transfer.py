@@ -78,7 +78,10 @@ def _content_digest(header: EntryHeader, payload: bytes | bytearray) -> str:
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's bytes (any dtype: bfloat16 has no numpy type, so through uint8)."""
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    flat = t.detach().cpu().reshape(-1)
+    if flat.stride(-1) != 1:  # one element broadcast (stride 0) counts as contiguous as it is
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def encode(key: CacheKey, kv: PrefixKV, origin_traceparent: str = "") -> tuple[EntryHeader, bytes]:

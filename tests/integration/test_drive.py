@@ -41,7 +41,11 @@ async def test_a_slow_server_does_not_shift_the_send_times(rng: np.random.Genera
     sent = np.array(received) - received[0]
     intended = np.array([a.at for a in arrivals]) - arrivals[0].at
     drift = np.abs(sent - intended)
-    assert drift.max() < 0.03, drift  # sends keep to the schedule, 20 in flight at once
+    # Sends keep to the schedule, 20 in flight at once: had a send waited for a reply (300 ms),
+    # the drift would grow by that much per send. A host stall may delay one send (120 ms seen
+    # on a loaded CI machine) and the next ones catch up: the median, and the last sends,
+    # are on schedule.
+    assert float(np.median(drift)) < 0.03 and drift[-5:].max() < 0.03, drift
     assert min(point.latencies_ms) >= SERVER_DELAY_S * 1e3  # measured from intended time
 
 

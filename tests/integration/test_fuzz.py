@@ -63,8 +63,10 @@ class LoopThread:
         try:
             return future.result(timeout)
         except (concurrent.futures.CancelledError, asyncio.CancelledError) as err:
-            # Seen twice in CI at the module's teardown (`mesh.close()`), never reproduced: name
-            # the tasks still on the loop, so that a recurrence says which one cancelled it.
+            # Seen at the module's teardown (`mesh.close()`) until 2026-12-05: a ranker's drain
+            # failed to encode a fuzzed entry, gRPC cancelled the hand-off call, and the
+            # CancelledError ended the close (fixed in transfer and handoff_grpc). Name the tasks
+            # still on the loop, so that any recurrence says which one cancelled it.
             raise AssertionError(f"cancelled on the loop; its tasks:\n{self._tasks()}") from err
 
     def _tasks(self) -> str:

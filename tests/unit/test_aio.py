@@ -1,6 +1,7 @@
 """cancel_and_wait: background tasks end quietly, and the caller's own cancellation is kept."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -44,3 +45,27 @@ async def test_a_cancelled_caller_is_not_swallowed() -> None:
     release.set()
     await asyncio.wait([task])
     assert task.cancelled()
+
+
+async def test_a_cancellation_the_caller_swallowed_earlier_does_not_leak_into_the_wait() -> None:
+    # The caller once caught a cancellation without uncancelling (its count stays 1); a later
+    # cancel_and_wait of its own tasks still ends quietly.
+    started = asyncio.Event()
+
+    async def caller() -> None:
+        current = asyncio.current_task()
+        assert current is not None
+        current.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed, as careless code does
+            await asyncio.Event().wait()
+        task = asyncio.create_task(forever(started))
+        await started.wait()
+        await cancel_and_wait(task)
+        assert task.cancelled()
+
+    await asyncio.create_task(caller())
+
+
+async def forever(started: asyncio.Event) -> None:
+    started.set()
+    await asyncio.Event().wait()

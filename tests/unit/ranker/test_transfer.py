@@ -61,6 +61,23 @@ def test_a_received_prefix_ranks_exactly_as_the_sent_one(dtype: KVDtype) -> None
     )
 
 
+def test_a_one_token_prefix_with_a_broadcast_timestamp_is_sent_whole() -> None:
+    # A one-element tensor whose stride is 0 (a broadcast value) is contiguous to torch, yet
+    # cannot be viewed as bytes as it is: encoding it raised, and gRPC then cancelled the
+    # drain's whole hand-off stream (test_fuzz's rare teardown failure).
+    model = _model()
+    p = prefix(np.random.default_rng(SEED), 1, n_user=0)
+    kv = model.prefill(p)
+    broadcast = torch.tensor(int(kv.timestamps[0])).expand(1)
+    assert broadcast.stride() == (0,)
+    odd = dataclasses.replace(kv, timestamps=broadcast)
+    key = CacheKey(p.user_id, model.model_version, kv.digest)
+    header, payload = encode(key, odd)
+    assert (header, payload) == encode(key, kv)
+    got = _receive(model, header, payload)
+    assert not isinstance(got, Refusal) and torch.equal(got.timestamps, kv.timestamps)
+
+
 def test_a_received_prefix_extends_once_its_inputs_rebuild_the_hasher() -> None:
     model = _model()
     key, (p, _), header, payload = _sent(model)
