@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 
 from relaygr.v1 import common_pb2
+from tests.integration.one_method import serve_one_method
 from tests.unit.ranker.factories import prefix, rank_input
 from tooling.local.drive import NO_RANK, OK, RequestRecord, drive
 from tooling.local.workload import Arrival, WorkloadSpec, follow_ups
@@ -24,12 +25,9 @@ async def test_a_slow_server_does_not_shift_the_send_times(rng: np.random.Genera
         await asyncio.sleep(SERVER_DELAY_S)  # the slow server under test, not synchronisation
         return b""  # an empty RankReply
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "relaygr.v1.RouterService", {"Rank": grpc.unary_unary_rpc_method_handler(slow_rank)}
-    ),))  # fmt: skip
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve_one_method(
+        "relaygr.v1.RouterService", "Rank", grpc.unary_unary_rpc_method_handler(slow_rank)
+    )
     try:
         point = await drive(
             None, f"127.0.0.1:{port}", arrivals, label="slow", rate=20.0, gap_s=0.1,
@@ -66,12 +64,9 @@ async def test_follow_ups_set_each_gap_and_a_no_show_sends_no_rank(
         users.append(common_pb2.RankRequest.FromString(request).user_id)
         return b""
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "relaygr.v1.RouterService", {"Rank": grpc.unary_unary_rpc_method_handler(rank)}
-    ),))  # fmt: skip
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve_one_method(
+        "relaygr.v1.RouterService", "Rank", grpc.unary_unary_rpc_method_handler(rank)
+    )
     records: list[RequestRecord] = []
     try:
         point = await drive(

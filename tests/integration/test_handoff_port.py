@@ -11,17 +11,15 @@ import pytest
 from relaygr.tls_settings import PLAINTEXT
 from services.ranker.handoff import HandoffFailed, Piece, Target
 from services.ranker.handoff_grpc import GrpcHandoffPort
+from tests.integration.one_method import serve_one_method
 
 Handler = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[bytes]]
 
 
 async def serving(handler: Handler) -> tuple[grpc.aio.Server, Target]:
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "relaygr.v1.RankerService", {"Handoff": grpc.stream_unary_rpc_method_handler(handler)}
-    ),))  # fmt: skip
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve_one_method(
+        "relaygr.v1.RankerService", "Handoff", grpc.stream_unary_rpc_method_handler(handler)
+    )
     return server, Target("receiver", f"127.0.0.1:{port}")
 
 
