@@ -76,6 +76,10 @@ class CostModel:
             + self.cached_per_row_key_ms
         ) > 0
 
+    def cached_terms(self) -> dict[str, float]:
+        """The cached-rank terms by name (`CACHED_TERMS`), as the wire and profiles carry them."""
+        return {term: getattr(self, term) for term in CACHED_TERMS}
+
     def rank_ms(self, cached_tokens: int, new_tokens: int, candidates: int) -> float:
         """One call on a cached prefix of `cached_tokens`: computing `new_tokens` (the short-term
         behaviours) on top of it and scoring `candidates` against all of them.

@@ -95,10 +95,7 @@ def _main_terms(model: CostModel) -> np.ndarray:
 
 
 def _cached_terms(model: CostModel) -> np.ndarray:
-    return np.array([
-        model.cached_fixed_ms, model.cached_per_row_ms, model.cached_per_key_ms,
-        model.cached_per_row_key_ms,
-    ])  # fmt: skip
+    return np.array(list(model.cached_terms().values()))
 
 
 def predicted_ms(model: CostModel, sample: Sample) -> float:

@@ -85,14 +85,14 @@ class GrpcHandoffPort:
                     # drain goes on without this stream, as after any failed one.
                     if span is not None:
                         span.set_attributes({"error": True, "relaygr.handoff.status": "CANCELLED"})
-                    why = (
-                        f"the entries' stream failed: {failed[0]!r}"
-                        if failed
-                        else (
-                            "the call was cancelled while entries were sent (the receiver ended it)"
-                        )
-                    )
-                    raise HandoffFailed(f"CANCELLED: {why}") from err
+                    if failed:
+                        raise HandoffFailed(
+                            f"CANCELLED: the entries' stream failed: {failed[0]!r}"
+                        ) from err
+                    raise HandoffFailed(
+                        "CANCELLED: the call was cancelled while entries were sent (the "
+                        "receiver ended it)"
+                    ) from err
                 finally:
                     if span is not None:
                         span.set_attributes(

@@ -15,7 +15,7 @@ import torch
 from relaygr.aio import cancel_and_wait
 from relaygr.behaviours import UserId
 from relaygr.cluster import PlacementRecord, RankerRecord
-from relaygr.cost import CACHED_TERMS, CallShape, CostModel
+from relaygr.cost import CallShape, CostModel
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
@@ -124,7 +124,7 @@ def ranker_record(
         cost_samples=cost.samples,
         batch_saving_ms=cost.batch_saving_ms,
         batch_samples=cost.batch_samples,
-        **{term: getattr(cost, term) for term in CACHED_TERMS},
+        **cost.cached_terms(),
     )
 
 

@@ -9,7 +9,6 @@ import torch
 
 from relaygr.authz_grpc import peer_identity
 from relaygr.behaviours import UserId
-from relaygr.cost import CACHED_TERMS
 from relaygr.errors import FailedPrecondition
 from relaygr.grpc_server import absolute_deadline
 from relaygr.tracing import annotate, child_span, recording, root_span
@@ -281,7 +280,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
                 samples=cost.samples,
                 batch_saving_ms=cost.batch_saving_ms,
                 batch_samples=cost.batch_samples,
-                **{term: getattr(cost, term) for term in CACHED_TERMS},
+                **cost.cached_terms(),
                 **self._transfer_cost(engine),
             ),
             relay_enabled=engine.settings.relay_enabled,
