@@ -87,6 +87,11 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     p.add_argument("--profiles", nargs="+", default=list(PROFILES), help="names under profiles/")
     p.add_argument("--rankers", type=int, default=2)
     p.add_argument("--duration", type=float, default=6.0, help="simulated seconds per point")
+    p.add_argument(
+        "--min-ranks", type=int, default=300,
+        help="counted Ranks a point is drawn to expect at least: a slower point's simulated "
+        "span grows past --duration (a P99 of fewer Ranks is its slowest one or two)",
+    )  # fmt: skip
     p.add_argument("--users", type=int, default=10_000_000)
     p.add_argument("--candidates", type=int, default=256)
     p.add_argument("--max-long-term", type=int, default=8192)
@@ -123,6 +128,7 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
         args.seed = random.SystemRandom().randrange(2**32)
     if args.quick:
         args.profiles, args.seeds, args.duration = args.profiles[:1], 1, 3.0
+        args.min_ranks = 30
         args.axes, args.no_corners = ["tier"], True
         args.rate_step, args.rate_max, args.length_max = 10.0, 40.0, 2048
         args.users = 100_000
@@ -159,6 +165,14 @@ def point_spec(
     return SweepSpec(profile, fleet, workload, (), args.duration, (seed,))
 
 
+def point_span(args: argparse.Namespace, spec: SweepSpec, rate: float) -> float:
+    """Simulated seconds of a point at `rate` (req/s over the fleet): --duration, or longer
+    where that span would count fewer than --min-ranks Ranks expected (the first `warmup` share
+    is not counted, and a no-show never ranks)."""
+    ranked_per_s = rate * (1 - spec.warmup) * (1 - spec.workload.no_show_p)
+    return max(spec.duration_s, args.min_ranks / ranked_per_s)
+
+
 def shares(summary: dict[str, Any]) -> dict[str, float]:
     return {
         "relayed": summary["relayed_ratio"],
@@ -182,7 +196,8 @@ def search_variant(
     def passes_rate(units: int) -> bool:
         per_ranker = units * args.rate_step
         rate = per_ranker * args.rankers
-        done = run_point(spec, variant, rate, seed, visits_at(rate), spec.duration_s)
+        span = point_span(args, spec, rate)
+        done = run_point(spec, variant, rate, seed, visits_at(rate), span)
         seen[per_ranker] = done.summary(slo)
         ok = done.point.compliant(slo)
         verdict = "ok" if ok else "--"
@@ -199,10 +214,10 @@ def search_variant(
             min_long_term=length, max_long_term=length, user_prefix=f"L{length}",
         )  # fmt: skip
         rate = args.length_rate * args.rankers
-        visits = light_visits(fixed, rate, spec.duration_s, seed)
-        done = run_point(
-            replace(spec, workload=fixed), variant, rate, seed, visits, spec.duration_s
-        )
+        at_length = replace(spec, workload=fixed)
+        span = point_span(args, at_length, rate)
+        visits = light_visits(fixed, rate, span, seed)
+        done = run_point(at_length, variant, rate, seed, visits, span)
         return done.point.compliant(slo)
 
     longest, _ = grid_search(LENGTH_STEP, args.length_max, LENGTH_STEP, passes_length)
@@ -237,7 +252,7 @@ def measure_point(
 
     def visits_at(rate: float) -> list[Visit]:
         if rate not in drawn:
-            drawn[rate] = light_visits(spec.workload, rate, spec.duration_s, seed)
+            drawn[rate] = light_visits(spec.workload, rate, point_span(args, spec, rate), seed)
         return drawn[rate]
 
     def log(text: str) -> None:
@@ -388,8 +403,8 @@ def render(saved: dict) -> str:
         f"at {a['max_long_term']:,}; {a['candidates']} candidates; each gap log-normal around "
         f"its median with sigma {a['gap_sigma']:g} (an assumption); at-risk margin "
         f"min({a['margin_ms']:g} ms, SLO/4); Describe read every {a['observe_ms']} ms; "
-        f"{a['duration']:g} s per point (first 20% not "
-        f"counted); seeds {', '.join(map(str, seeds))}.",
+        f"{a['duration']:g} s per point, longer where that would count fewer than "
+        f"{a['min_ranks']} Ranks (first 20% not counted); seeds {', '.join(map(str, seeds))}.",
         f"- Centre: SLO {CENTRE['slo_ms']:g} ms, gap median {CENTRE['gap_ms']:g} ms, "
         f"utilisation {CENTRE['utilisation']:g}, no-shows {CENTRE['no_show']:g}, the "
         f"profile's device tier (sized); 'binding': {a['binding_tier_mib']:,.0f} MiB per ranker. "

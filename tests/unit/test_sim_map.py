@@ -4,6 +4,9 @@ import math
 import random
 from pathlib import Path
 
+import pytest
+
+from bench.pipeline import ROOT
 from bench.sim_map import (
     AXES,
     CENTRE,
@@ -12,10 +15,13 @@ from bench.sim_map import (
     map_points,
     measure,
     parse,
+    point_span,
+    point_spec,
     ratios,
     render,
     spread,
 )
+from tooling.sim.profile import load_profile
 
 
 def test_the_grid_is_one_axis_at_a_time_around_the_centre_plus_the_corners() -> None:
@@ -27,6 +33,23 @@ def test_the_grid_is_one_axis_at_a_time_around_the_centre_plus_the_corners() -> 
         assert sum(point.values[k] != CENTRE[k] for k in CENTRE) == 1, point.label
     assert points[-1].values == {**CENTRE, **CORNERS[-1]}
     assert len({p.label for p in points}) == len(points)
+
+
+def test_a_slow_point_runs_long_enough_to_count_the_ranks_its_p99_needs() -> None:
+    args = parse(["--seed", "1", "--no-docs", "--profiles", "nvidia-h100"])
+    base = load_profile(ROOT / "profiles" / "nvidia-h100.toml")
+    spec = point_spec(args, base, CENTRE, 1)
+    counted = 1 - spec.warmup
+    # Fast enough: the point keeps --duration, and counts at least --min-ranks in it.
+    fast = args.min_ranks / (spec.duration_s * counted)
+    assert point_span(args, spec, fast * 2) == spec.duration_s
+    # Slower: the span grows until --min-ranks are expected, no further.
+    slow = fast / 4
+    assert point_span(args, spec, slow) * slow * counted == pytest.approx(args.min_ranks)
+    # A third of retrievals never rank: longer still, by the same count of Ranks.
+    shows = point_spec(args, base, {**CENTRE, "no_show": 0.3}, 1)
+    ranked = point_span(args, shows, slow) * slow * counted * 0.7
+    assert ranked == pytest.approx(args.min_ranks)
 
 
 def test_ratios_are_per_seed_over_the_best_baseline_and_infinite_when_it_never_complies() -> None:
