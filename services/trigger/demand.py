@@ -1,9 +1,10 @@
-"""The at-risk relays the trigger has been asked for, by size: what a byte of relay room costs.
+"""The relays the trigger has been asked for, by size: what a byte of relay room costs.
 
 Pure: no I/O, time passed in as `now` (seconds of one clock, any origin).
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Size classes: a relay's KV bytes, in steps of 2^(1/4) (about 19%).
@@ -22,7 +23,7 @@ def size_class(nbytes: int) -> int:
 
 @dataclass(slots=True)
 class RelayDemand:
-    """At-risk relays asked for lately, as bytes per second in each size class.
+    """Relays asked for lately, as bytes per second in each size class.
 
     Each class keeps the bytes asked for, decaying by half every `half_life_s`, divided by the
     decayed time observed (at least `MIN_SPAN_S`): a steady flow reads as its rate from the
@@ -30,7 +31,7 @@ class RelayDemand:
 
     `held_below(nbytes, hold_s, now)` is Little's law over the smaller classes: the bytes that
     relays of a smaller size class than `nbytes` would hold at once if every one were admitted
-    and held its bytes `hold_s`.
+    and held its bytes `hold_s`; `held_above` the same over the larger classes.
     """
 
     half_life_s: float = 10.0
@@ -52,10 +53,18 @@ class RelayDemand:
 
     def rate_below(self, nbytes: int, now: float) -> float:
         """Bytes per second asked for in relays of a smaller size class than `nbytes`."""
+        below = size_class(nbytes)
+        return self._rate(lambda cls: cls < below, now)
+
+    def rate_above(self, nbytes: int, now: float) -> float:
+        """Bytes per second asked for in relays of a larger size class than `nbytes`."""
+        above = size_class(nbytes)
+        return self._rate(lambda cls: cls > above, now)
+
+    def _rate(self, counted: Callable[[int], bool], now: float) -> float:
         if self._since is None:
             return 0.0
-        below = size_class(nbytes)
-        scaled = sum(v for k, v in self._scaled.items() if k < below)
+        scaled = sum(v for k, v in self._scaled.items() if counted(k))
         if not scaled:
             return 0.0
         h = self.half_life_s
@@ -65,3 +74,6 @@ class RelayDemand:
 
     def held_below(self, nbytes: int, hold_s: float, now: float) -> float:
         return self.rate_below(nbytes, now) * hold_s
+
+    def held_above(self, nbytes: int, hold_s: float, now: float) -> float:
+        return self.rate_above(nbytes, now) * hold_s

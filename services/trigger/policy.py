@@ -120,6 +120,10 @@ class AdmissionPolicy:
     and a relay is admitted wherever it fits, into an empty room whatever its size; where it
     binds, a long prefix cannot take the room that shorter ones, arriving before or after it,
     would each save a violation with. Relays within a size class are first come, first served.
+    A relay not at risk is ordered the other way (`_outvalued`): it saves no violation, only
+    compute off its Rank's path, which per byte grows with the prefix, so where the room binds
+    it goes only when the longer prefixes asked for (every retrieval judged, `offered`) would
+    leave room for it.
     Relays are booked per (user, model version, prefix): a prefix relayed for one version is
     neither cached nor in flight for another.
     """
@@ -127,7 +131,8 @@ class AdmissionPolicy:
     def __init__(self, cfg: TriggerConfig) -> None:
         self.cfg = cfg
         self.room = RelayRoom(cfg.relay_window_s, cfg.refusal_cooldown_ms / 1e3)
-        self.demand = RelayDemand()
+        self.demand = RelayDemand()  # at-risk relays: what prices the room for relays at risk
+        self.offered = RelayDemand()  # every retrieval judged: what prices it for spare ones
 
     def reconfigure(self, cfg: TriggerConfig) -> None:
         self.cfg = cfg
@@ -154,7 +159,9 @@ class AdmissionPolicy:
         aware = cfg.mode is Mode.SEQUENCE_AWARE
         waits = self.room.queued_rank_ms(owner.instance_id, now)
         at_risk = waits + predicted > cfg.slo_ms - cfg.margin_ms
-        if aware and not at_risk and not self._spare(owner, now):
+        if aware:
+            self.offered.add(event.prefix_tokens * owner.kv_bytes_per_token, now)
+        if aware and not at_risk and not self._spare(event, order, now):
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
         key = (event.user_id, event.model_version, digest)
@@ -229,17 +236,32 @@ class AdmissionPolicy:
         (`RankerCore._take_over`): at worst a miss computed in line."""
         return self.room.queued_ms(instance, now) * self.no_show_share()
 
-    def _spare(self, owner: RankerRecord, now: float) -> bool:
-        """Has the owner room and time to spare for a relay not at risk: its relay room less than
-        `relay_spare_share` full (0 spares nothing) and the background prefill ahead of it
-        (`background_ahead_ms`) under half the expected gap? Such a relay still shortens its
-        Rank (the prefix is ready, not computed in line), and takes nothing a relay at risk
-        would need now; past either mark, only relays at risk go."""
+    def _spare(self, event: Event, order: Sequence[RankerRecord], now: float) -> bool:
+        """Has the owner (`order[0]`) room and time to spare for this relay not at risk: its
+        relay room less than `relay_spare_share` full (0 spares nothing), the background prefill
+        ahead of it (`background_ahead_ms`) under half the expected gap, and the relay not
+        outvalued (`_outvalued`)? Such a relay still shortens its Rank (the prefix is ready, not
+        computed in line), and takes nothing a relay at risk would need now; past any mark, only
+        relays at risk go."""
         cfg = self.cfg
+        owner = order[0]
         budget = self.room.budget(owner) * cfg.relay_budget_share
         held = self.room.held(owner.instance_id, now, 1 - self.no_show_share())
         ahead = self.background_ahead_ms(owner.instance_id, now)
-        return held < budget * cfg.relay_spare_share and ahead < cfg.expected_gap_ms / 2
+        spare = held < budget * cfg.relay_spare_share and ahead < cfg.expected_gap_ms / 2
+        return spare and not self._outvalued(event, order, now)
+
+    def _outvalued(self, event: Event, order: Sequence[RankerRecord], now: float) -> bool:
+        """Would the retrievals of larger size classes than this one (`offered`: every one
+        judged, at risk or not), each held `hold_s`, fill the relay room of `order`? A relay
+        not at risk saves its Rank the prefill, time off the Rank's path and off the queue the
+        Ranks behind it wait in, and that saving per byte of room grows with the prefix
+        (attention is quadratic in it, its bytes linear): where the room binds, the longest
+        prefixes make the best use of it, and a short one would take the room a long one
+        arriving during its hold is then refused (and computed in full at its Rank)."""
+        room = sum(self.room.budget(r) for r in order) * self.cfg.relay_budget_share
+        nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
+        return self.offered.held_above(nbytes, self.hold_s(), now) >= room
 
     def hold_s(self) -> float:
         """How long a relay holds its bytes, expected: until its Rank (the expected gap), or

@@ -32,6 +32,16 @@ def test_only_smaller_size_classes_count() -> None:
     assert demand.rate_below(10**9, 0.0) == pytest.approx(101_000)
 
 
+def test_above_counts_only_larger_size_classes() -> None:
+    demand = RelayDemand(half_life_s=1e6)
+    demand.add(1000, 0.0)
+    demand.add(100_000, 0.0)
+    assert demand.rate_above(100_000, 0.0) == 0.0  # its own class is not above it
+    assert demand.rate_above(1000, 0.0) == pytest.approx(100_000)
+    assert demand.rate_above(0, 0.0) == pytest.approx(101_000)
+    assert demand.held_above(1000, 2.0, 0.0) == pytest.approx(200_000)
+
+
 def test_a_flow_that_stops_fades_by_half_lives() -> None:
     demand = RelayDemand(half_life_s=1.0)
     for i in range(100):

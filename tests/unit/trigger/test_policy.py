@@ -887,6 +887,43 @@ def test_a_relay_not_at_risk_waits_for_no_queued_prefill_and_never_spills() -> N
     assert decision.reason is Reason.NOT_AT_RISK
 
 
+def offer(policy: AdmissionPolicy, n: int, prefix: int, start: float, per_s: float) -> None:
+    """`n` retrievals not at risk of `prefix` tokens, from `start`, `per_s` a second (users
+    `offer-*`), whatever was decided for them."""
+    target = ranker(hbm_budget_bytes=250_000)
+    for i in range(n):
+        policy.decide(
+            event(f"offer-{i}", prefix=prefix, candidates=SAFE), [target], start + i / per_s
+        )
+
+
+def test_where_the_room_binds_a_spare_relay_goes_to_the_longer_prefixes() -> None:
+    # Longer prefixes (192,000 bytes) offered at 10 a second, each held 2 s (the no-show prior
+    # 1: their window), would fill the 250,000-byte room alone: a shorter one not at risk is
+    # outvalued even into an empty room, while one as long as theirs is still spared. An SLO
+    # of 1 s puts none of them at risk.
+    target = ranker(hbm_budget_bytes=250_000)
+    later = NOW + 10.0  # the offered relays have all expired; their rate has not
+
+    def decided(prefix: int, flow: int, slo_ms: float = 1000.0) -> Reason:
+        cfg = config(relay_budget_share=1.0, relay_spare_share=1.0, slo_ms=slo_ms)
+        policy = AdmissionPolicy(cfg)
+        offer(policy, flow, 2 * PREFIX, NOW, per_s=10)
+        return policy.decide(event("u", prefix=prefix), [target], later).reason
+
+    assert decided(PREFIX, flow=40) is Reason.NOT_AT_RISK
+    assert decided(2 * PREFIX, flow=40) is Reason.SPARE
+    # A short relay at risk saves a violation: the longer prefixes offered (at risk too, at
+    # this SLO) do not price it out.
+    assert decided(PREFIX, flow=40, slo_ms=50.0) is Reason.ADMITTED
+    # Nothing longer offered, or too little to fill the room: the short one is spared.
+    assert decided(PREFIX, flow=0) is Reason.SPARE
+    policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_spare_share=1.0, slo_ms=1000))
+    offer(policy, 4, 2 * PREFIX, NOW, per_s=1)  # 192,000 bytes a second at most, held 2 s
+    assert policy.hold_s() * policy.offered.rate_above(NBYTES, later) < 250_000
+    assert policy.decide(event("u"), [target], later).reason is Reason.SPARE
+
+
 def test_spare_share_zero_relays_only_what_is_at_risk() -> None:
     policy = AdmissionPolicy(config(relay_spare_share=0.0))
     assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW).reason is (
