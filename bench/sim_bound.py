@@ -130,7 +130,7 @@ def render(saved: dict[str, Any]) -> str:
         f"median [lowest-highest]; the issue's target is {TARGET:g}x.",
         "",
         "| profile | point | relay all | sequence-aware | best told | room sized "
-        "| sequence-aware / relay all | best told / relay all (seeds at target) "
+        "| sequence-aware / relay all (seeds at target) | best told / relay all (seeds at target) "
         "| room sized / relay all (seeds at target) |",
         "|---|---|---:|---:|---:|---:|---|---|---|",
     ]
@@ -149,11 +149,11 @@ def render(saved: dict[str, Any]) -> str:
                 f"{statistics.median(by[v].values()):g}" if v in by else "-"
                 for v in ("relay all", AWARE, BEST_TOLD, SIZED)
             ]
-            ratios = [spread(over_all(by, seeds, AWARE))] + [
+            ratios = [
                 f"{spread(over_all(by, seeds, v))} ({reached(over_all(by, seeds, v))})"
                 if v in by
                 else "-"
-                for v in (BEST_TOLD, SIZED)
+                for v in (AWARE, BEST_TOLD, SIZED)
             ]
             lines.append(f"| {profile} | {point} | {' | '.join(cells + ratios)} |")
     return "\n".join(lines)
