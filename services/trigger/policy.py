@@ -159,8 +159,9 @@ class AdmissionPolicy:
         aware = cfg.mode is Mode.SEQUENCE_AWARE
         waits = self.room.queued_rank_ms(owner.instance_id, now)
         at_risk = waits + predicted > cfg.slo_ms - cfg.margin_ms
+        nbytes = event.prefix_tokens * owner.kv_bytes_per_token  # on the owner, where it lands
         if aware:
-            self.offered.add(event.prefix_tokens * owner.kv_bytes_per_token, now)
+            self.offered.add(nbytes, now)
         if aware and not at_risk and not self._spare(event, order, now):
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
@@ -172,7 +173,7 @@ class AdmissionPolicy:
             return dataclasses.replace(decided, reason=reason)
         if aware:
             if at_risk:
-                self.demand.add(event.prefix_tokens * owner.kv_bytes_per_token, now)
+                self.demand.add(nbytes, now)
             priced_out = self._priced_out(event, order, now)
             targets = order[:1] if not at_risk else order
             placed = self._place(event, targets, predicted, digest, priced_out, now)
@@ -259,9 +260,7 @@ class AdmissionPolicy:
         (attention is quadratic in it, its bytes linear): where the room binds, the longest
         prefixes make the best use of it, and a short one would take the room a long one
         arriving during its hold is then refused (and computed in full at its Rank)."""
-        room = sum(self.room.budget(r) for r in order) * self.cfg.relay_budget_share
-        nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
-        return self.offered.held_above(nbytes, self.hold_s(), now) >= room
+        return self._fills_room(self.offered.held_above, event, order, now)
 
     def hold_s(self) -> float:
         """How long a relay holds its bytes, expected: until its Rank (the expected gap), or
@@ -273,9 +272,20 @@ class AdmissionPolicy:
     def _priced_out(self, event: Event, order: Sequence[RankerRecord], now: float) -> bool:
         """Would the at-risk relays of smaller size classes than this one, each held `hold_s`,
         fill the relay room of `order` (`relay_budget_share` of each ranker's budget)?"""
+        return self._fills_room(self.demand.held_below, event, order, now)
+
+    def _fills_room(
+        self,
+        held: Callable[[int, float, float], float],
+        event: Event,
+        order: Sequence[RankerRecord],
+        now: float,
+    ) -> bool:
+        """Do the relays `held` counts for this event's size (a `RelayDemand`'s `held_below`
+        or `held_above`), each held `hold_s`, fill the relay room of `order`?"""
         room = sum(self.room.budget(r) for r in order) * self.cfg.relay_budget_share
         nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
-        return self.demand.held_below(nbytes, self.hold_s(), now) >= room
+        return held(nbytes, self.hold_s(), now) >= room
 
     def _fits(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
         """Does the relay fit `relay_budget_share` of the ranker's relay budget beside this
