@@ -25,7 +25,7 @@ import numpy as np
 from relaygr.behaviours import RankInput
 from services.ranker.model_config import PRESETS, ModelPreset
 from tooling.local.drive import HUNG, OK, OpenLoopDriver, RequestRecord
-from tooling.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
+from tooling.local.mesh import ROUTER_REPLICAS, LocalMesh, MeshSpec
 from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
 # A client may retry these: the request was not served, and another try can be.
@@ -290,7 +290,7 @@ class Traffic:
                     self._trigger_address,
                     self._router_target,
                     tls=self._tls,
-                    router_options=ROUND_ROBIN,
+                    router_options=ROUTER_REPLICAS,
                     start=self.start,
                 )
             )

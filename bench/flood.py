@@ -26,7 +26,7 @@ from relaygr.tls import open_channel
 from relaygr.v1 import common_pb2, ranker_pb2, ranker_pb2_grpc
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.synthetic import random_behaviours
-from tooling.local.mesh import ROUND_ROBIN, LocalMesh
+from tooling.local.mesh import ROUTER_REPLICAS, LocalMesh
 from tooling.local.workload import T0
 
 MIB = 1 << 20
@@ -125,7 +125,7 @@ async def _flood(mesh: LocalMesh, settings: FloodSettings, rng: np.random.Genera
     # Rankers are called directly, as a router calls them (under TLS: a router's identity).
     as_router = mesh.tls_as(Role.ROUTER, "flood")
     channels = {s.name: open_channel(s.address, as_router) for s in mesh.rankers}
-    routers = open_channel(mesh.router_target, tls, ROUND_ROBIN)
+    routers = open_channel(mesh.router_target, tls, ROUTER_REPLICAS)
     try:
         stubs = {name: ranker_pb2_grpc.RankerServiceStub(c) for name, c in channels.items()}
         describe = ranker_pb2.DescribeRequest()

@@ -206,10 +206,22 @@ async def start_server(
 
 
 async def drain(
-    server: GrpcServer, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None
+    server: GrpcServer,
+    grace: float,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+    linger_s: float = 0.0,
 ) -> None:
-    """Mark NOT_SERVING, let the caller stop taking work and finish it, then stop the server."""
+    """Mark NOT_SERVING, serve on for `linger_s`, let the caller stop taking work and finish
+    it, then stop the server.
+
+    The linger is for callers that watch health (gRPC client-side health checking,
+    `relaygr.balancing.replica_options`): they see NOT_SERVING and send to another replica
+    before the server stops. A call that reaches a stopping server before it has been handed
+    to a handler ends CANCELLED, not UNAVAILABLE (grpc/grpc#41785), so no caller could retry it.
+    """
     await server.enter_graceful_shutdown()
+    if linger_s > 0:
+        await asyncio.sleep(linger_s)
     if on_drain is not None:
         await on_drain()
     await server.stop(grace)
@@ -220,6 +232,7 @@ def install_drain_handlers(
     server: GrpcServer,
     grace: float,
     on_drain: Callable[[], Awaitable[None]] | None = None,
+    linger_s: float = 0.0,
 ) -> asyncio.Future[None]:
     """Run `drain` on the first SIGTERM or SIGINT; the returned future resolves when it ends.
 
@@ -243,7 +256,7 @@ def install_drain_handlers(
             _log.warning("%s received while draining; ignored", signum.name)
             return
         _log.info("%s received: draining", signum.name)
-        running.append(loop.create_task(drain(server, grace, on_drain)))
+        running.append(loop.create_task(drain(server, grace, on_drain, linger_s)))
         running[0].add_done_callback(finished)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,5 +1,6 @@
 """The lifecycle every service shares: its servers, its link to the mesh, and one serve loop
-(SIGTERM or SIGINT: health NOT_SERVING, drain, stop the gRPC server, close, in that order)."""
+(SIGTERM or SIGINT: health NOT_SERVING, a linger, drain, stop the gRPC server, close, in that
+order)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class RunningService(Protocol):
     """A started service, shut down once by `stop_service` (or `serve` on a signal).
 
     Shutdown order, the same for every service: health turns NOT_SERVING for good (probes and
-    balancers stop sending), then `drain(grace_s)`, then the gRPC server stops (RPCs in flight
+    balancers stop sending; on a signal, `health_linger_s` of serving on lets callers that
+    watch health move away), then `drain(grace_s)`, then the gRPC server stops (RPCs in flight
     get up to `grace_s`), then `close()`.
     """
 
@@ -68,7 +70,11 @@ async def serve(
         print(f"relaygr {name} listening on port {service.port}", flush=True)
         grace_s = cfg.drain_grace_s
         await install_drain_handlers(
-            asyncio.get_running_loop(), service.server, grace_s, lambda: service.drain(grace_s)
+            asyncio.get_running_loop(),
+            service.server,
+            grace_s,
+            lambda: service.drain(grace_s),
+            cfg.health_linger_s,
         )
         await service.close()
     finally:

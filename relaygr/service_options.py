@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relaygr.bounds import POSITIVE, Bound
+from relaygr.bounds import POSITIVE, Bound, non_negative
 from relaygr.config import helped
 from relaygr.errors import ConfigError
 from relaygr.log_options import check_log_options
@@ -49,6 +49,18 @@ def listen_field(default: str) -> str:
     return field(default=default, metadata=helped("gRPC listen address"))
 
 
+def health_linger_field(default: float) -> float:
+    """The `health_linger_s` field of a service config, with that service's default."""
+    return field(
+        default=default,
+        metadata=helped(
+            "on SIGTERM, seconds to serve on after health turns NOT_SERVING, before the drain:"
+            " callers that watch health (client-side health checking) move to another replica",
+            non_negative("0: none"),
+        ),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceOptions(SecurityOptions):
     """The fields every service config extends; `check_service` validates them.
@@ -74,6 +86,7 @@ class ServiceOptions(SecurityOptions):
     drain_grace_s: float = field(
         default=10.0, metadata=helped("time to finish work on SIGTERM, seconds", POSITIVE)
     )
+    health_linger_s: float = health_linger_field(0.5)
     metrics_port: int = field(
         default=0,
         metadata=helped(

@@ -8,7 +8,7 @@ from relaygr.config import check_bounds, helped
 from relaygr.cost import TransferCost
 from relaygr.device import parse_device_kind
 from relaygr.errors import ConfigError
-from relaygr.service_options import ServiceOptions, listen_field
+from relaygr.service_options import ServiceOptions, health_linger_field, listen_field
 from services.ranker.core_types import CoreSettings
 from services.ranker.model_config import ModelPreset
 from services.ranker.peers import PreviousOwners
@@ -20,6 +20,9 @@ MIB = 1 << 20
 @dataclass(frozen=True, slots=True)
 class RankerConfig(ServiceOptions):
     listen: str = listen_field("127.0.0.1:50061")
+    # Routers follow a ranker's membership, not its health: its drain leaves the membership
+    # while it still serves, and a router sends a Rank the ranker's stop cancelled to the next.
+    health_linger_s: float = health_linger_field(0.0)
     instance_id: str = field(default="", metadata=helped("instance id (default: host:port)"))
     device: str = field(default="auto", metadata=helped("auto, cpu, cuda or npu"))
     checkpoint: Path | None = field(

@@ -48,8 +48,11 @@ class Status(enum.StrEnum):
 
 
 # A ranker answering these cannot serve this request now; another one can (by full inference
-# at worst). Every other status is the caller's answer and passes through unchanged.
-TRY_NEXT = frozenset({Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
+# at worst). Every other status is the caller's answer and passes through unchanged. CANCELLED
+# is the ranker's, never the router's own (a call the router gives up raises CancelledError
+# instead): a ranker stopping cancels the calls it has not yet handed to a handler
+# (grpc/grpc#41785).
+TRY_NEXT = frozenset({Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED, Status.CANCELLED})
 
 
 @dataclass(frozen=True, slots=True)

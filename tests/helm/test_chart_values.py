@@ -139,13 +139,14 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "grace-shorter-than-drain",
         {"router": {"terminationGracePeriodSeconds": 12}},
         "router.terminationGracePeriodSeconds=12 must exceed preStopSleepSeconds +"
-        " config.drain_grace_s = 15",
+        " config.health_linger_s + config.drain_grace_s = 15.5",
     ),
     (
         "ranker-grace-shorter-than-drain-and-hand-off",
         {"ranker": {"terminationGracePeriodSeconds": 24}},
         "ranker.terminationGracePeriodSeconds=24 must exceed preStopSleepSeconds +"
-        " config.drain_grace_s + min(config.handoff_budget_s, config.drain_grace_s) = 25",
+        " config.health_linger_s + config.drain_grace_s"
+        " + min(config.handoff_budget_s, config.drain_grace_s) = 25",
     ),
     (
         "pdb-on-a-single-replica",

@@ -91,6 +91,7 @@ def test_faults_under_load_lose_nothing_and_the_mesh_recovers(
 ) -> None:
     """Per fault: every Rank succeeded with full inference's scores (all checked here) or
     failed with a retryable status within its deadline; none hung; then every Rank hit again.
+    A router's restart fails no Rank at all.
     Afterwards both rankers are registered at their addresses and both serve."""
     mesh, model = mesh_and_model
     # 5 s after each fault: a restarted ranker warms up for a second or two before every Rank
@@ -124,6 +125,9 @@ def test_faults_under_load_lose_nothing_and_the_mesh_recovers(
         assert report.unexpected == 0, report  # every failure retryable
         assert report.verified == report.succeeded, report  # CI checks every score
         assert report.recovery_s is not None, report
+    # The router lingers NOT_SERVING before it stops, and the clients watch its health.
+    [restart] = [report for report in reports if report.fault.startswith("router restarted")]
+    assert restart.failed == {}, restart
     assert mesh.service("ranker-0").restarts == 1 and mesh.service("router").restarts == 1
     assert set(reports[-1].served_by) == {"ranker-0", "ranker-1"}, reports[-1].served_by
     assert asyncio.run(registered(mesh)) == {s.name: s.address for s in mesh.rankers}

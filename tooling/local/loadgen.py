@@ -49,7 +49,7 @@ from tooling.local.loadgen_sut import (
     Verdict,
     run_server_test,
 )
-from tooling.local.mesh import ROUND_ROBIN, LocalMesh, MeshSpec
+from tooling.local.mesh import ROUTER_REPLICAS, LocalMesh, MeshSpec
 from tooling.local.modes import BY_LABEL, RELAY_AWARE, SYSTEMS, System
 from tooling.local.run_stamp import machine_info
 from tooling.local.search import grid_search
@@ -243,7 +243,7 @@ def _target(
         with local_target(settings, system) as (target, mesh):
             yield target, mesh
     else:
-        yield Target(args.trigger, args.router, router_options=tuple(ROUND_ROBIN)), None
+        yield Target(args.trigger, args.router, router_options=tuple(ROUTER_REPLICAS)), None
 
 
 def write_result(path: Path, saved: dict[str, Any]) -> None:

@@ -27,10 +27,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relaygr.authz import Role
+from relaygr.balancing import replica_options
 from relaygr.cpu_quota import available_cpus
 from relaygr.etcd.security import EtcdSecurity
 from relaygr.tls import open_blocking_channel
 from relaygr.tls_settings import PLAINTEXT, ClientTls
+from relaygr.v1 import router_pb2
 from tooling.local.certs import Pki, make_pki
 from tooling.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 from tooling.local.processes import dying_with_parent, terminate
@@ -41,8 +43,8 @@ PROCESSES_FILE = "processes.json"
 # Every address the mesh serves on, /metrics included, is on this machine only.
 LOOPBACK = "127.0.0.1"
 # Channel options for `LocalMesh.router_target`: calls spread over every router replica and
-# skip one that is down.
-ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]
+# skip one that is down or draining (its health NOT_SERVING).
+ROUTER_REPLICAS = replica_options(router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name)
 
 
 @dataclass(frozen=True, slots=True)

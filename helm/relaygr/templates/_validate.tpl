@@ -115,8 +115,11 @@ router_address: "the router Service of this release"
 {{- end -}}
 {{- end -}}
 {{- $drain := $svc.config.drain_grace_s | float64 -}}
-{{- $needed := addf $drain $svc.preStopSleepSeconds -}}
-{{- $terms := "preStopSleepSeconds + config.drain_grace_s" -}}
+{{- /* SIGTERM: health NOT_SERVING, then config.health_linger_s serving on (service default
+       0.5 s; a ranker's 0), then the drain. */ -}}
+{{- $linger := dig "health_linger_s" (ternary 0.0 0.5 (eq $component "ranker")) $svc.config | float64 -}}
+{{- $needed := addf $drain $svc.preStopSleepSeconds $linger -}}
+{{- $terms := "preStopSleepSeconds + config.health_linger_s + config.drain_grace_s" -}}
 {{- /* A draining ranker first hands its prefixes off, for min(handoff_budget_s, drain_grace_s)
        (service default 5 s), then stops its server with drain_grace_s. */ -}}
 {{- if and (eq $component "ranker") (ne (toString (dig "handoff" true $svc.config)) "false") -}}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from relaygr.placement import Reason
 from services.router.attempts import Attempts, Call
-from services.router.routes import CallFailed, Method, Refused, Route, Served, Status
+from services.router.routes import TRY_NEXT, CallFailed, Method, Refused, Route, Served, Status
 
 ORDER = ("r0", "r1", "r2")
 DOWN = CallFailed(Status.UNAVAILABLE, "down")
@@ -34,7 +34,7 @@ class Books:
 
     def failed(self, route: Route, instance: str, failed: CallFailed) -> Refused | None:
         self.log.append(("failed", instance))
-        ends = failed.status not in (Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED)
+        ends = failed.status not in TRY_NEXT
         return Refused(failed.status, failed.details or "") if ends else None
 
     def hedge(self, method: Method) -> None:

@@ -235,6 +235,20 @@ def test_a_refusal_for_room_among_unavailable_rankers_is_unavailable() -> None:
     run(scenario)
 
 
+def test_a_rank_a_stopping_ranker_cancelled_is_served_by_the_next_one() -> None:
+    """A ranker's stop cancels the calls it has not yet handed to a handler (grpc/grpc#41785):
+    CANCELLED from a ranker is its shutdown, never the caller's, so the Rank goes on."""
+
+    async def scenario() -> None:
+        r = await rig()
+        r.rankers.behaviour[ORDER[0]] = CallFailed(Status.CANCELLED, "CANCELLED")
+        outcome = await r.forwarder.serve(RANK, USER, REQUEST)
+        assert outcome == Served(reply(ORDER[1], RANK), ORDER[1], attempts=2, fallback=True)
+        assert r.forwarder.stats.forwarded == Counter({(RANK, Status.CANCELLED): 1, (RANK, OK): 1})
+
+    run(scenario)
+
+
 def test_a_rankers_own_error_is_the_answer_without_trying_another() -> None:
     async def scenario() -> None:
         r = await rig()
