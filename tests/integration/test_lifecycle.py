@@ -54,6 +54,26 @@ def _no_services(server: grpc.aio.Server) -> None:
     """Health and reflection only: the lifecycle is what is under test."""
 
 
+async def serving_fake(cfg: ServiceOptions, started: list[FakeService]) -> asyncio.Task[None]:
+    """`serve` running a SERVING `FakeService` (kept in `started`) on `cfg`, once its signal
+    handler is in: it replaces the default once the service is up, and a SIGTERM before would
+    kill the test."""
+
+    async def start(telemetry: Telemetry) -> FakeService:
+        server, metrics_server = await start_service_servers(
+            cfg, "fake", _no_services, [SERVICE], telemetry, logging.getLogger("fake")
+        )
+        assert metrics_server is None  # metrics_port 0
+        await server.set_serving(True)
+        started.append(FakeService(server))
+        return started[0]
+
+    before = signal.getsignal(signal.SIGTERM)
+    serving = asyncio.create_task(serve(cfg, "fake", start))
+    await eventually(lambda: signal.getsignal(signal.SIGTERM) != before, "SIGTERM handled")
+    return serving
+
+
 def test_stop_service_turns_not_serving_then_drains_stops_and_closes() -> None:
     async def scenario() -> list[tuple[str, object]]:
         service = FakeService(await start_server("127.0.0.1:0", _no_services, [SERVICE]))
@@ -72,20 +92,8 @@ def test_serve_runs_until_sigterm_then_shuts_down_in_order(
     cfg = ServiceOptions(plaintext=True, listen="127.0.0.1:0", drain_grace_s=0.5)
     started: list[FakeService] = []
 
-    async def start(telemetry: Telemetry) -> FakeService:
-        server, metrics_server = await start_service_servers(
-            cfg, "fake", _no_services, [SERVICE], telemetry, logging.getLogger("fake")
-        )
-        assert metrics_server is None  # metrics_port 0
-        await server.set_serving(True)
-        started.append(FakeService(server))
-        return started[0]
-
     async def scenario() -> None:
-        before = signal.getsignal(signal.SIGTERM)
-        serving = asyncio.create_task(serve(cfg, "fake", start))
-        # The handler replaces the default once the service is up; a SIGTERM before would kill.
-        await eventually(lambda: signal.getsignal(signal.SIGTERM) != before, "SIGTERM handled")
+        serving = await serving_fake(cfg, started)
         assert await started[0].health() == health_pb2.HealthCheckResponse.SERVING
         signal.raise_signal(signal.SIGTERM)
         await asyncio.wait_for(serving, timeout=10)
@@ -105,18 +113,8 @@ def test_on_sigterm_health_lingers_not_serving_before_the_drain() -> None:
     started: list[FakeService] = []
     seen: list[tuple[float, object]] = []  # (seconds after SIGTERM, health), polled
 
-    async def start(telemetry: Telemetry) -> FakeService:
-        server, _ = await start_service_servers(
-            cfg, "fake", _no_services, [SERVICE], telemetry, logging.getLogger("fake")
-        )
-        await server.set_serving(True)
-        started.append(FakeService(server))
-        return started[0]
-
     async def scenario() -> float:
-        before = signal.getsignal(signal.SIGTERM)
-        serving = asyncio.create_task(serve(cfg, "fake", start))
-        await eventually(lambda: signal.getsignal(signal.SIGTERM) != before, "SIGTERM handled")
+        serving = await serving_fake(cfg, started)
         sent = time.monotonic()
         signal.raise_signal(signal.SIGTERM)
         while not started[0].steps:  # polls until the drain step is recorded
