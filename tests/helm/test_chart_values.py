@@ -5,7 +5,13 @@ from typing import Any
 
 import pytest
 
+from services.ranker.config import RankerConfig
+from services.router.config import RouterConfig
 from tests.helm.chart import helm, render, render_error, template_command
+
+# The chart's default linger, where a config leaves it out, must be the service's own.
+ROUTER_LINGER_S = RouterConfig(plaintext=True).health_linger_s
+RANKER_LINGER_S = RankerConfig(plaintext=True).health_linger_s
 
 EXTERNAL = {"enabled": True, "endpoints": ["etcd.infra:2379"]}
 
@@ -139,14 +145,14 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "grace-shorter-than-drain",
         {"router": {"terminationGracePeriodSeconds": 12}},
         "router.terminationGracePeriodSeconds=12 must exceed preStopSleepSeconds +"
-        " config.health_linger_s + config.drain_grace_s = 15.5",
+        f" config.health_linger_s + config.drain_grace_s = {5 + ROUTER_LINGER_S + 10:g}",
     ),
     (
         "ranker-grace-shorter-than-drain-and-hand-off",
         {"ranker": {"terminationGracePeriodSeconds": 24}},
         "ranker.terminationGracePeriodSeconds=24 must exceed preStopSleepSeconds +"
         " config.health_linger_s + config.drain_grace_s"
-        " + min(config.handoff_budget_s, config.drain_grace_s) = 25",
+        f" + min(config.handoff_budget_s, config.drain_grace_s) = {RANKER_LINGER_S + 25:g}",
     ),
     (
         "pdb-on-a-single-replica",
