@@ -182,7 +182,7 @@ async def start_server(
     options = options or ServerOptions()
     server = grpc.aio.server(
         interceptors=[*interceptors, *([authz] if authz is not None else []), ErrorInterceptor()],
-        options=options.channel_args(),
+        options=options.server_args(),
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
     register(server)

@@ -47,9 +47,9 @@ class RunningService(Protocol):
         gRPC server has stopped."""
 
 
-async def stop_service(service: RunningService, grace_s: float) -> None:
-    """Shut `service` down in the order `RunningService` states."""
-    await drain(service.server, grace_s, lambda: service.drain(grace_s))
+async def stop_service(service: RunningService, grace_s: float, linger_s: float = 0.0) -> None:
+    """Shut `service` down in the order `RunningService` states; `linger_s` as on a signal."""
+    await drain(service.server, grace_s, lambda: service.drain(grace_s), linger_s)
     await service.close()
 
 

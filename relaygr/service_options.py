@@ -24,6 +24,10 @@ class ServerOptions:
     max_concurrent_streams: int = 1024
     # RPCs in progress on the whole server; past it gRPC answers RESOURCE_EXHAUSTED at once.
     max_concurrent_rpcs: int | None = None
+    # A client connection's life: past it the server sends GOAWAY and the client connects (and
+    # resolves its target) again; calls in flight get `max_connection_age_grace_s`. None: forever.
+    max_connection_age_s: float | None = None
+    max_connection_age_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_receive_message_bytes", "max_send_message_bytes"):
@@ -33,15 +37,32 @@ class ServerOptions:
             raise ConfigError("max_concurrent_streams must be a positive integer")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs <= 0:
             raise ConfigError("max_concurrent_rpcs must be a positive integer")
+        if self.max_connection_age_s is not None and self.max_connection_age_s <= 0:
+            raise ConfigError("max_connection_age_s must be a positive number of seconds")
+        if self.max_connection_age_grace_s <= 0:
+            raise ConfigError("max_connection_age_grace_s must be a positive number of seconds")
 
-    def channel_args(self) -> list[tuple[str, int]]:
+    def message_args(self) -> list[tuple[str, int]]:
+        """The message size limits, for a client channel of this service as well as its server."""
         return [
             ("grpc.max_receive_message_length", self.max_receive_message_bytes),
             ("grpc.max_send_message_length", self.max_send_message_bytes),
+        ]
+
+    def server_args(self) -> list[tuple[str, int]]:
+        """The server's gRPC arguments."""
+        args = [
+            *self.message_args(),
             ("grpc.max_concurrent_streams", self.max_concurrent_streams),
             # Without this a second server on the same explicit port would silently share it.
             ("grpc.so_reuseport", 0),
         ]
+        if self.max_connection_age_s is not None:
+            args += [
+                ("grpc.max_connection_age_ms", round(self.max_connection_age_s * 1e3)),
+                ("grpc.max_connection_age_grace_ms", round(self.max_connection_age_grace_s * 1e3)),
+            ]
+        return args
 
 
 def listen_field(default: str) -> str:
@@ -87,6 +108,15 @@ class ServiceOptions(SecurityOptions):
         default=10.0, metadata=helped("time to finish work on SIGTERM, seconds", POSITIVE)
     )
     health_linger_s: float = health_linger_field(0.5)
+    max_connection_age_s: float = field(
+        default=0.0,
+        metadata=helped(
+            "close each client connection after this many seconds (GOAWAY; its calls get"
+            " drain_grace_s), so a caller that resolves every replica (a headless Service)"
+            " reconnects and resolves again, and spreads over replicas added since",
+            non_negative("0: never"),
+        ),
+    )
     metrics_port: int = field(
         default=0,
         metadata=helped(
@@ -126,4 +156,6 @@ class ServiceOptions(SecurityOptions):
             max_send_message_bytes=self.max_message_mb * MIB,
             max_concurrent_streams=self.max_concurrent_streams,
             max_concurrent_rpcs=self.max_concurrent_rpcs,
+            max_connection_age_s=self.max_connection_age_s or None,
+            max_connection_age_grace_s=self.drain_grace_s,
         )

@@ -378,7 +378,7 @@ def handoff_sender(
     port = GrpcHandoffPort(
         instance_id,
         cfg,
-        cfg.server_options().channel_args()[:2],
+        cfg.server_options().message_args(),
         telemetry.client_interceptors(),
         telemetry.tracer,
     )
@@ -427,7 +427,7 @@ async def start_ranker(
         membership = Membership(mesh, instance_id, cfg.lease_ttl_s)
         if cfg.peer_fetch and cfg.relay_enabled:
             pool = RankerPool(
-                cfg.server_options().channel_args()[:2], cfg, telemetry.client_interceptors()
+                cfg.server_options().message_args(), cfg, telemetry.client_interceptors()
             )
             fetch = peer_fetch(cfg, mesh, pool, instance_id, loaded, learner is not None, metrics)
     engine = build_engine(

@@ -23,7 +23,11 @@ class Mode(enum.StrEnum):
 class TriggerConfig(ServiceOptions):
     listen: str = listen_field("127.0.0.1:50041")
     router_address: str = field(
-        default="127.0.0.1:50051", metadata=helped("router that admitted PreInfers are sent to")
+        default="127.0.0.1:50051",
+        metadata=helped(
+            "gRPC target of the routers admitted PreInfers are sent to, spread over every"
+            " replica it resolves to (ipv4:A,B or dns:///headless-service:port)"
+        ),
     )
     # Admission policy: these may also be changed at run time (LIVE_FIELDS).
     mode: Mode = field(default=Mode.SEQUENCE_AWARE, metadata=helped("admission mode"))

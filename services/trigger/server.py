@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from relaygr.aio import cancel_and_wait
+from relaygr.balancing import replica_options
 from relaygr.channel_renewal import RenewingChannel
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
 from relaygr.etcd.watch import Watch
@@ -18,7 +19,7 @@ from relaygr.pool import RankerPool
 from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
-from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.v1 import common_pb2, router_pb2, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.versions import VersionPolicy
 from services.trigger.config import ENV_PREFIX, TriggerConfig
 from services.trigger.dispatch import Dispatcher
@@ -29,6 +30,7 @@ from services.trigger.service import SERVICE_NAME, TriggerServicer
 
 _log = logging.getLogger("services.trigger")
 SERVICE = "relaygr-trigger"  # the default OTEL service.name
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
 @dataclass(slots=True)
@@ -96,9 +98,14 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     mesh = connect_mesh(cfg)
     cluster = mesh.cluster
     interceptors = telemetry.client_interceptors()
-    pool = RankerPool(options.channel_args()[:2], cfg, interceptors)
+    pool = RankerPool(options.message_args(), cfg, interceptors)
+    # Every router the address resolves to (a list, or a headless Service), each one's health
+    # watched: a router that begins to drain gets no new PreInfer (docs/reliability.md).
     router_channel = RenewingChannel(
-        cfg.router_address, cfg, options.channel_args()[:2], interceptors
+        cfg.router_address,
+        cfg,
+        [*options.message_args(), *replica_options(ROUTER_SERVICE)],
+        interceptors,
     )
 
     async def send(

@@ -76,6 +76,17 @@ class Rendered:
         assert len(found) == 1, f"expected one {kind} for {component}, found {len(found)}"
         return found[0]
 
+    def service(self, component: str, pods: bool = False) -> dict[str, Any]:
+        """`component`'s Service; `pods`: the headless one (`<name>-pods`) a router or trigger
+        also has, resolving to every ready pod."""
+        found = [
+            m
+            for m in self.of_kind("Service")
+            if component_of(m) == component and m["metadata"]["name"].endswith("-pods") == pods
+        ]
+        assert len(found) == 1, f"expected one Service for {component}, found {len(found)}"
+        return found[0]
+
     def workloads(self) -> list[dict[str, Any]]:
         return [m for m in self.manifests if m["kind"] in ("Deployment", "StatefulSet")]
 

@@ -127,13 +127,19 @@ def test_otel_environment_is_what_the_services_read(case: tuple[dict[str, Any], 
         assert tracing_settings(f"relaygr-{component}", env) is None
 
 
-def test_trigger_dials_the_router_service(case: tuple[dict[str, Any], Rendered]) -> None:
+def test_trigger_dials_every_ready_router(case: tuple[dict[str, Any], Rendered]) -> None:
+    """The trigger resolves the routers' headless Service (every ready router pod), so its
+    channel spreads PreInfers over the replicas and leaves one that drains."""
     values, rendered = case
     config = parse_container("trigger", rendered.container("trigger"), "trigger-abc")
-    router = rendered.one("Service", "router")
-    host = f"{router['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
-    assert config.router_address == f"{host}:{values['router']['port']}"
-    assert values["router"]["port"] in [p["port"] for p in router["spec"]["ports"]]
+    pods = rendered.service("router", pods=True)
+    host = f"{pods['metadata']['name']}.{NAMESPACE}.svc.{values['clusterDomain']}"
+    assert config.router_address == f"dns:///{host}:{values['router']['port']}"
+    assert pods["spec"]["clusterIP"] == "None"
+    assert not pods["spec"].get("publishNotReadyAddresses", False)
+    routers = rendered.service_workload("router")["spec"]["template"]["metadata"]["labels"]
+    assert pods["spec"]["selector"].items() <= routers.items()
+    assert values["router"]["port"] in [p["port"] for p in pods["spec"]["ports"]]
 
 
 def test_every_config_type_renders_as_a_flag_the_service_parses(tmp_path: Path) -> None:

@@ -244,7 +244,7 @@ def test_etcd_endpoints_wired_the_same_into_every_service(
     if etcd["bundled"]["enabled"]:
         statefulset = rendered.one("StatefulSet", "etcd")
         name, service = statefulset["metadata"]["name"], statefulset["spec"]["serviceName"]
-        assert rendered.one("Service", "etcd")["spec"]["clusterIP"] == "None"
+        assert rendered.service("etcd")["spec"]["clusterIP"] == "None"
         domain = f"{service}.{NAMESPACE}.svc.{values['clusterDomain']}"
         members = [f"{name}-{i}.{domain}" for i in range(statefulset["spec"]["replicas"])]
         expected = ",".join(f"{m}:2379" for m in members)
@@ -303,7 +303,7 @@ def test_ranker_identity_from_the_statefulset_pod(case: tuple[dict[str, Any], Re
     assert flag_value(container["args"], "--instance-id") == "$(POD_NAME)"
     pod_name = next(e for e in container["env"] if e["name"] == "POD_NAME")
     assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    headless = rendered.one("Service", "ranker")["spec"]
+    headless = rendered.service("ranker")["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
     domain = f"{statefulset['spec']['serviceName']}.{NAMESPACE}.svc.{values['clusterDomain']}"
     port = values["ranker"]["port"]
@@ -387,7 +387,7 @@ def test_optional_objects_follow_values(case: tuple[dict[str, Any], Rendered]) -
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
         for component in SERVICES:
-            ports = {p["name"] for p in rendered.one("Service", component)["spec"]["ports"]}
+            ports = {p["name"] for p in rendered.service(component)["spec"]["ports"]}
             assert "metrics" in ports
 
 
@@ -487,7 +487,11 @@ def test_notes_tell_how_to_call_the_router_and_find_traces(file: Path, tmp_path:
     assert "relaygr-router" in notes
     if values["tls"]["enabled"]:
         assert "-cacert ca.crt -cert client.crt -key client.key" in notes
-        assert f"*.{CHART_NAME}-ranker.{NAMESPACE}.svc.cluster.local" in notes
+        domain = f"{NAMESPACE}.svc.cluster.local"
+        assert f"ranker: *.{CHART_NAME}-ranker.{domain}" in notes
+        for component in ("router", "trigger"):  # the name it is called by, headless or not
+            name = f"{CHART_NAME}-{component}"
+            assert f"{component}: {name}.{domain}, {name}-pods.{domain}" in notes
     else:
         assert "TLS=-plaintext" in notes
 

@@ -28,7 +28,9 @@ from relaygr.grpc_server import (
     install_drain_handlers,
     start_server,
 )
+from relaygr.service_options import ServerOptions
 from relaygr.v1 import ranker_pb2, ranker_pb2_grpc
+from tests.polling import eventually
 
 SERVICE = "relaygr.v1.RankerService"
 Action = Callable[[grpc.aio.ServicerContext], Awaitable[None]]
@@ -274,6 +276,45 @@ async def test_stop_finishes_in_flight_request_within_grace() -> None:
         release.set()
         assert (await in_flight).instance_id == "r0"
         await stopping
+
+
+async def test_connections_end_at_their_max_age_and_no_call_fails() -> None:
+    """With `max_connection_age_s` the server ends each client connection at that age (GOAWAY):
+    the client connects again (and would resolve its target again), a call in flight finishes
+    on the old connection within the grace, and no call fails."""
+    ranker = FakeRanker()
+    peers: set[str] = set()  # a new connection comes from a new client port
+    slow = asyncio.Event()
+
+    async def note_peer(context: grpc.aio.ServicerContext) -> None:
+        peers.add(context.peer())
+        if not slow.is_set():  # the first call outlives its connection's age
+            slow.set()
+            await asyncio.sleep(1.0)
+
+    ranker.action = note_peer
+    options = ServerOptions(max_connection_age_s=0.2, max_connection_age_grace_s=5.0)
+    server = await start_server("127.0.0.1:0", ranker.register, [SERVICE], options)
+    failures: list[grpc.StatusCode] = []
+    done = asyncio.Event()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+
+        async def caller() -> None:
+            while not done.is_set():
+                try:
+                    await describe(channel)
+                except grpc.aio.AioRpcError as err:
+                    failures.append(err.code())
+
+        first = asyncio.create_task(describe(channel))
+        await slow.wait()
+        callers = [asyncio.create_task(caller()) for _ in range(4)]
+        await eventually(lambda: len(peers) >= 4, "connections renewed")
+        assert (await first).instance_id == "r0"
+        done.set()
+        await asyncio.gather(*callers)
+    await server.stop(grace=0)
+    assert failures == []
 
 
 async def test_grace_expiry_cancels_the_handler_without_mapping_it() -> None:

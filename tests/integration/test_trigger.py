@@ -10,6 +10,7 @@ import pytest
 
 from relaygr.behaviours import Prefix
 from relaygr.etcd.client import EtcdClient
+from relaygr.lifecycle import stop_service
 from relaygr.v1 import common_pb2, trigger_pb2, trigger_pb2_grpc
 from relaygr.wire import behaviours_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
@@ -207,6 +208,53 @@ async def test_ranking_is_unaffected_when_the_trigger_cannot_relay(
             assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
     finally:
         await blackhole.stop(None)
+
+
+async def test_preinfers_spread_over_routers_and_none_is_lost_to_a_router_restart(
+    etcd_server: EtcdServer, rng: np.random.Generator
+) -> None:
+    """A trigger given two routers sends PreInfers to both; when one stops as on SIGTERM
+    (NOT_SERVING, its linger, drain) while retrievals keep coming, the other takes them all
+    and no admitted relay fails (a `pick_first` channel sent every PreInfer to one router)."""
+    async with running_mesh(etcd_server.endpoint, tiny_model()) as mesh:
+        for name in ("r0", "r1"):
+            await mesh.add_ranker(name)
+        for _ in range(2):
+            await mesh.add_router()
+        routers = list(mesh.routers)
+        target = "ipv4:" + ",".join(f"127.0.0.1:{router.port}" for router in routers)
+        trigger = await mesh.add_trigger(router_address=target, mode="all", **SLO)
+        servicer = mesh.triggers[0].servicer
+        placed = [lambda r=router: sum(r.servicer.stats.placed.values()) for router in routers]
+        sent = 0
+        done = asyncio.Event()
+
+        async def retrievals() -> None:
+            nonlocal sent
+            while not done.is_set():
+                event = _event(prefix(rng, SHORT, user_id=f"u{sent}"), candidates=4)
+                sent += 1
+                await trigger.OnRetrieval(event)
+                await asyncio.sleep(0.005)  # a pace the dispatcher keeps up with, mostly
+
+        senders = [asyncio.create_task(retrievals()) for _ in range(4)]
+        try:
+            await eventually(lambda: min(p() for p in placed) >= 20, "PreInfers on both routers")
+            stopping = routers[0]
+            await stop_service(stopping, 5.0, linger_s=0.5)
+            after = placed[1]()
+            await eventually(lambda: placed[1]() >= after + 50, "PreInfers after the stop")
+        finally:
+            done.set()
+            await asyncio.gather(*senders)
+        mesh.routers.remove(stopping)
+        dispatcher = mesh.triggers[0].dispatcher
+        await eventually(lambda: dispatcher.pending() == 0, "every relay settled")
+        stats = servicer.stats
+        assert dispatcher.stats.failed == {} and stats.dispatch_failed == 0
+        # Every relay admitted settled on a ranker (relayed, or refused for room), none lost.
+        assert stats.relayed + stats.refused == stats.decisions[Decided.ADMITTED]
+        print(f"{sent} retrievals; PreInfers by router: {[p() for p in placed]}")
 
 
 async def test_bad_input_and_bad_live_config_are_refused(

@@ -1,5 +1,6 @@
 {{/*
-A stateless service (router, trigger): Deployment and its ClusterIP Service.
+A stateless service (router, trigger): Deployment, its ClusterIP Service, and a headless Service
+(relaygr.podsName) naming every ready pod, for callers that balance over the replicas themselves.
 Input: dict root, component.
 */}}
 {{- define "relaygr.deployment" -}}
@@ -48,7 +49,8 @@ spec:
             {{- include "relaygr.commonArgs" $ctx | trim | nindent 12 }}
             {{- if eq $component "trigger" }}
             {{- $router := include "relaygr.componentName" (dict "root" $root "component" "router") }}
-            - {{ printf "--router-address=%s:%d" (include "relaygr.serviceFQDN" (dict "root" $root "name" $router)) (int $root.Values.router.port) | quote }}
+            {{- $routers := include "relaygr.podsName" (dict "root" $root "component" "router") }}
+            - {{ printf "--router-address=dns:///%s:%d" (include "relaygr.serviceFQDN" (dict "root" $root "name" $routers)) (int $root.Values.router.port) | quote }}
             {{- end }}
             {{- include "relaygr.configArgs" $svc.config | trim | nindent 12 }}
           env:
@@ -87,4 +89,24 @@ spec:
       targetPort: metrics
       protocol: TCP
     {{- end }}
+---
+# Headless: its DNS name resolves to every ready pod (not to one virtual IP), so a gRPC channel
+# to dns:///<this name>:<port> with relaygr.balancing.replica_options spreads its calls over the
+# replicas and leaves a draining one (the trigger's channel to the routers is one).
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "relaygr.podsName" $ctx }}
+  labels:
+    {{- include "relaygr.labels" $ctx | nindent 4 }}
+spec:
+  clusterIP: None
+  selector:
+    {{- include "relaygr.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $svc.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
 {{- end -}}

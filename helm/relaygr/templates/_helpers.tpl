@@ -19,6 +19,11 @@
 {{- printf "%s-%s" (include "relaygr.fullname" .root | trunc 50 | trimSuffix "-") .component -}}
 {{- end -}}
 
+{{/* The headless Service of a stateless component's pods (router, trigger). */}}
+{{- define "relaygr.podsName" -}}
+{{- printf "%s-pods" (include "relaygr.componentName" .) -}}
+{{- end -}}
+
 {{- define "relaygr.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "relaygr.name" .root }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}

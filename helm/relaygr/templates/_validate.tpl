@@ -30,7 +30,7 @@ advertise_address: "ranker.advertise"
 device: "ranker.device"
 model_config: "ranker.modelConfig"
 checkpoint: "ranker.checkpoint"
-router_address: "the router Service of this release"
+router_address: "the routers' headless Service of this release (<router>-pods)"
 {{- end -}}
 
 {{- define "relaygr.validate" -}}
