@@ -1,6 +1,7 @@
 """Open-loop rate sweeps of the full pipeline on a local mesh, shared by the mesh benchmarks."""
 
 import argparse
+import copy
 import os
 import time
 from collections.abc import Sequence
@@ -57,6 +58,42 @@ def follow_of(population: Population, arrivals: Sequence[Arrival]) -> Follow:
     return gaps.tolist(), ranked.tolist()
 
 
+def counted_ranks(population: Population, arrivals: Sequence[Arrival], warmup_s: float) -> int:
+    """The Ranks a point of `arrivals` counts: those of retrievals from `warmup_s` on that a
+    Rank follows (`follow_of`)."""
+    _, ranked = follow_of(population, arrivals)
+    return sum(1 for a, r in zip(arrivals, ranked, strict=True) if r and a.at >= warmup_s)
+
+
+def schedule(
+    population: Population, rate: float, duration_s: float, warmup_s: float, min_ranks: int
+) -> list[Arrival]:
+    """`population`'s open-loop arrivals at `rate` for `duration_s`, or, where that would count
+    fewer than `min_ranks` Ranks from `warmup_s` on, for just as much longer as it takes: the
+    schedule a run of that longer duration draws, so a P99 verdict gets its sample count
+    whatever the draw (a fixed duration counts a random number of Ranks, as likely under its
+    mean as over). The population advances as by that one run."""
+    span = duration_s
+    while min_ranks > 0:
+        trial = copy.deepcopy(population)
+        short = min_ranks - counted_ranks(trial, poisson_arrivals(trial, rate, span), warmup_s)
+        if short <= 0:
+            break
+        span += short / rate
+    return poisson_arrivals(population, rate, span)
+
+
+def point_schedule(
+    population: Population, rate: float, args: argparse.Namespace
+) -> tuple[list[Arrival], float]:
+    """A point's arrivals at `rate` and the warm-up not counted: max(args.duration,
+    args.min_requests / rate) seconds, its first `args.warmup` share the warm-up, run on where
+    that counts fewer than `args.min_ranks` Ranks (`schedule`)."""
+    duration = max(args.duration, args.min_requests / rate)
+    warmup_s = duration * args.warmup
+    return schedule(population, rate, duration, warmup_s, args.min_ranks), warmup_s
+
+
 def run_point(
     variant: Variant,
     population: Population,
@@ -64,12 +101,11 @@ def run_point(
     args: argparse.Namespace,
     ran: list[Ran] | None = None,
 ) -> Point:
-    """One open-loop point: max(args.duration, args.min_requests / rate) seconds at `rate`.
-    `ran`: when given, the point's `Ran` is appended to it."""
-    duration = max(args.duration, args.min_requests / rate)
-    arrivals = poisson_arrivals(population, rate, duration)
+    """One open-loop point at `rate`, as `point_schedule` draws it. `ran`: when given, the
+    point's `Ran` is appended to it."""
+    arrivals, warmup_s = point_schedule(population, rate, args)
     follow = follow_of(population, arrivals)
-    kept = Ran(variant.label, rate, arrivals, follow, time.monotonic(), duration * args.warmup)
+    kept = Ran(variant.label, rate, arrivals, follow, time.monotonic(), warmup_s)
     point = drive_mesh(
         variant.mesh,
         variant.mode,
@@ -144,6 +180,13 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> 
         "--min-requests", type=int, default=90, help="low rates run longer to send this many"
     )
     parser.add_argument("--warmup", type=float, default=0.2, help="fraction of a point excluded")
+    parser.add_argument(
+        "--min-ranks",
+        type=int,
+        default=0,
+        help="a point runs on until it counts this many Ranks past the warm-up (0: no minimum;"
+        " a P99 verdict needs 300)",
+    )
     parser.add_argument("--slo-ms", type=float, default=1500.0, help="ranking P99 budget")
     parser.add_argument(
         "--margin-ms", type=float, default=1400.0, help="at risk: full inference over SLO - margin"

@@ -2,7 +2,7 @@
 
 The mesh gives three seeds a point in about an hour; its simulated twin gives ten in a minute,
 enough to see which way a change goes before the mesh confirms it. Per seed, each variant gets
-the relay benchmark's own trace (`bench.pipeline.population`, `poisson_arrivals` and
+the relay benchmark's own trace (`bench.pipeline.population`, `point_schedule` and
 `follow_of`: the same arrivals, gaps and no-shows the mesh is driven with) and configuration
 (the services' configurations parsed from the flags `bench.relay_bench.mesh_spec` gives the
 mesh's processes), on the mesh's measured CPU profile: the one a stored simulator validation
@@ -24,6 +24,7 @@ from bench.pipeline import (
     ROOT,
     add_sweep_arguments,
     follow_of,
+    point_schedule,
     population,
     result_name,
     save_results,
@@ -33,7 +34,6 @@ from bench.report import load_result, machine_info, publish, run_stamp
 from bench.sim_validate import fleet_settings
 from relaygr.cost import CostModel
 from tooling.local.drive import Point
-from tooling.local.workload import poisson_arrivals
 from tooling.sim.fleet import run_visits
 from tooling.sim.profile import DeviceProfile
 from tooling.sim.workload import visits_of
@@ -92,9 +92,9 @@ def run_one(
     # The simulator runs the profile, not the model: the mesh flags' model path is never read.
     settings = fleet_settings(mesh_spec(kind, Path("model.json"), args), mode, args)
     pop = population(label, workload(args), seed)
-    arrivals = poisson_arrivals(pop, rate, args.duration)
+    arrivals, warmup_s = point_schedule(pop, rate, args)
     records, _ = run_visits(profile, settings, visits_of(arrivals, follow_of(pop, arrivals)), seed)
-    return Point.of(label, rate, arrivals, records, args.duration * args.warmup)
+    return Point.of(label, rate, arrivals, records, warmup_s)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
