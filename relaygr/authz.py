@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from relaygr import service_names
 from relaygr.errors import ConfigError
 
 SPIFFE_SCHEME = "spiffe://"
@@ -72,9 +73,9 @@ def parse_roles(names: Iterable[str], what: str) -> frozenset[Role]:
     return frozenset(roles)
 
 
-RANKER_SERVICE = "/relaygr.v1.RankerService/"
-ROUTER_SERVICE = "/relaygr.v1.RouterService/"
-TRIGGER_SERVICE = "/relaygr.v1.TriggerService/"
+RANKER_SERVICE = f"/{service_names.RANKER}/"
+ROUTER_SERVICE = f"/{service_names.ROUTER}/"
+TRIGGER_SERVICE = f"/{service_names.TRIGGER}/"
 # Services every server carries that reveal nothing of a user: any authenticated caller.
 OPEN_SERVICES = (
     "/grpc.health.v1.Health/",

@@ -15,6 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry.trace import Tracer
 
+from relaygr import service_names
 from relaygr.cluster import Directory, Membership
 from relaygr.errors import InvalidInput, ResourceExhausted, Unavailable
 from relaygr.pool import RankerPool
@@ -26,7 +27,7 @@ from services.router.limits import RequestLimits, check_limits, packed_count
 from services.router.load import WindowedLoad
 from services.router.routes import CallFailed, Connect, Method, RankerCall, Refused, Route, Status
 
-SERVICE_NAME = "relaygr.v1.RouterService"
+SERVICE_NAME = service_names.ROUTER
 _KIND = {Method.PRE_INFER: "PreInferRequest", Method.RANK: "RankRequest"}
 
 

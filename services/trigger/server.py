@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from relaygr import service_names
 from relaygr.aio import cancel_and_wait
 from relaygr.balancing import replica_options
 from relaygr.channel_renewal import RenewingChannel
@@ -19,7 +20,7 @@ from relaygr.pool import RankerPool
 from relaygr.room_poll import RoomPoller
 from relaygr.service_main import service_main
 from relaygr.telemetry import Telemetry
-from relaygr.v1 import common_pb2, router_pb2, router_pb2_grpc, trigger_pb2_grpc
+from relaygr.v1 import common_pb2, router_pb2_grpc, trigger_pb2_grpc
 from relaygr.versions import VersionPolicy
 from services.trigger.config import ENV_PREFIX, TriggerConfig
 from services.trigger.dispatch import Dispatcher
@@ -30,7 +31,6 @@ from services.trigger.service import SERVICE_NAME, TriggerServicer
 
 _log = logging.getLogger("services.trigger")
 SERVICE = "relaygr-trigger"  # the default OTEL service.name
-ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
     router_channel = RenewingChannel(
         cfg.router_address,
         cfg,
-        [*options.message_args(), *replica_options(ROUTER_SERVICE)],
+        [*options.message_args(), *replica_options(service_names.ROUTER)],
         interceptors,
     )
 

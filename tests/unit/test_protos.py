@@ -5,6 +5,8 @@ import importlib
 import pytest
 from google.protobuf import descriptor, message
 
+from relaygr import service_names
+
 MODULES = ["common", "ranker", "router", "trigger"]
 SERVICES = {
     "ranker": ("RankerService", ["PreInfer", "Rank", "Describe", "Handoff", "Fetch"]),
@@ -88,3 +90,7 @@ def test_services_and_stubs_exist(module: str) -> None:
     assert hasattr(grpc_module, f"{service}Stub")
     assert hasattr(grpc_module, f"{service}Servicer")
     assert hasattr(grpc_module, f"add_{service}Servicer_to_server")
+    # The one spelling of its full name the services, authorization and callers use.
+    assert (
+        getattr(service_names, module.upper()) == pb2.DESCRIPTOR.services_by_name[service].full_name
+    )

@@ -26,13 +26,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from relaygr import service_names
 from relaygr.authz import Role
 from relaygr.balancing import replica_options
 from relaygr.cpu_quota import available_cpus
 from relaygr.etcd.security import EtcdSecurity
 from relaygr.tls import open_blocking_channel
 from relaygr.tls_settings import PLAINTEXT, ClientTls
-from services.router.service import SERVICE_NAME as ROUTER_SERVICE
 from tooling.local.certs import Pki, make_pki
 from tooling.local.etcd_server import EtcdServer, EtcdTls, find_etcd_binary
 from tooling.local.processes import dying_with_parent, terminate
@@ -44,7 +44,7 @@ PROCESSES_FILE = "processes.json"
 LOOPBACK = "127.0.0.1"
 # Channel options for `LocalMesh.router_target`: calls spread over every router replica and
 # skip one that is down or draining (its health NOT_SERVING).
-ROUTER_REPLICAS = replica_options(ROUTER_SERVICE)
+ROUTER_REPLICAS = replica_options(service_names.ROUTER)
 
 
 @dataclass(frozen=True, slots=True)
