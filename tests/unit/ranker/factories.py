@@ -1,5 +1,7 @@
-"""Small factories for ranking-model tests: a tiny config and random requests."""
+"""Small factories for ranking-model tests: a tiny config, the device models run on, random
+requests."""
 
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -10,6 +12,12 @@ from services.ranker.synthetic import random_behaviours
 
 T0 = 1_700_000_000
 LONG_TERM_END = T0 + 10**7  # long-term behaviours happen in [T0, LONG_TERM_END), short-term after
+
+
+def model_device() -> str:
+    """Where the model tests build their models: `RELAYGR_TEST_DEVICE` (`cpu` unless set), so the
+    exactness tests run unchanged on an accelerator (`RELAYGR_TEST_DEVICE=cuda`, README)."""
+    return os.environ.get("RELAYGR_TEST_DEVICE", "cpu")
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
@@ -51,5 +59,6 @@ def rel_err(actual: object, expected: object) -> float:
     """max|a - b| / max|b|: relative to the scale of the scores, not to each (possibly tiny) one."""
     import torch
 
-    a, b = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    a = torch.as_tensor(actual).to("cpu", torch.float64)
+    b = torch.as_tensor(expected).to("cpu", torch.float64)
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))

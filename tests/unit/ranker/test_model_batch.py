@@ -15,7 +15,7 @@ from services.ranker.model import Extension, RankingModel, RankItem
 from services.ranker.prefix_kv import PrefixKV
 
 from .dense_reference import DenseReference
-from .factories import prefix, rank_input, rel_err, tiny_config
+from .factories import model_device, prefix, rank_input, rel_err, tiny_config
 
 FP32_TOLERANCE = 1e-5  # as test_oracle.py: docs/architecture.md §2
 # Batched and unbatched runs do the same float32 operations on rows gathered differently; BLAS
@@ -28,7 +28,7 @@ BATCH_NOISE = 4e-6
 
 @pytest.fixture(scope="module")
 def model() -> RankingModel:
-    return RankingModel(tiny_config(), seed=11)
+    return RankingModel(tiny_config(), seed=11, device=model_device())
 
 
 def _requests(rng: np.random.Generator, count: int) -> list[RankInput]:
@@ -202,7 +202,7 @@ def test_one_invalid_item_refuses_the_batch_before_any_compute(
     bad = RankItem(items[1].kv, items[1].short_term, too_many, items[1].request_ts)
     with pytest.raises(InvalidInput, match="candidates"):
         model.rank_batch([items[0], bad])
-    stranger = RankingModel(tiny_config(), seed=12)
+    stranger = RankingModel(tiny_config(), seed=12, device=model_device())
     with pytest.raises(InvalidInput, match="prefix cache was built by model"):
         stranger.rank_batch(items)
     # One token past the limit, whatever the drawn prefix holds (it may hold none).

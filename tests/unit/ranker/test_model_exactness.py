@@ -10,14 +10,14 @@ from relaygr.behaviours import Prefix, RankInput
 from services.ranker.model import RankingModel
 from services.ranker.model_config import ModelConfig
 
-from .factories import T0, behaviours, prefix, rank_input, rel_err, tiny_config
+from .factories import T0, behaviours, model_device, prefix, rank_input, rel_err, tiny_config
 
 FP32_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
 def model() -> RankingModel:
-    return RankingModel(tiny_config(), seed=3)
+    return RankingModel(tiny_config(), seed=3, device=model_device())
 
 
 @pytest.mark.parametrize("n_long", [0, 1, 2, 63, 64, 65, 300, 2048, 3000])
@@ -37,7 +37,7 @@ def test_rank_on_prefill_equals_full_forward(
 
 def test_default_model_is_exact_at_long_prefix(rng: np.random.Generator) -> None:
     """The shipped default configuration, at a prefix over 2,048 tokens."""
-    model = RankingModel(ModelConfig(), seed=int(rng.integers(0, 2**31)))
+    model = RankingModel(ModelConfig(), seed=int(rng.integers(0, 2**31)), device=model_device())
     request = rank_input(rng, prefix(rng, 2100, 8), n_short=128, n_candidates=64)
     full = model.full_forward(request)
     cached = model.rank(

@@ -20,7 +20,7 @@ from services.ranker.model import RankingModel
 from services.ranker.relative_bias import RelativeBias
 
 from .dense_reference import DenseReference, ReferenceOutput
-from .factories import prefix, rank_input, rel_err, tiny_config
+from .factories import model_device, prefix, rank_input, rel_err, tiny_config
 
 # docs/architecture.md §2: fp32 relative error <= 1e-5. rel_err is max|a - b| / max|b| over all
 # tasks and candidates, so with sigmoid scores (max near 1) this is about 1e-5 absolute per score.
@@ -39,7 +39,7 @@ def _model_and_request(
     rng: np.random.Generator, n_user: int, n_long: int, n_short: int
 ) -> tuple[RankingModel, RankInput]:
     """A tiny model with weights drawn from `rng` and a random request of the given lengths."""
-    model = RankingModel(tiny_config(), seed=int(rng.integers(0, 2**31)))
+    model = RankingModel(tiny_config(), seed=int(rng.integers(0, 2**31)), device=model_device())
     request = rank_input(rng, prefix(rng, n_long, n_user), n_short, int(rng.integers(8, 33)))
     return model, request
 
