@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from relaygr import service_names
 from relaygr.aio import cancel_and_wait
 from relaygr.behaviours import UserId
 from relaygr.cluster import PlacementRecord, RankerRecord
@@ -46,7 +47,7 @@ from services.ranker.model_config import PRESETS, ModelConfig
 from services.ranker.observer import EngineObserver, NoopObserver, Work
 from services.ranker.peers import successor
 from services.ranker.prefix_kv import PrefixKV
-from services.ranker.service import SERVICE_NAME, RankerServicer
+from services.ranker.service import RankerServicer
 from services.ranker.tracing_observer import (
     engine_observer,
     origin_from_traceparent,
@@ -408,7 +409,7 @@ async def start_ranker(
         cfg,
         "ranker",
         lambda s: ranker_pb2_grpc.add_RankerServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+        [service_names.RANKER],
         telemetry,
         _log,
     )

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from relaygr import service_names
 from relaygr.authz_grpc import peer_identity
 from relaygr.behaviours import UserId
 from relaygr.errors import FailedPrecondition
@@ -27,8 +26,6 @@ from services.ranker.tracing_observer import origin_traceparent
 from services.ranker.transfer import chunks, encode
 from services.ranker.transfer_wire import header_from_proto, header_to_proto
 from services.ranker.warm import WARMING_UP, Warm, Warming
-
-SERVICE_NAME = service_names.RANKER
 
 _PRE_INFER_OUTCOME = {
     outcome: common_pb2.PreInferOutcome.Value(f"PRE_INFER_OUTCOME_{outcome.name}")

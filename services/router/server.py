@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from relaygr import service_names
 from relaygr.aio import cancel_and_wait
 from relaygr.errors import Unavailable
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
@@ -24,7 +25,7 @@ from relaygr.versions import VersionPolicy
 from services.router.config import ENV_PREFIX, RouterConfig
 from services.router.limits import RequestLimits
 from services.router.metrics import register_router_metrics
-from services.router.service import SERVICE_NAME, RouterServicer
+from services.router.service import RouterServicer
 
 _CLOSE_GRACE_S = 5.0  # calls in flight to a departed ranker may finish (they have deadlines)
 _log = logging.getLogger("services.router")
@@ -101,7 +102,7 @@ async def start_router(cfg: RouterConfig, telemetry: Telemetry | None = None) ->
         cfg,
         "router",
         lambda s: s.add_generic_rpc_handlers((servicer.handler(),)),
-        [SERVICE_NAME],
+        [service_names.ROUTER],
         telemetry,
         _log,
     )

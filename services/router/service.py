@@ -27,7 +27,6 @@ from services.router.limits import RequestLimits, check_limits, packed_count
 from services.router.load import WindowedLoad
 from services.router.routes import CallFailed, Connect, Method, RankerCall, Refused, Route, Status
 
-SERVICE_NAME = service_names.ROUTER
 _KIND = {Method.PRE_INFER: "PreInferRequest", Method.RANK: "RankRequest"}
 
 
@@ -73,7 +72,7 @@ class RouterServicer:
     def handler(self) -> grpc.GenericRpcHandler:
         """RouterService's methods on serialized messages (no deserializer, no serializer)."""
         return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
+            service_names.ROUTER,
             {
                 "PreInfer": grpc.unary_unary_rpc_method_handler(self.PreInfer),
                 "Rank": grpc.unary_unary_rpc_method_handler(self.Rank),

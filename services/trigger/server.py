@@ -27,7 +27,7 @@ from services.trigger.dispatch import Dispatcher
 from services.trigger.live_config import LiveConfig, live_config, live_config_key
 from services.trigger.metrics import register_trigger_metrics
 from services.trigger.policy import AdmissionPolicy
-from services.trigger.service import SERVICE_NAME, TriggerServicer
+from services.trigger.service import TriggerServicer
 
 _log = logging.getLogger("services.trigger")
 SERVICE = "relaygr-trigger"  # the default OTEL service.name
@@ -127,7 +127,7 @@ async def start_trigger(cfg: TriggerConfig, telemetry: Telemetry | None = None) 
         cfg,
         "trigger",
         lambda s: trigger_pb2_grpc.add_TriggerServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+        [service_names.TRIGGER],
         telemetry,
         _log,
     )

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import Tracer
 
-from relaygr import service_names
 from relaygr.behaviours import Prefix
 from relaygr.cluster import Directory, Membership
 from relaygr.errors import InvalidInput
@@ -26,8 +25,6 @@ from services.trigger.policy import (
     Settled,
     fallback_order,
 )
-
-SERVICE_NAME = service_names.TRIGGER
 
 _REASON = {
     reason: trigger_pb2.AdmissionReason.Value(f"ADMISSION_REASON_{reason.name}")
