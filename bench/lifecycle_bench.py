@@ -16,6 +16,10 @@ the change against the steady window before it, and the prefix tokens recomputed
 
     .venv/bin/python bench/lifecycle_bench.py --seeds 2   # ~15 min on 2 cores
     .venv/bin/python bench/lifecycle_bench.py --quick     # a smoke run
+
+Each run also keeps every miss during the change (when, where, how long) and the rankers' own
+counters at its end (`COUNTED`: peer fetches by result, hand-offs received, tier drops), to
+tell a prefix the hand-off never moved from one a fetch could not bring.
 """
 
 import argparse
@@ -25,12 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chaos import ChaosSettings, Traffic, wrong_scores
 from bench.pipeline import ROOT, save_results
@@ -46,6 +52,7 @@ from services.ranker.model import RankingModel
 from services.ranker.model_config import PRESETS, ModelPreset
 from tooling.local.drive import OK, RequestRecord
 from tooling.local.mesh import LocalMesh, MeshSpec
+from tooling.local.ports import free_port_range
 from tooling.local.processes import dying_with_parent, terminate
 from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
@@ -61,6 +68,17 @@ CHANGES = ("rolling restart", "scale-out 3 -> 4")
 # The control: the CPU of one ranker's start-up (torch, the model, calibration) on this machine,
 # with no traffic moved: a ranker process starts beside the mesh, without joining it, and stops.
 CONTROL = "control: a ranker starts beside the mesh"
+# `--changes` names each change by one word.
+CHANGE_NAMES = {"restart": CHANGES[0], "scale-out": CHANGES[1], "control": CONTROL}
+# The rankers' counters kept at a run's end (summed over the rankers then serving): peer fetches
+# by result, hand-off streams and entries received, entries dropped from a tier by reason.
+COUNTED = (
+    "relaygr_ranker_fetch_seconds_count",
+    "relaygr_ranker_handoff_received_streams_total",
+    "relaygr_ranker_handoff_admitted_entries_total",
+    "relaygr_ranker_handoff_refused_entries_total",
+    "relaygr_ranker_kv_drops_total",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +148,18 @@ class Slow:
 
 
 @dataclass(frozen=True, slots=True)
+class Missed:
+    """One miss during a change: when it was due (s from the change's start), the ranker that
+    computed the prefix, its length, and whether it was the user's first Rank of the run (a cold
+    miss: no earlier visit left a prefix for the change to lose)."""
+
+    at_s: float
+    instance: str
+    prefix_tokens: int
+    first_visit: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
     """One ranker's part of a change (its restart, or its start): from and to, s from the
     change's start."""
@@ -153,6 +183,10 @@ class ChangeRun:
     # Where the tail of `during` sat (empty in runs saved before they were kept).
     slowest: list[Slow] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    # Every miss during the change, and the rankers' `COUNTED` counters at the run's end, as
+    # "name{labels}": value (both empty in runs saved before they were kept).
+    missed: list[Missed] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
 
 
 SLOWEST = 8  # the slowest Ranks of each change kept: a P99 over ~400 Ranks is among them
@@ -164,7 +198,12 @@ def mesh_spec(checkpoint: Path, variant: str, settings: Settings) -> MeshSpec:
         "--hbm-budget-mb", str(settings.hbm_mb), "--dram-budget-mb", str(settings.dram_mb),
         "--lease-ttl-s", "2", *VARIANTS[variant],
     )  # fmt: skip
-    return MeshSpec(rankers=3, ranker_args=ranker, trigger_args=("--mode", "off"))
+    return MeshSpec(
+        rankers=3,
+        ranker_args=ranker,
+        trigger_args=("--mode", "off"),
+        metrics_base_port=free_port_range(6),  # 4 rankers at most, a router, a trigger
+    )
 
 
 def workload(settings: Settings, seed: int) -> WorkloadSpec:
@@ -255,6 +294,9 @@ def run_change(
             traffic.stop_after((time.monotonic() - traffic.start) + settings.after_s)
             traffic.join()
         cost = _cost_model(mesh)
+        counters = ranker_counters(
+            f"http://127.0.0.1:{r.metrics_port}/metrics" for r in mesh.rankers
+        )
     records = traffic.records
     steady = [r for r in records if steady_from <= r.at < started]
     during = [r for r in records if started <= r.at < ended + settings.after_s]
@@ -272,18 +314,55 @@ def run_change(
         wrong_scores=wrong,
         slowest=_slowest(during, started),
         steps=steps,
+        missed=_missed(records, arrivals, started, ended + settings.after_s),
+        counters=counters,
     )
+
+
+def ranker_counters(urls: Iterable[str | None]) -> dict[str, float]:
+    """The `COUNTED` samples scraped from each ranker's /metrics (None: not served), summed,
+    as "name{labels}"."""
+    total: dict[str, float] = {}
+    for url in urls:
+        if url is None:
+            continue
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in COUNTED and sample.value:
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    name = f"{sample.name}{{{labels}}}"
+                    total[name] = total.get(name, 0.0) + sample.value
+    return dict(sorted(total.items()))
 
 
 def _slowest(records: Sequence[RequestRecord], started: float) -> list[Slow]:
     ok = sorted((r for r in records if r.status == OK), key=lambda r: r.latency_s)
-    return [
-        Slow(
-            round(r.at - started, 3), round(r.latency_s * 1e3, 2), round(r.server_ms, 2),
-            r.outcome, r.instance,
-        )
-        for r in ok[-SLOWEST:][::-1]
-    ]  # fmt: skip
+    return [_rank(r, started) for r in ok[-SLOWEST:][::-1]]
+
+
+def _missed(
+    records: Sequence[RequestRecord], arrivals: Sequence[Arrival], started: float, until: float
+) -> list[Missed]:
+    """The misses of Ranks due from `started` to `until` (s from the traffic's start)."""
+    seen: set[str] = set()
+    missed = []
+    for r in sorted(records, key=lambda r: r.at):
+        prefix = arrivals[r.index].request.prefix
+        first = prefix.user_id not in seen
+        seen.add(prefix.user_id)
+        if started <= r.at < until and r.status == OK and not r.hit:
+            at = round(r.at - started, 3)
+            missed.append(Missed(at, r.instance, prefix.num_tokens, first))
+    return missed
+
+
+def _rank(r: RequestRecord, started: float) -> Slow:
+    return Slow(
+        round(r.at - started, 3), round(r.latency_s * 1e3, 2), round(r.server_ms, 2),
+        r.outcome, r.instance,
+    )  # fmt: skip
 
 
 def _cost_model(mesh: LocalMesh) -> CostModel:
@@ -318,21 +397,12 @@ def run(args: argparse.Namespace) -> dict:
             return model.full_forward(request).numpy()
 
         for seed in seeds:
-            for change in CHANGES:
-                # Alternate which variant runs first, so drift on the machine spreads over both.
-                order = list(VARIANTS) if seed % 2 == 0 else list(VARIANTS)[::-1]
-                for variant in order:
-                    result = run_change(
-                        change, variant, seed, settings, checkpoint, reference,
-                        model.model_version,
-                    )  # fmt: skip
-                    runs.append(result)
-                    print(_row(result), flush=True)
-            control = run_change(
-                CONTROL, "with", seed, settings, checkpoint, reference, model.model_version
-            )
-            runs.append(control)
-            print(_row(control), flush=True)
+            for change, variant in plan(seed, args.changes, args.variants):
+                result = run_change(
+                    change, variant, seed, settings, checkpoint, reference, model.model_version
+                )
+                runs.append(result)
+                print(_row(result), flush=True)
     return save_results(
         NAME,
         args,
@@ -340,6 +410,21 @@ def run(args: argparse.Namespace) -> dict:
         started,
         1,
     )
+
+
+def plan(seed: int, changes: Sequence[str], variants: Sequence[str]) -> list[tuple[str, str]]:
+    """The (change, variant) runs of one seed: each change of `changes` (`CHANGE_NAMES` keys)
+    in each variant of `variants`, alternating which variant runs first so that drift on the
+    machine spreads over both; the control runs `with` only."""
+    runs = []
+    for name in changes:
+        change = CHANGE_NAMES[name]
+        if change == CONTROL:
+            runs += [(change, "with")] if "with" in variants else []
+            continue
+        order = [v for v in VARIANTS if v in variants]
+        runs += [(change, v) for v in (order if seed % 2 == 0 else order[::-1])]
+    return runs
 
 
 def _p99(w: Window) -> str:
@@ -364,7 +449,8 @@ def _load(saved: dict) -> list[ChangeRun]:
         windows = {name: Window(**raw.pop(name)) for name in ("steady", "during", "after")}
         slowest = [Slow(**x) for x in raw.pop("slowest", [])]
         steps = [Step(**x) for x in raw.pop("steps", [])]
-        runs.append(ChangeRun(**raw, **windows, slowest=slowest, steps=steps))
+        missed = [Missed(**x) for x in raw.pop("missed", [])]
+        runs.append(ChangeRun(**raw, **windows, slowest=slowest, steps=steps, missed=missed))
     return runs
 
 
@@ -445,7 +531,49 @@ def render(saved: dict) -> str:
             "|---|---|---:|---|---|",
             *(_tail(r) for r in tails),
         ]
+    counted = [r for r in runs if r.counters or r.missed]
+    if counted:
+        lines += [
+            "",
+            "What the misses were: each miss during the change (s from its start: the ranker "
+            "that computed it, the prefix's tokens; `first`: the user's first Rank of the run, "
+            "a cold miss no change caused), and the rankers' own counters at the run's end, "
+            "summed over the rankers then serving (a restarted ranker counts from its restart; "
+            "a drained process's counters leave with it): peer fetches by result, hand-off "
+            "entries received (admitted by tier, refused by reason), and prefixes dropped from "
+            "a tier.",
+            "",
+            "| change | variant | seed | misses during | fetches | hand-off received | dropped |",
+            "|---|---|---:|---|---|---|---|",
+            *(_counted(r) for r in counted),
+        ]
     return "\n".join(lines)
+
+
+def _counted(r: ChangeRun) -> str:
+    missed = "; ".join(
+        f"{x.at_s:.1f}: {x.instance} {x.prefix_tokens}" + (" first" if x.first_visit else "")
+        for x in r.missed
+    )
+
+    def part(prefix: str) -> str:
+        found = [
+            f"{name[len(prefix) :].strip('{}')} {value:g}".strip()
+            for name, value in r.counters.items()
+            if name.startswith(prefix)
+        ]
+        return ", ".join(found) or "none"
+
+    received = (
+        f"{part('relaygr_ranker_handoff_received_streams_total')} streams; "
+        f"admitted {part('relaygr_ranker_handoff_admitted_entries_total')}; "
+        f"refused {part('relaygr_ranker_handoff_refused_entries_total')}"
+    )
+    return (
+        f"| {r.change} | {r.variant} | {r.seed} | {missed or 'none'} "
+        f"| {part('relaygr_ranker_fetch_seconds_count')} | {received} "
+        f"| {part('relaygr_ranker_kv_drops_total')} |"
+    )
 
 
 def _tail(r: ChangeRun) -> str:
@@ -476,10 +604,25 @@ def main() -> int:
         default=int.from_bytes(os.urandom(4), "little"),
         help="first seed (default: random)",
     )
+    parser.add_argument(
+        "--changes",
+        type=lambda text: text.split(","),
+        default=list(CHANGE_NAMES),
+        help=f"comma-separated, of {', '.join(CHANGE_NAMES)}",
+    )
+    parser.add_argument(
+        "--variants",
+        type=lambda text: text.split(","),
+        default=list(VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run's sizes")
     add_render_arguments(parser)
     parser.add_argument("--tag", default="", help="results and doc section get _TAG")
     args = parser.parse_args()
+    unknown = set(args.changes) - set(CHANGE_NAMES) | set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown change or variant: {', '.join(sorted(unknown))}")
     if args.quick and args.from_json is None:
         args.seeds, args.warm, args.steady, args.after, args.users = 1, 8.0, 4.0, 4.0, 60
         args.no_docs = True
