@@ -74,6 +74,7 @@ CHANGE_NAMES = {"restart": CHANGES[0], "scale-out": CHANGES[1], "control": CONTR
 # by result, hand-off streams and entries received, entries dropped from a tier by reason.
 COUNTED = (
     "relaygr_ranker_fetch_seconds_count",
+    "relaygr_ranker_fetch_seconds_sum",
     "relaygr_ranker_handoff_received_streams_total",
     "relaygr_ranker_handoff_admitted_entries_total",
     "relaygr_ranker_handoff_refused_entries_total",
@@ -150,12 +151,14 @@ class Slow:
 @dataclass(frozen=True, slots=True)
 class Missed:
     """One miss during a change: when it was due (s from the change's start), the ranker that
-    computed the prefix, its length, and whether it was the user's first Rank of the run (a cold
-    miss: no earlier visit left a prefix for the change to lose)."""
+    computed the prefix, its length and predicted prefill (the rankers' calibrated cost model),
+    and whether it was the user's first Rank of the run (a cold miss: no earlier visit left a
+    prefix for the change to lose)."""
 
     at_s: float
     instance: str
     prefix_tokens: int
+    prefill_ms: float
     first_visit: bool
 
 
@@ -314,7 +317,7 @@ def run_change(
         wrong_scores=wrong,
         slowest=_slowest(during, started),
         steps=steps,
-        missed=_missed(records, arrivals, started, ended + settings.after_s),
+        missed=_missed(records, arrivals, started, ended + settings.after_s, cost),
         counters=counters,
     )
 
@@ -343,7 +346,11 @@ def _slowest(records: Sequence[RequestRecord], started: float) -> list[Slow]:
 
 
 def _missed(
-    records: Sequence[RequestRecord], arrivals: Sequence[Arrival], started: float, until: float
+    records: Sequence[RequestRecord],
+    arrivals: Sequence[Arrival],
+    started: float,
+    until: float,
+    cost: CostModel,
 ) -> list[Missed]:
     """The misses of Ranks due from `started` to `until` (s from the traffic's start)."""
     seen: set[str] = set()
@@ -354,7 +361,8 @@ def _missed(
         seen.add(prefix.user_id)
         if started <= r.at < until and r.status == OK and not r.hit:
             at = round(r.at - started, 3)
-            missed.append(Missed(at, r.instance, prefix.num_tokens, first))
+            tokens = prefix.num_tokens
+            missed.append(Missed(at, r.instance, tokens, round(cost.prefill_ms(tokens), 2), first))
     return missed
 
 
@@ -536,12 +544,12 @@ def render(saved: dict) -> str:
         lines += [
             "",
             "What the misses were: each miss during the change (s from its start: the ranker "
-            "that computed it, the prefix's tokens; `first`: the user's first Rank of the run, "
-            "a cold miss no change caused), and the rankers' own counters at the run's end, "
-            "summed over the rankers then serving (a restarted ranker counts from its restart; "
-            "a drained process's counters leave with it): peer fetches by result, hand-off "
-            "entries received (admitted by tier, refused by reason), and prefixes dropped from "
-            "a tier.",
+            "that computed it, the prefix's tokens / its predicted prefill ms; `first`: the "
+            "user's first Rank of the run, a cold miss no change caused), and the rankers' own "
+            "counters at the run's end, summed over the rankers then serving (a restarted ranker "
+            "counts from its restart; a drained process's counters leave with it): peer fetches "
+            "by result (their mean time), hand-off entries received (admitted by tier, refused "
+            "by reason), and prefixes dropped from a tier.",
             "",
             "| change | variant | seed | misses during | fetches | hand-off received | dropped |",
             "|---|---|---:|---|---|---|---|",
@@ -552,7 +560,8 @@ def render(saved: dict) -> str:
 
 def _counted(r: ChangeRun) -> str:
     missed = "; ".join(
-        f"{x.at_s:.1f}: {x.instance} {x.prefix_tokens}" + (" first" if x.first_visit else "")
+        f"{x.at_s:.1f}: {x.instance} {x.prefix_tokens}/{x.prefill_ms:.1f}"
+        + (" first" if x.first_visit else "")
         for x in r.missed
     )
 
@@ -571,9 +580,21 @@ def _counted(r: ChangeRun) -> str:
     )
     return (
         f"| {r.change} | {r.variant} | {r.seed} | {missed or 'none'} "
-        f"| {part('relaygr_ranker_fetch_seconds_count')} | {received} "
+        f"| {_fetches(r.counters)} | {received} "
         f"| {part('relaygr_ranker_kv_drops_total')} |"
     )
+
+
+def _fetches(counters: dict[str, float]) -> str:
+    """Peer fetches by result, each with its mean time."""
+    count, total = "relaygr_ranker_fetch_seconds_count", "relaygr_ranker_fetch_seconds_sum"
+    found = []
+    for name, n in counters.items():
+        if name.startswith(count):
+            labels = name[len(count) :]
+            mean_ms = 1e3 * counters.get(total + labels, 0.0) / n
+            found.append(f"{labels.strip('{}')} {n:g} ({mean_ms:.1f} ms)")
+    return ", ".join(found) or "none"
 
 
 def _tail(r: ChangeRun) -> str:

@@ -65,6 +65,8 @@ def test_the_counters_are_summed_over_the_rankers_serving(two_rankers: list[str]
     assert counted == {
         "relaygr_ranker_fetch_seconds_count{result=hit}": 2.0,
         "relaygr_ranker_fetch_seconds_count{result=timeout}": 3.0,
+        "relaygr_ranker_fetch_seconds_sum{result=hit}": pytest.approx(0.004),
+        "relaygr_ranker_fetch_seconds_sum{result=timeout}": pytest.approx(0.09),
         "relaygr_ranker_kv_drops_total{reason=evicted,tier=hbm}": 6.0,
     }
 
@@ -89,16 +91,17 @@ def _saved(run: ChangeRun) -> dict:
 
 def test_the_misses_and_counters_are_rendered_when_kept() -> None:
     run = _run(
-        [Missed(14.6, "ranker-1", 812, False), Missed(15.0, "ranker-2", 300, True)],
+        [Missed(14.6, "ranker-1", 812, 9.5, False), Missed(15.0, "ranker-2", 300, 4.25, True)],
         {
             "relaygr_ranker_fetch_seconds_count{result=timeout}": 4.0,
+            "relaygr_ranker_fetch_seconds_sum{result=timeout}": 0.1,
             "relaygr_ranker_handoff_refused_entries_total{reason=no_room}": 2.0,
         },
     )
     text = render(_saved(run))
-    row = next(line for line in text.splitlines() if "14.6: ranker-1 812;" in line)
-    assert "15.0: ranker-2 300 first" in row
-    assert "result=timeout 4" in row
+    row = next(line for line in text.splitlines() if "14.6: ranker-1 812/9.5;" in line)
+    assert "15.0: ranker-2 300/4.2 first" in row
+    assert "result=timeout 4 (25.0 ms)" in row
     assert "refused reason=no_room 2" in row
     assert "none streams; admitted none" in row
 
