@@ -466,7 +466,7 @@ def render(saved: dict) -> str:
     runs = _load(saved)
     s = Settings(**saved["settings"])
     lines = [
-        "## Fleet changes: hand-off on drain and peer fetch",
+        f"## Fleet changes: hand-off on drain and peer fetch{_subset(runs)}",
         "",
         f"Reproduce: `{saved['command']}`.",
         "",
@@ -479,11 +479,7 @@ def render(saved: dict) -> str:
         f"warm-up, a {s.steady_s:g} s steady window, the change, then {s.after_s:g} s more, "
         "counted as during the change. Every successful Rank is checked against full "
         "inference (relative error <= 1e-5).",
-        f"- The control ({CONTROL}, once per seed): a ranker process with the same flags starts "
-        "beside the mesh without joining it, up to serving, and stops. It moves no traffic and "
-        "no cache: what its window's P99 shows is the CPU a ranker's start-up (torch, the "
-        "model, calibration) takes from the mesh on this 2-core machine, which a restart and a "
-        "scale-out pay too (on a cluster, a new ranker starts on its own node).",
+        *([CONTROL_NOTE] if any(r.change == CONTROL for r in runs) else []),
         "",
         "| change | variant | seed | Ranks during | failed | misses | peer-fetched "
         "| recomputed prefix tokens (prefill time) | steady P99 ms (95% CI) "
@@ -491,11 +487,8 @@ def render(saved: dict) -> str:
         "| change took s | wrong scores |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         *(_row(r) for r in runs),
-        "",
-        "| change | misses without (per seed) | misses with | fewer misses | P99 during / "
-        "steady, without | with | P99 after / steady, with |",
-        "|---|---|---|---:|---|---|---|",
     ]
+    compared: list[str] = []
 
     def ratios(runs: list[ChangeRun], window: str) -> str:
         return ", ".join(f"{getattr(r, window).p99_ms / r.steady.p99_ms:.2f}" for r in runs)
@@ -512,17 +505,25 @@ def render(saved: dict) -> str:
         each = [1 - paired[r.seed] / r.during.misses for r in without if r.seed in paired]
         if each and all(r.during.misses for r in without):
             fewer += f"; per seed {', '.join(f'{x:.0%}' for x in each)}"
-        lines.append(
+        compared.append(
             f"| {change} | {', '.join(str(r.during.misses) for r in without)} "
             f"| {', '.join(str(r.during.misses) for r in with_)} | {fewer} "
             f"| {ratios(without, 'during')} | {ratios(with_, 'during')} "
             f"| {ratios(with_, 'after')} |"
         )
     controls = [r for r in runs if r.change == CONTROL]
-    if controls:
-        lines.append(
+    if compared and controls:
+        compared.append(
             f"| {CONTROL} | | | | | {ratios(controls, 'during')} | {ratios(controls, 'after')} |"
         )
+    if compared:
+        lines += [
+            "",
+            "| change | misses without (per seed) | misses with | fewer misses | P99 during / "
+            "steady, without | with | P99 after / steady, with |",
+            "|---|---|---|---:|---|---|---|",
+            *compared,
+        ]
     windows = [w for r in runs for w in (r.steady, r.during)]
     few = ranks_note((w.sent - w.failed for w in windows), per="window")
     if few:
@@ -556,6 +557,24 @@ def render(saved: dict) -> str:
             *(_counted(r) for r in counted),
         ]
     return "\n".join(lines)
+
+
+CONTROL_NOTE = (
+    f"- The control ({CONTROL}, once per seed): a ranker process with the same flags starts "
+    "beside the mesh without joining it, up to serving, and stops. It moves no traffic and "
+    "no cache: what its window's P99 shows is the CPU a ranker's start-up (torch, the "
+    "model, calibration) takes from the mesh on this 2-core machine, which a restart and a "
+    "scale-out pay too (on a cluster, a new ranker starts on its own node)."
+)
+
+
+def _subset(runs: Sequence[ChangeRun]) -> str:
+    """A title's note of which runs a partial run (`--changes`, `--variants`) made."""
+    made = {(r.change, r.variant) for r in runs}
+    every = {(c, v) for c in CHANGES for v in VARIANTS} | {(CONTROL, "with")}
+    if made >= every:
+        return ""
+    return " (only " + "; ".join(f"{c}, {v}" for c, v in sorted(made)) + ")"
 
 
 def _counted(r: ChangeRun) -> str:
