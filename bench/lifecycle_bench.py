@@ -297,9 +297,7 @@ def run_change(
             traffic.stop_after((time.monotonic() - traffic.start) + settings.after_s)
             traffic.join()
         cost = _cost_model(mesh)
-        counters = ranker_counters(
-            f"http://127.0.0.1:{r.metrics_port}/metrics" for r in mesh.rankers
-        )
+        counters = ranker_counters(r.entry.metrics for r in mesh.rankers)
     records = traffic.records
     steady = [r for r in records if steady_from <= r.at < started]
     during = [r for r in records if started <= r.at < ended + settings.after_s]
