@@ -315,7 +315,7 @@ def run_change(
         wrong_scores=wrong,
         slowest=_slowest(during, started),
         steps=steps,
-        missed=_missed(records, arrivals, started, ended + settings.after_s, cost),
+        missed=missed_ranks(records, arrivals, started, ended + settings.after_s, cost),
         counters=counters,
     )
 
@@ -343,7 +343,7 @@ def _slowest(records: Sequence[RequestRecord], started: float) -> list[Slow]:
     return [_rank(r, started) for r in ok[-SLOWEST:][::-1]]
 
 
-def _missed(
+def missed_ranks(
     records: Sequence[RequestRecord],
     arrivals: Sequence[Arrival],
     started: float,

@@ -4,6 +4,7 @@ run's end (from real /metrics servers on loopback), and the table of misses it r
 import dataclasses
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -15,10 +16,15 @@ from bench.lifecycle_bench import (
     Missed,
     Settings,
     Window,
+    missed_ranks,
     plan,
     ranker_counters,
     render,
 )
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
+from relaygr.cost import CostModel
+from tooling.local.drive import OK, RequestRecord
+from tooling.local.workload import Arrival
 
 
 def test_a_seed_runs_each_change_in_both_variants_and_the_control_with_only() -> None:
@@ -69,6 +75,29 @@ def test_the_counters_are_summed_over_the_rankers_serving(two_rankers: list[str]
         "relaygr_ranker_fetch_seconds_sum{result=timeout}": pytest.approx(0.09),
         "relaygr_ranker_kv_drops_total{reason=evicted,tier=hbm}": 6.0,
     }
+
+
+def _arrival(user: str, tokens: int) -> Arrival:
+    ints = np.arange(tokens - 1, dtype=np.int64)
+    prefix = Prefix(UserId(user), np.zeros(1, np.int64), Behaviours(ints, ints, ints))
+    empty = np.zeros(0, np.int64)
+    return Arrival(0.0, RankInput(prefix, Behaviours(empty, empty, empty), empty, 0))
+
+
+def test_a_miss_is_cold_only_on_the_users_first_rank_of_the_run() -> None:
+    arrivals = [_arrival("a", 100), _arrival("b", 300), _arrival("a", 100), _arrival("c", 50)]
+    records = [
+        RequestRecord(2, 12.0, 0.01, OK, "miss", "ranker-1"),  # a again: a prefix lost
+        RequestRecord(0, 1.0, 0.01, OK, "hbm_hit", "ranker-0"),  # a first, before the change
+        RequestRecord(1, 11.0, 0.01, OK, "miss", "ranker-2"),  # b first: cold
+        RequestRecord(3, 40.0, 0.01, OK, "miss", "ranker-0"),  # after the window
+    ]
+    cost = CostModel(1.0, 0.01, 0.0, 0.0, 0.0)  # prefill: 1 ms + 0.01 ms a token
+    missed = missed_ranks(records, arrivals, started=10.0, until=30.0, cost=cost)
+    assert missed == [
+        Missed(1.0, "ranker-2", 300, 4.0, True),
+        Missed(2.0, "ranker-1", 100, 2.0, False),
+    ]
 
 
 def _run(missed: list[Missed], counters: dict[str, float]) -> ChangeRun:
