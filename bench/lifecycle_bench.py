@@ -569,7 +569,7 @@ CONTROL_NOTE = (
 def _subset(runs: Sequence[ChangeRun]) -> str:
     """A title's note of which runs a partial run (`--changes`, `--variants`) made."""
     made = {(r.change, r.variant) for r in runs}
-    every = {(c, v) for c in CHANGES for v in VARIANTS} | {(CONTROL, "with")}
+    every = set(plan(0, list(CHANGE_NAMES), list(VARIANTS)))  # what a full run makes
     if made >= every:
         return ""
     return " (only " + "; ".join(f"{c}, {v}" for c, v in sorted(made)) + ")"
