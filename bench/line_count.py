@@ -133,11 +133,23 @@ def read_at(revision: str, paths: tuple[str, ...]) -> dict[str, str]:
     return texts
 
 
+def commit_of(revision: str) -> str:
+    return subprocess.run(
+        ["git", "rev-parse", revision], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """The result's file stem and docs section: `line_count` for HEAD, `line_count_<commit>`
+    for another revision, a saved result's own stem when re-rendered."""
+    if args.from_json is not None:
+        return str(args.from_json.stem)
+    return NAME if args.revision == "HEAD" else f"{NAME}_{commit_of(args.revision)[:7]}"
+
+
 def run(args: argparse.Namespace) -> dict:
     stamp = machine_info()
-    after = subprocess.run(
-        ["git", "rev-parse", args.revision], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    after = commit_of(args.revision)
     groups = [
         {
             "behaviour": g.behaviour,
@@ -154,8 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         "revision": after,
         "groups": groups,
     }
-    suffix = "" if args.revision == "HEAD" else f"_{after[:7]}"
-    out = ROOT / "bench" / "results" / f"{NAME}{suffix}.json"
+    out = ROOT / "bench" / "results" / f"{result_name(args)}.json"
     out.write_text(json.dumps(saved, indent=2) + "\n")
     return saved
 
@@ -210,7 +221,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> int:
-    publish(parse(), run, render, ROOT / "docs" / "benchmarks.md", NAME)
+    args = parse()
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", result_name(args))
     return 0
 
 
