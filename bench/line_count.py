@@ -177,7 +177,8 @@ def _sum(files: dict[str, dict[str, int]], key: str) -> int:
 
 def render(saved: dict) -> str:
     lines = [
-        "## Lines per behaviour: the issue's tree against one core, two drivers",
+        f"## Lines per behaviour: the issue's tree against one core, two drivers at "
+        f"{saved['revision'][:7]}",
         "",
         f"Reproduce: `{saved['command']}`.",
         "",
