@@ -15,14 +15,11 @@ form.
 import argparse
 import ast
 import io
-import json
-import shlex
 import subprocess
-import sys
 import tokenize
 from dataclasses import dataclass
 
-from bench.pipeline import ROOT
+from bench.pipeline import ROOT, result_name, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
 
 # The tree issue 25 names ("engine.py (652 lines) ... relaygr/sim/ranker.py (552 lines)"): the
@@ -133,23 +130,9 @@ def read_at(revision: str, paths: tuple[str, ...]) -> dict[str, str]:
     return texts
 
 
-def commit_of(revision: str) -> str:
-    return subprocess.run(
-        ["git", "rev-parse", revision], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def result_name(args: argparse.Namespace) -> str:
-    """The result's file stem and docs section: `line_count` for HEAD, `line_count_<commit>`
-    for another revision, a saved result's own stem when re-rendered."""
-    if args.from_json is not None:
-        return str(args.from_json.stem)
-    return NAME if args.revision == "HEAD" else f"{NAME}_{commit_of(args.revision)[:7]}"
-
-
 def run(args: argparse.Namespace) -> dict:
     stamp = machine_info()
-    after = commit_of(args.revision)
+    after = args.commit
     groups = [
         {
             "behaviour": g.behaviour,
@@ -158,17 +141,8 @@ def run(args: argparse.Namespace) -> dict:
         }
         for g in GROUPS
     ]
-    saved = {
-        "command": shlex.join([".venv/bin/python", "bench/line_count.py", *sys.argv[1:]]),
-        "args": {"revision": args.revision},
-        "machine": stamp,
-        "issue_tree": ISSUE_TREE,
-        "revision": after,
-        "groups": groups,
-    }
-    out = ROOT / "bench" / "results" / f"{result_name(args)}.json"
-    out.write_text(json.dumps(saved, indent=2) + "\n")
-    return saved
+    results = {"issue_tree": ISSUE_TREE, "revision": after, "groups": groups}
+    return save_results(NAME, args, results, stamp)
 
 
 def _sum(files: dict[str, dict[str, int]], key: str) -> int:
@@ -218,12 +192,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the later tree (default: HEAD; another is saved as line_count_<commit>.json)",
     )
     add_render_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # What `save_results` names and stamps a result by: it draws no seed, and a revision other
+    # than HEAD is saved (and its section named) as line_count_<commit>.
+    args.commit = subprocess.run(
+        ["git", "rev-parse", args.revision], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    args.seed, args.quick = None, False
+    args.tag = "" if args.revision == "HEAD" else args.commit[:7]
+    return args
 
 
 def main() -> int:
     args = parse()
-    publish(args, run, render, ROOT / "docs" / "benchmarks.md", result_name(args))
+    name = result_name(NAME, args) if args.from_json is None else args.from_json.stem
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", name)
     return 0
 
 

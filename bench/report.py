@@ -23,10 +23,11 @@ def run_stamp(info: dict[str, Any]) -> str:
     return f"Date: {info['date']}; commit: {info['commit']}; machine: {info['machine']}"
 
 
-def reproduce_command(script: str, seed: int) -> str:
-    """The command line that reruns this benchmark: its own arguments, plus the seed it drew."""
+def reproduce_command(script: str, seed: int | None) -> str:
+    """The command line that reruns this benchmark: its own arguments, plus the seed it drew
+    (None: it draws none)."""
     command = shlex.join([".venv/bin/python", f"bench/{script}.py", *sys.argv[1:]])
-    if "--seed" not in sys.argv:
+    if seed is not None and "--seed" not in sys.argv:
         command += f" --seed {seed}"
     return command
 
