@@ -121,7 +121,6 @@ async def test_the_trigger_learns_how_many_relays_are_ranked_from_the_rankers(
         assert policy.room.ends.unconsumed == 0
 
 
-@pytest.mark.parametrize("limit", ["footprint", "load"])
 async def test_a_timed_relay_is_sent_at_its_time_and_serves_its_rank(
     etcd_server: EtcdServer, rng: np.random.Generator
 ) -> None:
@@ -150,6 +149,7 @@ async def test_a_timed_relay_is_sent_at_its_time_and_serves_its_rank(
         assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
 
 
+@pytest.mark.parametrize("limit", ["footprint", "load"])
 async def test_a_burst_never_overfills_a_ranker(
     etcd_server: EtcdServer, rng: np.random.Generator, limit: str
 ) -> None:
