@@ -15,12 +15,6 @@ built beside two references that no trigger can be:
   all of which a perfect choice among relays could at most win back (a reference, not a bound:
   a trigger also decides what not to prefill, which at the map's centre gains nothing, 1.00x).
 
-And each relay **timed** (`TriggerConfig.earliest_gap_ms` at the gap's 10th percentile,
-`sim_map.earliest_gap_ms`): its PreInfer sent so that its prefill ends about when the earliest
-Ranks come, not at retrieval, so that it holds the ranker's room for less of the gap. Timing is
-a trigger's choice any relay can make, so both relays get it: sequence-aware timed over relay
-all is the issue's ratio, and over relay all timed isolates what choosing among relays adds.
-
 Ratios per seed over relay all at the same point.
 
     .venv/bin/python bench/sim_bound.py --seed 20261204      # the recorded run (~10 minutes)
@@ -49,7 +43,6 @@ from tooling.sim.sweep import RELAYS
 AWARE = "relay sequence-aware"
 TOLD = " told the no-shows"
 SIZED = "relay all, its room sized"
-TIMED = ", timed"
 BEST_TOLD = "best told"  # per seed, the better of the two relays told the no-shows
 TARGET = 1.3  # issue 26: the trigger over relay all where the room or no-shows bind
 NAME = "sim_bound"
@@ -79,10 +72,6 @@ def measure_bound_point(
     relay all with the sized tier as well (its row keeps the point's label and the values it
     ran with)."""
     rows = measure_point(args, name, base, point, seed, systems_at(point))
-    timed = MapPoint(point.label, {**point.values, "timed": True})
-    rows += measure_point(
-        args, name, base, timed, seed, {f"{v}{TIMED}": (v, False) for v in RELAYS}
-    )
     if point.values["tier"] == "binding":
         sized = MapPoint(point.label, {**point.values, "tier": "sized"})
         rows += measure_point(args, name, base, sized, seed, {SIZED: ("relay all", False)})
@@ -108,12 +97,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return save_results(NAME, args, measure(args), started, threads=1)
 
 
-def over_all(
-    by: dict[str, dict[int, float]], seeds: list[int], system: str, base: str = "relay all"
-) -> list[float | None]:
-    """Per seed, `system`'s compliant throughput over `base`'s (`sim_map.ratio`: infinite
+def over_all(by: dict[str, dict[int, float]], seeds: list[int], system: str) -> list[float | None]:
+    """Per seed, `system`'s compliant throughput over relay all's (`sim_map.ratio`: infinite
     when only `system` complies, None when neither does)."""
-    return [ratio(by[system][s], by[base][s]) for s in seeds]
+    return [ratio(by[system][s], by["relay all"][s]) for s in seeds]
 
 
 def reached(values: list[float | None]) -> str:
@@ -169,51 +156,7 @@ def render(saved: dict[str, Any]) -> str:
                 for v in (AWARE, BEST_TOLD, SIZED)
             ]
             lines.append(f"| {profile} | {point} | {' | '.join(cells + ratios)} |")
-    return "\n".join(lines + timed_table(saved))
-
-
-def _by_system(saved: dict[str, Any], profile: str, point: str) -> dict[str, dict[int, float]]:
-    """system -> seed -> compliant throughput per ranker, at one profile and point."""
-    by: dict[str, dict[int, float]] = {}
-    for row in saved["rows"]:
-        if row["profile"] == profile and row["point"] == point:
-            by.setdefault(row["variant"], {})[row["seed"]] = row["compliant_per_ranker"]
-    return by
-
-
-def timed_table(saved: dict[str, Any]) -> list[str]:
-    """The relays timed, beside relay all as sent at retrieval (none in a run before them)."""
-    seeds = saved["seeds"]
-    aware, everything = f"{AWARE}{TIMED}", f"relay all{TIMED}"
-    lines = [
-        "",
-        "Timed (each PreInfer sent so that its prefill ends at the gap's 10th percentile, "
-        f"{saved['args']['gap_sigma']:g} sigma; median compliant req/s per ranker, ratios per "
-        "seed):",
-        "",
-        "| profile | point | relay all | relay all, timed | sequence-aware, timed "
-        "| sequence-aware timed / relay all (seeds at target) | relay all timed / relay all "
-        "| sequence-aware timed / relay all timed |",
-        "|---|---|---:|---:|---:|---|---|---|",
-    ]
-    rows = 0
-    for profile in saved["args"]["profiles"]:
-        for point in saved["points"]:
-            by = _by_system(saved, profile, point)
-            if not all(len(by.get(v, {})) == len(seeds) for v in ("relay all", aware, everything)):
-                continue
-            medians = [
-                f"{statistics.median(by[v].values()):g}" for v in ("relay all", everything, aware)
-            ]
-            over = over_all(by, seeds, aware)
-            cells = [
-                f"{spread(over)} ({reached(over)})",
-                spread(over_all(by, seeds, everything)),
-                spread(over_all(by, seeds, aware, everything)),
-            ]
-            lines.append(f"| {profile} | {point} | {' | '.join(medians + cells)} |")
-            rows += 1
-    return lines if rows else []
+    return "\n".join(lines)
 
 
 def main() -> int:

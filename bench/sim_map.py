@@ -54,21 +54,9 @@ CORNERS: tuple[dict[str, Any], ...] = (
 )
 
 
-# A normal's 10th percentile, in standard deviations below its mean: with a log-normal gap,
-# the gap that 10% of Ranks come sooner than is its median times exp(-this x sigma).
-EARLY_Z = 1.2816
-
-
-def earliest_gap_ms(gap_ms: float, sigma: float) -> float:
-    """The gap's 10th percentile: where a timed relay's prefill is meant to end
-    (`TriggerConfig.earliest_gap_ms`)."""
-    return gap_ms * math.exp(-EARLY_Z * sigma)
-
-
 @dataclass(frozen=True, slots=True)
 class MapPoint:
-    """One configuration of the map: the centre with some values changed (and, outside the
-    axes, "timed": True where the trigger times its relays, `earliest_gap_ms`)."""
+    """One configuration of the map: the centre with some values changed."""
 
     label: str
     values: dict[str, Any]
@@ -168,12 +156,9 @@ def point_spec(
     slo = values["slo_ms"]
     margin = min(args.margin_ms, slo / 4)
     fleet = FleetSettings.serving(args.rankers, slo, margin, values["gap_ms"])
-    earliest = earliest_gap_ms(values["gap_ms"], args.gap_sigma) if values.get("timed") else 0.0
     fleet = replace(
         fleet,
-        trigger=replace(
-            fleet.trigger, observe_interval_ms=args.observe_ms, earliest_gap_ms=earliest
-        ),
+        trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms),
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
     profile = point_profile(base, values, args.binding_tier_mib)

@@ -66,7 +66,7 @@ class Relay:
     nbytes: int
     expires_at: float
     prefill_ms: float = 0.0  # its predicted prefill on `instance`
-    admitted_at: float = 0.0  # when its PreInfer is sent: at admission, or later if timed
+    admitted_at: float = 0.0
     settled_at: float | None = None  # when its PreInfer came back; None while in flight
     observed: bool = False  # a later observation of its ranker already counts its bytes
     prefill_observed: bool = False  # ... and its prefill (queued then, or done)
@@ -123,12 +123,6 @@ class RelayRoom:
     once it is due, `held` may take the share of such relays whose Rank comes (`ranked`) as
     consumed already, rather than wait for the next observation to show them gone.
 
-    Timed relays: a relay may be booked before its PreInfer is sent (`admitted_at` later than
-    the booking: the trigger times a relay so that its prefill ends just before its Rank can
-    come). `held` and `in_flight` asked `at` a time to come leave out the relays booked to be
-    sent after it: until sent, a relay holds no room, and a relay judged for a later send is
-    judged by the room as it will be then.
-
     Prefill: an instance's queue is its last fresh observation's `queued_prefill_ms` plus the
     prefill of relays admitted at or after that observation was sent (earlier ones were queued
     or done when it was answered). A failed relay's prefill is released at once.
@@ -156,9 +150,6 @@ class RelayRoom:
     _unqueued: dict[str, float] = field(default_factory=dict)
     _expiries: list[tuple[float, int, Hashable]] = field(default_factory=list)
     _on: dict[str, dict[Hashable, None]] = field(default_factory=dict)  # instance -> its relays
-    # instance -> its relays not yet settled that may not be sent yet (those found sent are
-    # dropped when asked): what `_unsent` scans, a handful where the whole `_on` is many.
-    _unsent_on: dict[str, dict[Hashable, None]] = field(default_factory=dict)
     _pushes: int = 0  # tie-breaker: keys need not be ordered
 
     # -- the view -------------------------------------------------------------------------
@@ -170,31 +161,24 @@ class RelayRoom:
             return None
         return seen.report
 
-    def held(
-        self, instance: str, now: float, ranked: float = 0.0, at: float | None = None
-    ) -> float:
-        """Bytes pinned on the instance `at` (default: now), as far as this process knows
-        now: `ranked` (the share of relays whose Rank comes) of the relays its observation
-        counted pinned and whose Rank is due by then taken as consumed, and relays booked to
-        be sent later than then left out."""
+    def held(self, instance: str, now: float, ranked: float = 0.0) -> float:
+        """Bytes pinned on the instance, as far as this process knows: `ranked` (the share of
+        relays whose Rank comes) of the relays its observation counted pinned and whose Rank
+        is due by now taken as consumed."""
         self._expire(now)
-        at = now if at is None else at
-        later = self._unsent(instance, now, at)
         seen = self.report(instance, now)
         if seen is None:
-            return self._uncovered[instance] - later
+            return self._uncovered[instance]
         due = self.due.get(instance)
-        consumed = 0.0 if due is None or not ranked else ranked * due.nbytes(at)
-        return seen.pinned_bytes - consumed + self._uncovered[instance] - later
+        consumed = 0.0 if due is None or not ranked else ranked * due.nbytes(now)
+        return seen.pinned_bytes - consumed + self._uncovered[instance]
 
-    def in_flight(self, instance: str, now: float, at: float | None = None) -> int:
+    def in_flight(self, instance: str, now: float) -> int:
         """Bytes of the relays started here for the instance and not yet settled: accepted or
         on their way, their prefill not yet done, so pinned nowhere yet and counted by no
-        ranker's own check (`KVStore.fits_device` counts what is pinned). `at` a time to come:
-        those sent by then (a relay sent earlier is taken as still in flight)."""
+        ranker's own check (`KVStore.fits_device` counts what is pinned)."""
         self._expire(now)
-        at = now if at is None else at
-        return self._unsettled[instance] - self._unsent(instance, now, at)
+        return self._unsettled[instance]
 
     def budget(self, record: RankerRecord) -> int:
         """The instance's relay budget: what it last reported, else what it registered."""
@@ -318,7 +302,6 @@ class RelayRoom:
             self._uncovered[relay.instance] += relay.nbytes
         if relay.settled_at is None:
             self._unsettled[relay.instance] += relay.nbytes
-            self._unsent_on.setdefault(relay.instance, {})[key] = None
         if not relay.prefill_observed:
             self._unqueued[relay.instance] = (
                 self._unqueued.get(relay.instance, 0.0) + relay.prefill_ms
@@ -340,32 +323,9 @@ class RelayRoom:
             self._unsettled[relay.instance] -= relay.nbytes
             if not self._unsettled[relay.instance]:
                 del self._unsettled[relay.instance]
-            self._drop_unsent(relay.instance, key)
         if not relay.prefill_observed:
             self._unqueue(relay.instance, relay.prefill_ms)
         return relay
-
-    def _unsent(self, instance: str, now: float, at: float) -> int:
-        """Bytes of the instance's relays booked to be sent after `at`; those sent by `now`
-        are forgotten here."""
-        keys = self._unsent_on.get(instance)
-        if not keys:
-            return 0
-        later = 0
-        for key in list(keys):
-            relay = self.relays[key]
-            if relay.admitted_at <= now:
-                self._drop_unsent(instance, key)
-            elif relay.admitted_at > at:
-                later += relay.nbytes
-        return later
-
-    def _drop_unsent(self, instance: str, key: Hashable) -> None:
-        keys = self._unsent_on.get(instance)
-        if keys is not None:
-            keys.pop(key, None)
-            if not keys:
-                del self._unsent_on[instance]
 
     def _uncover(self, relay: Relay) -> None:
         self._uncovered[relay.instance] -= relay.nbytes

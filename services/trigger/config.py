@@ -49,16 +49,6 @@ class TriggerConfig(ServiceOptions):
             POSITIVE,
         ),
     )
-    earliest_gap_ms: float = field(
-        default=0.0,
-        metadata=helped(
-            "a gap from retrieval to the Rank that few Ranks come sooner than (say its 10th"
-            " percentile), ms: a relay's PreInfer is then sent so that its prefill is expected to"
-            " end by it, not at once, and holds its ranker's room for that much less of the gap"
-            " (0: send at once). At most expected_gap_ms",
-            NON_NEGATIVE,
-        ),
-    )
     no_show_prior: float = field(
         default=1.0,
         metadata=helped(
@@ -154,11 +144,6 @@ class TriggerConfig(ServiceOptions):
         except ValueError as err:
             raise ConfigError(f"trigger mode must be one of {[m.value for m in Mode]}") from err
         check_bounds(self, "trigger")
-        if self.earliest_gap_ms > self.expected_gap_ms:
-            raise ConfigError(
-                f"trigger earliest_gap_ms must be at most expected_gap_ms ({self.expected_gap_ms}),"
-                f" got {self.earliest_gap_ms}"
-            )
         if self.margin_ms >= self.slo_ms:
             raise ConfigError(f"trigger margin_ms must be in [0, slo_ms), got {self.margin_ms}")
         self.check_service("trigger")  # last: a field's own error is named first
@@ -170,7 +155,7 @@ class TriggerConfig(ServiceOptions):
 
 # What the live config key (`{etcd_prefix}/config/trigger`, a JSON object) may change.
 LIVE_FIELDS = (
-    "mode", "slo_ms", "margin_ms", "expected_gap_ms", "earliest_gap_ms", "no_show_prior",
-    "prefill_share", "burst_s", "relay_budget_share", "relay_take_share", "relay_spare_share",
-    "relay_window_ms", "refusal_cooldown_ms",
+    "mode", "slo_ms", "margin_ms", "expected_gap_ms", "no_show_prior", "prefill_share", "burst_s",
+    "relay_budget_share", "relay_take_share", "relay_spare_share", "relay_window_ms",
+    "refusal_cooldown_ms",
 )  # fmt: skip

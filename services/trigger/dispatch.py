@@ -1,8 +1,6 @@
-"""Sends admitted PreInfers through the router in the background: bounded, deadlined, counted,
-each at its time (a timed relay waits until then)."""
+"""Sends admitted PreInfers through the router in the background: bounded, deadlined, counted."""
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import Counter
@@ -33,7 +31,6 @@ class Job:
     trace_context: Context | None = None
     preferred_instance: str = ""  # where the trigger found room ("": the router's own order)
     rank_due_at: float | None = None  # when the Rank is expected, on the dispatcher's clock
-    send_at: float | None = None  # when to send it, on the dispatcher's clock (None: at once)
 
     @property
     def user_id(self) -> str:
@@ -83,12 +80,11 @@ class DispatchStats:
 class Dispatcher:
     """A bounded queue of admitted PreInfers and `concurrency` workers sending them.
 
-    A job whose `send_at` is still to come is held until then (a timer, no task), and then
-    queued. Invariants: at most `capacity` jobs wait (held or queued) and `concurrency` are in
-    flight, so memory and tasks stay bounded whatever the event rate; `submit` never blocks and
-    answers False when the queue is full (the caller counts the drop). Every job submitted
-    reaches `on_outcome` exactly once, with the reply or the failure (deadline included), unless
-    `stop` cancels it; `stats` tallies failures by status and cancellations.
+    Invariants: at most `capacity` jobs wait and `concurrency` are in flight, so memory and
+    tasks stay bounded whatever the event rate; `submit` never blocks and answers False when the
+    queue is full (the caller counts the drop). Every job submitted reaches `on_outcome` exactly
+    once, with the reply or the failure (deadline included), unless `stop` cancels it;
+    `stats` tallies failures by status and cancellations.
     """
 
     def __init__(
@@ -103,12 +99,6 @@ class Dispatcher:
         self._clock = clock
         self._on_outcome: Outcome = lambda *_: None
         self._queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=capacity)
-        self._capacity = capacity
-        # Jobs waiting for their send time, by a number of their own: each one's timer and job.
-        self._held: dict[int, tuple[asyncio.TimerHandle, Job]] = {}
-        self._holds = itertools.count()
-        self._none_held = asyncio.Event()
-        self._none_held.set()
         self._concurrency = concurrency
         self._workers: list[asyncio.Task[None]] = []
         self._in_flight = 0
@@ -122,58 +112,34 @@ class Dispatcher:
         ]
 
     def submit(self, job: Job) -> bool:
-        if self._queue.qsize() + len(self._held) >= self._capacity:
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
             return False
-        wait_s = 0.0 if job.send_at is None else job.send_at - self._clock()
-        if wait_s <= 0:
-            self._queue.put_nowait(job)  # fits: held and queued together are under capacity
-            return True
-        hold = next(self._holds)
-        handle = asyncio.get_running_loop().call_later(wait_s, self._due, hold)
-        self._held[hold] = (handle, job)
-        self._none_held.clear()
         return True
 
-    def _due(self, hold: int) -> None:
-        """A held job's time came: it joins the queue (its place was kept: it cannot be full)."""
-        _, job = self._held.pop(hold)
-        if not self._held:
-            self._none_held.set()
-        self._queue.put_nowait(job)
-
     def pending(self) -> int:
-        """Jobs held, waiting or in flight."""
-        return len(self._held) + self._queue.qsize() + self._in_flight
+        """Jobs waiting or in flight."""
+        return self._queue.qsize() + self._in_flight
 
     def queued(self) -> int:
-        """Jobs waiting to be sent: held for their time, or for a worker."""
-        return len(self._held) + self._queue.qsize()
+        """Jobs waiting for a worker."""
+        return self._queue.qsize()
 
     def in_flight(self) -> int:
         """Jobs being sent."""
         return self._in_flight
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for every submitted job to finish, held ones sent at their
-        time; True if they did."""
+        """Wait up to `timeout_s` for every submitted job to finish; True if they did."""
         try:
-            await asyncio.wait_for(self._finished(), timeout_s)
+            await asyncio.wait_for(self._queue.join(), timeout_s)
         except TimeoutError:
             return False
         return True
 
-    async def _finished(self) -> None:
-        await self._none_held.wait()
-        await self._queue.join()
-
     async def stop(self) -> None:
-        """Cancel the workers and held jobs' timers; jobs still held, queued or in flight are
-        counted as cancelled."""
-        for handle, _ in self._held.values():
-            handle.cancel()
-        self.stats.cancelled += len(self._held)
-        self._held.clear()
-        self._none_held.set()
+        """Cancel the workers; jobs still queued or in flight are counted as cancelled."""
         workers, self._workers = self._workers, []
         await cancel_and_wait(*workers)
         self.stats.cancelled += self._queue.qsize()

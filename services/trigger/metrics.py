@@ -81,7 +81,7 @@ def register_trigger_metrics(
         )
         yield gauge(
             "relaygr_trigger_dispatch_queue_depth",
-            "Admitted PreInfers waiting to be sent (timed ones held for their send time included)",
+            "Admitted PreInfers waiting to be sent",
             [],
             {(): dispatcher.queued()},
         )

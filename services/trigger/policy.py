@@ -77,7 +77,6 @@ class Decision:
     prefill_ms: float = 0.0  # what prefilling the prefix costs there
     digest: str = ""  # the prefix's identity, when it was computed
     model_version: str = ""  # the version it was judged for (the event's)
-    send_in_ms: float = 0.0  # admitted: how long after the decision its PreInfer is sent
 
     @property
     def admitted(self) -> bool:
@@ -127,16 +126,6 @@ class AdmissionPolicy:
     leave room for it.
     Relays are booked per (user, model version, prefix): a prefix relayed for one version is
     neither cached nor in flight for another.
-
-    Timed relays (`earliest_gap_ms` > 0, any mode that relays): a relay's PreInfer is sent not
-    at once but so that its prefill is expected to end `earliest_gap_ms` after the retrieval,
-    the gap few Ranks come sooner than (`send_in_ms`: that less its predicted prefill, the
-    background prefill ahead of it and the rank work queued there, at least 0). A ranker holds
-    a relay's room from its PreInfer's arrival until its Rank, so a relay sent at once holds it
-    for the whole gap; a timed one, from the gap's low end. A Rank that comes sooner waits for
-    the prefill in flight, or is computed in full if its PreInfer has not gone yet. Room is
-    judged as it will be when the relay's prefill ends and it pins (`_judged_at`;
-    `RelayRoom.held` and `in_flight` at that time).
     """
 
     def __init__(self, cfg: TriggerConfig) -> None:
@@ -177,7 +166,7 @@ class AdmissionPolicy:
             return Decision(Reason.NOT_AT_RISK, predicted, owner.instance_id)
         digest = event.digest()
         key = (event.user_id, event.model_version, digest)
-        decided = self._decision(event, owner, predicted, digest, now)
+        decided = self._decision(event, owner, predicted, digest)
         relay = self.room.live(key, now)
         if relay is not None:
             reason = Reason.IN_FLIGHT if relay.settled_at is None else Reason.ALREADY_CACHED
@@ -192,11 +181,10 @@ class AdmissionPolicy:
                 reason = placed.reason if at_risk else Reason.NOT_AT_RISK
                 return dataclasses.replace(decided, reason=reason)
             decided = placed if at_risk else dataclasses.replace(placed, reason=Reason.SPARE)
-        sent = now + decided.send_in_ms / 1e3
-        expires = sent + cfg.relay_window_s  # in flight: until its dispatch deadline at most
+        expires = now + cfg.relay_window_s  # in flight: until its dispatch deadline at most
         due = now + cfg.expected_gap_ms / 1e3
         booked = Relay(
-            decided.target, decided.kv_bytes, expires, decided.prefill_ms, admitted_at=sent,
+            decided.target, decided.kv_bytes, expires, decided.prefill_ms, admitted_at=now,
             due_at=due,
         )  # fmt: skip
         self.room.start(key, booked)
@@ -224,12 +212,11 @@ class AdmissionPolicy:
             nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
             if nbytes > self.room.budget(ranker) * cfg.relay_budget_share:
                 continue  # would never fit there
-            decided = self._decision(event, ranker, predicted, digest, now)
-            at = self._judged_at(ranker, decided.prefill_ms, now)
-            if priced_out or not self._fits(ranker, nbytes, now, at):
+            if priced_out or not self._fits(ranker, nbytes, now):
                 reason = Reason.LOAD_LIMIT if reason is Reason.LOAD_LIMIT else Reason.NO_ROOM
                 continue
             reason = Reason.LOAD_LIMIT
+            decided = self._decision(event, ranker, predicted, digest)
             if self.background_ahead_ms(ranker.instance_id, now) < start_by_ms:
                 return decided
         return Decision(reason)
@@ -260,8 +247,7 @@ class AdmissionPolicy:
         cfg = self.cfg
         owner = order[0]
         budget = self.room.budget(owner) * cfg.relay_budget_share
-        at = self._judged_at(owner, owner.cost_model().prefill_ms(event.prefix_tokens), now)
-        held = self.room.held(owner.instance_id, now, 1 - self.no_show_share(), at)
+        held = self.room.held(owner.instance_id, now, 1 - self.no_show_share())
         ahead = self.background_ahead_ms(owner.instance_id, now)
         spare = held < budget * cfg.relay_spare_share and ahead < cfg.expected_gap_ms / 2
         return spare and not self._outvalued(event, order, now)
@@ -277,13 +263,11 @@ class AdmissionPolicy:
         return self._fills_room(self.offered.held_above, event, order, now)
 
     def hold_s(self) -> float:
-        """How long a relay holds its bytes, expected: until its Rank (the expected gap, less
-        `earliest_gap_ms` for a timed relay, whose prefill it then leaves out), or for its
-        window when its Rank never comes (the no-show share)."""
+        """How long a relay holds its bytes, expected: until its Rank (the expected gap), or
+        for its window when its Rank never comes (the no-show share)."""
         share = self.no_show_share()
         cfg = self.cfg
-        ranked_s = (cfg.expected_gap_ms - cfg.earliest_gap_ms) / 1e3
-        return (1 - share) * ranked_s + share * cfg.relay_window_s
+        return (1 - share) * cfg.expected_gap_ms / 1e3 + share * cfg.relay_window_s
 
     def _priced_out(self, event: Event, order: Sequence[RankerRecord], now: float) -> bool:
         """Would the at-risk relays of smaller size classes than this one, each held `hold_s`,
@@ -303,10 +287,10 @@ class AdmissionPolicy:
         nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
         return held(nbytes, self.hold_s(), now) >= room
 
-    def _fits(self, ranker: RankerRecord, nbytes: int, now: float, at: float) -> bool:
+    def _fits(self, ranker: RankerRecord, nbytes: int, now: float) -> bool:
         """Does the relay fit `relay_budget_share` of the ranker's relay budget beside this
-        trigger's relays in flight there `at` (`_judged_at`; `RelayRoom.in_flight`), with no
-        refusal for room since the ranker last reported?
+        trigger's relays in flight there (`RelayRoom.in_flight`), with no refusal for room
+        since the ranker last reported?
 
         The ranker has the final word on what is pinned: it pins a relay only while its pinned
         bytes leave room, and refuses it RESOURCE_EXHAUSTED otherwise (the router tries the
@@ -319,49 +303,15 @@ class AdmissionPolicy:
         (docs/benchmarks.md, "The trigger and the ranker's room")."""
         if self.room.refused(ranker.instance_id, now):
             return False
-        in_flight = self.room.in_flight(ranker.instance_id, now, at)
+        in_flight = self.room.in_flight(ranker.instance_id, now)
         return in_flight + nbytes <= self.room.budget(ranker) * self.cfg.relay_budget_share
 
-    def _decision(
-        self, event: Event, ranker: RankerRecord, predicted: float, digest: str, now: float
-    ) -> Decision:
-        """ADMITTED on `ranker`, with what the relay would pin and cost there, and when it
-        is sent (`_send_in_ms`)."""
+    @staticmethod
+    def _decision(event: Event, ranker: RankerRecord, predicted: float, digest: str) -> Decision:
+        """ADMITTED on `ranker`, with what the relay would pin and cost there."""
         nbytes = event.prefix_tokens * ranker.kv_bytes_per_token
         prefill_ms = ranker.cost_model().prefill_ms(event.prefix_tokens)
-        send_in_ms = self._send_in_ms(ranker, prefill_ms, now)
-        return Decision(
-            Reason.ADMITTED, predicted, ranker.instance_id, nbytes, prefill_ms, digest,
-            send_in_ms=send_in_ms,
-        )  # fmt: skip
-
-    def _send_in_ms(self, ranker: RankerRecord, prefill_ms: float, now: float) -> float:
-        """How long after now a relay of `prefill_ms` is sent to `ranker`: so that its prefill
-        is expected to end `earliest_gap_ms` from now (`_lead_ms` before); 0 (at once) when
-        that leaves no time, or untimed (`earliest_gap_ms` 0)."""
-        earliest = self.cfg.earliest_gap_ms
-        if earliest <= 0:
-            return 0.0
-        return max(0.0, earliest - self._lead_ms(ranker, prefill_ms, now))
-
-    def _judged_at(self, ranker: RankerRecord, prefill_ms: float, now: float) -> float:
-        """When a timed relay's room is judged: when its prefill is expected to end and it
-        pins, `earliest_gap_ms` from now or its lead (`_lead_ms`) if longer. Every relay sent
-        by then and not yet consumed holds room beside it then, whichever was booked first:
-        judged at its send time instead, a relay sent sooner than one booked before it would
-        not count the other. Untimed, now."""
-        earliest = self.cfg.earliest_gap_ms
-        if earliest <= 0:
-            return now
-        return now + max(earliest, self._lead_ms(ranker, prefill_ms, now)) / 1e3
-
-    def _lead_ms(self, ranker: RankerRecord, prefill_ms: float, now: float) -> float:
-        """From a relay's arrival on `ranker` to the end of its prefill, predicted: the prefill
-        behind the background prefill ahead of it and the rank work queued there (which runs
-        first)."""
-        instance = ranker.instance_id
-        ahead = self.background_ahead_ms(instance, now) + self.room.queued_rank_ms(instance, now)
-        return prefill_ms + ahead
+        return Decision(Reason.ADMITTED, predicted, ranker.instance_id, nbytes, prefill_ms, digest)
 
     def settled(
         self,

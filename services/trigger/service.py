@@ -120,7 +120,6 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
                         "relaygr.tokens.prefix": event.prefix_tokens,
                         "relaygr.kv.bytes": decision.kv_bytes,
                         "relaygr.admission.prefill_ms": decision.prefill_ms,
-                        "relaygr.admission.send_in_ms": decision.send_in_ms,
                     }
                 )
         self.stats.decisions[decision.reason] += 1
@@ -163,14 +162,12 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
     def _dispatch(
         self, request: trigger_pb2.RetrievalEvent, decision: Decision, now: float
     ) -> bool:
-        """Queue the relay, to be sent when the policy timed it; sequence-aware, it asks the router
-        for the ranker with room."""
+        """Queue the relay; sequence-aware, it asks the router for the ranker with room."""
         cfg = self.policy.cfg
         preferred = self.policy.preferred(decision)
         due_at = now + cfg.expected_gap_ms / 1e3
-        send_at = now + decision.send_in_ms / 1e3
         context = current_context(self._tracer)
-        job = Job(decision, request, cfg.relay_window_ms, context, preferred, due_at, send_at)
+        job = Job(decision, request, cfg.relay_window_ms, context, preferred, due_at)
         return self._dispatcher.submit(job)
 
     def on_outcome(

@@ -3,7 +3,6 @@
 import asyncio
 import json
 import logging
-import time
 
 import grpc
 import numpy as np
@@ -119,34 +118,6 @@ async def test_the_trigger_learns_how_many_relays_are_ranked_from_the_rankers(
         await eventually(lambda: ends.consumed > 5, "ends observed")
         assert policy.no_show_share() == pytest.approx(20 / (20 + ends.consumed))
         assert policy.room.ends.unconsumed == 0
-
-
-async def test_a_timed_relay_is_sent_at_its_time_and_serves_its_rank(
-    etcd_server: EtcdServer, rng: np.random.Generator
-) -> None:
-    """With `earliest_gap_ms`, an admitted relay waits in the dispatcher until its prefill is
-    due to end by then (never sooner than that less its predicted prefill), and its Rank
-    is served from it, exactly."""
-    model = tiny_model()
-    async with running_mesh(etcd_server.endpoint, model) as mesh:
-        earliest_ms = 400.0
-        stub = await _mesh_with_trigger(
-            mesh, relay_spare_share=0.0, expected_gap_ms=1000.0, earliest_gap_ms=earliest_ms
-        )
-        servicer, dispatcher = mesh.triggers[0].servicer, mesh.triggers[0].dispatcher
-        p = prefix(rng, LONG, user_id="timed")
-        started = time.monotonic()
-        decision = await stub.OnRetrieval(_event(p))
-        assert decision.admitted
-        assert dispatcher.queued() == 1 and servicer.stats.relayed == 0  # held, not sent
-        await eventually(lambda: servicer.stats.relayed == 1, "the timed relay landed")
-        # Its send time: the earliest gap less its prefill (under the ~9 ms of its full
-        # inference, above) and the work queued on the ranker (none).
-        assert time.monotonic() - started >= (earliest_ms - 10.0) / 1e3
-        request = rank_input(rng, p, n_short=16, n_candidates=16)
-        reply = await mesh.stubs[0].Rank(rank_request_to_proto(request))
-        assert reply.cache_outcome == common_pb2.CACHE_OUTCOME_HBM_HIT and reply.relayed
-        assert rel_err(_scores(reply), model.full_forward(request).numpy()) <= 1e-5
 
 
 @pytest.mark.parametrize("limit", ["footprint", "load"])

@@ -8,7 +8,6 @@ from bench.sim_bound import (
     AWARE,
     BEST_TOLD,
     SIZED,
-    TIMED,
     TOLD,
     bound_points,
     measure,
@@ -44,14 +43,11 @@ def test_a_tiny_run_measures_every_system_and_renders() -> None:
     args.duration, args.rate_max, args.length_max, args.users = 2.0, 20.0, 1024, 10_000
     results = measure(args, frozenset({"tier=binding no_show=0.3"}))
     variants = {r["variant"] for r in results["rows"]}
-    timed = {f"relay all{TIMED}", f"{AWARE}{TIMED}"}
-    assert variants == {"relay all", AWARE, f"relay all{TOLD}", f"{AWARE}{TOLD}", SIZED} | timed
+    assert variants == {"relay all", AWARE, f"relay all{TOLD}", f"{AWARE}{TOLD}", SIZED}
     for row in results["rows"]:
         told = row["variant"].endswith(TOLD)
         assert ("oracle_no_show" in row["reasons"]) is told, row["variant"]
         assert row["values"]["tier"] == ("sized" if row["variant"] == SIZED else "binding")
-        assert row["values"].get("timed", False) is (row["variant"] in timed)
     text = render({**results, "args": vars(args), "command": "sim_bound"})
     assert "| nvidia-h100 | tier=binding no_show=0.3 | " in text
     assert "seeds at target" in text
-    assert "sequence-aware timed / relay all timed" in text  # the timed table

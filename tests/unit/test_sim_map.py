@@ -4,7 +4,6 @@ import math
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from bench.pipeline import ROOT
@@ -22,7 +21,6 @@ from bench.sim_map import (
     render,
     spread,
 )
-from tooling.local.workload import follow_ups
 from tooling.sim.profile import load_profile
 
 
@@ -52,16 +50,6 @@ def test_a_slow_point_runs_long_enough_to_count_the_ranks_its_p99_needs() -> Non
     shows = point_spec(args, base, {**CENTRE, "no_show": 0.3}, 1)
     ranked = point_span(args, shows, slow) * slow * counted * 0.7
     assert ranked == pytest.approx(args.min_ranks)
-
-
-def test_a_timed_point_sends_each_relay_to_end_its_prefill_at_the_gaps_10th_percentile() -> None:
-    args = parse(["--seed", "1", "--no-docs", "--profiles", "nvidia-h100"])
-    base = load_profile(ROOT / "profiles" / "nvidia-h100.toml")
-    assert point_spec(args, base, CENTRE, 1).fleet.trigger.earliest_gap_ms == 0.0
-    timed = point_spec(args, base, {**CENTRE, "gap_ms": 200.0, "timed": True}, 1)
-    gaps, _ = follow_ups(timed.workload, 1, 100_000)
-    earliest = timed.fleet.trigger.earliest_gap_ms
-    assert earliest / 1e3 == pytest.approx(float(np.quantile(gaps, 0.1)), rel=0.02)
 
 
 def test_ratios_are_per_seed_over_the_best_baseline_and_infinite_when_it_never_complies() -> None:

@@ -226,7 +226,6 @@ class Fleet:
         self.stats = FleetStats()
         self._hop_s = profile.request_overhead_ms / 2e3
         self._waiting: deque[_Relay] = deque()  # the trigger's dispatch queue
-        self._held = 0  # admitted relays waiting for their send time (the policy timed them)
         self._sending = 0
         self._made = 0
         self._changed_at = float("-inf")  # the membership last changed
@@ -401,24 +400,14 @@ class Fleet:
         if not decision.admitted:
             return
         cfg = self.settings.trigger
-        if len(self._waiting) + self._held >= cfg.dispatch_queue * self.settings.triggers:
+        if len(self._waiting) >= cfg.dispatch_queue * self.settings.triggers:
             self.stats.dispatch_dropped += 1
             dropped = self.policy.dropped(decision, visit.user)
             self.records[index] = replace(
                 self.records[index], decision=dropped.reason.value, admitted=False
             )
             return
-        relay = _Relay(index, visit, decision, now + cfg.expected_gap_ms / 1e3)
-        if decision.send_in_ms > 0:  # the dispatcher holds it until its time
-            self._held += 1
-            self.loop.after(decision.send_in_ms / 1e3, self._send_when_due, relay)
-            return
-        self._waiting.append(relay)
-        self._dispatch()
-
-    def _send_when_due(self, relay: _Relay) -> None:
-        self._held -= 1
-        self._waiting.append(relay)
+        self._waiting.append(_Relay(index, visit, decision, now + cfg.expected_gap_ms / 1e3))
         self._dispatch()
 
     # -- the trigger's dispatcher and the router's PreInfer ---------------------------------

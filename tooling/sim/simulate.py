@@ -162,12 +162,6 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         default=default_of(TriggerConfig, "expected_gap_ms"), help="retrieval to Rank",
     )  # fmt: skip
     fleet.add_argument(
-        "--earliest-gap-ms", type=Bounded(float, Bound(low=0)),
-        default=default_of(TriggerConfig, "earliest_gap_ms"),
-        help="timed relays: each PreInfer sent so that its prefill ends this long after the"
-        " retrieval, a gap few Ranks come sooner than (0: at once)",
-    )  # fmt: skip
-    fleet.add_argument(
         "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE),
         default=default_of(TriggerConfig, "relay_window_ms"), help="relay pin",
     )  # fmt: skip
@@ -224,7 +218,6 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
             slo_ms=args.slo_ms,
             margin_ms=args.margin_ms,
             expected_gap_ms=args.gap_ms,
-            earliest_gap_ms=args.earliest_gap_ms,
             relay_window_ms=args.relay_window_ms,
             relay_budget_share=args.relay_budget_share,
         ),
