@@ -30,7 +30,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ from relaygr.cli_help import HelpFormatter
 from services.ranker import kv_store
 from services.ranker.digest import PrefixDigest, PrefixHasher
 from services.ranker.prefix_kv import ModelVersion, PrefixKV
+from tooling.local.run_stamp import git_output
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "kv_store_bench"
@@ -94,10 +94,7 @@ def load_store(ref: str | None) -> ModuleType:
     """This tree's kv_store module, or the one at git commit `ref`, imported under its own name."""
     if ref is None:
         return kv_store
-    source = subprocess.run(
-        ["git", "show", f"{ref}:services/ranker/kv_store.py"],
-        cwd=ROOT, capture_output=True, text=True, check=True, timeout=30,
-    ).stdout  # fmt: skip
+    source = git_output("show", f"{ref}:services/ranker/kv_store.py")
     path = Path(tempfile.mkdtemp()) / f"kv_store_{ref}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"kv_store_{ref}", path)

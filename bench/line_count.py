@@ -14,6 +14,7 @@ form.
 
 import argparse
 import ast
+import contextlib
 import io
 import subprocess
 import tokenize
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from bench.pipeline import ROOT, result_name, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from tooling.local.run_stamp import git_output
 
 # The tree issue 25 names ("engine.py (652 lines) ... relaygr/sim/ranker.py (552 lines)"): the
 # last commit before its first change.
@@ -122,11 +124,8 @@ def read_at(revision: str, paths: tuple[str, ...]) -> dict[str, str]:
     module split out later: it counts nothing there)."""
     texts = {}
     for path in paths:
-        shown = subprocess.run(
-            ["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True
-        )
-        if shown.returncode == 0:
-            texts[path] = shown.stdout
+        with contextlib.suppress(subprocess.CalledProcessError):  # not in that tree
+            texts[path] = git_output("show", f"{revision}:{path}")
     return texts
 
 
@@ -195,9 +194,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # What `save_results` names and stamps a result by: it draws no seed, and a revision other
     # than HEAD is saved (and its section named) as line_count_<commit>.
-    args.commit = subprocess.run(
-        ["git", "rev-parse", args.revision], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    args.commit = git_output("rev-parse", args.revision).strip()
     args.seed, args.quick = None, False
     args.tag = "" if args.revision == "HEAD" else args.commit[:7]
     return args

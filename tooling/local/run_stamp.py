@@ -20,12 +20,18 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _git(*args: str) -> str:
+def git_output(*args: str) -> str:
+    """What `git args` prints in this repository (CalledProcessError when it fails): `git show
+    REV:PATH` gives a file as it was at a revision."""
     here = Path(__file__).resolve().parent  # inside the repository, wherever it is run from
     done = subprocess.run(
         ["git", *args], cwd=here, capture_output=True, text=True, check=True, timeout=30
     )
-    return done.stdout.strip()
+    return done.stdout
+
+
+def _git(*args: str) -> str:
+    return git_output(*args).strip()
 
 
 # A copy of the tree sent to another machine (the device tool's) names the commit it was
