@@ -143,9 +143,12 @@ def standard_faults(
 CHAOS_MODEL = replace(PRESETS[ModelPreset.TINY], max_history_tokens=2048)
 
 
-def chaos_mesh_spec(checkpoint: Path, log_dir: Path | None = None) -> MeshSpec:
+def chaos_mesh_spec(
+    checkpoint: Path, log_dir: Path | None = None, metrics_base_port: int = 0
+) -> MeshSpec:
     """Two rankers of `checkpoint`, two routers, a trigger relaying every event (mode `all`):
-    steady traffic then hits every time, so any miss is the fault's doing."""
+    steady traffic then hits every time, so any miss is the fault's doing. With
+    `metrics_base_port`, the five services serve /metrics on consecutive ports from it."""
     ranker = (
         "--checkpoint", str(checkpoint), "--device", "cpu", "--calibration-lengths", "32,64",
         "--hbm-budget-mb", "24", "--dram-budget-mb", "24", "--lease-ttl-s", "2",
@@ -158,6 +161,7 @@ def chaos_mesh_spec(checkpoint: Path, log_dir: Path | None = None) -> MeshSpec:
         router_args=("--rank-hedge-ms", "1000"),
         trigger_args=("--mode", "all"),
         log_dir=log_dir,
+        metrics_base_port=metrics_base_port,
     )
 
 

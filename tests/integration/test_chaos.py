@@ -7,11 +7,14 @@ that their RSS after warm-up holds no cache.
 
 import asyncio
 import json
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chaos import (
     CHAOS_MODEL,
@@ -34,6 +37,7 @@ from tests.integration.ranker_harness import reply_scores
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 from tooling.local.etcd_server import find_etcd_binary
 from tooling.local.mesh import LocalMesh
+from tooling.local.ports import free_port_range
 from tooling.local.workload import Population
 
 pytestmark = pytest.mark.chaos
@@ -53,7 +57,10 @@ def mesh_and_model(
     checkpoint = save_checkpoint(RankingModel(CHAOS_MODEL, seed=3), directory / "model")
     # The reference: the rankers' own checkpoint, loaded here.
     model = load_checkpoint(checkpoint)
-    with LocalMesh(chaos_mesh_spec(checkpoint, log_dir=directory / "logs")) as mesh:
+    spec = chaos_mesh_spec(
+        checkpoint, log_dir=directory / "logs", metrics_base_port=free_port_range(5)
+    )
+    with LocalMesh(spec) as mesh:
         yield mesh, model
 
 
@@ -129,17 +136,51 @@ def test_faults_under_load_lose_nothing_and_the_mesh_recovers(
     [restart] = [report for report in reports if report.fault.startswith("router restarted")]
     assert restart.failed == {}, restart
     assert mesh.service("ranker-0").restarts == 1 and mesh.service("router").restarts == 1
-    assert set(reports[-1].served_by) == {"ranker-0", "ranker-1"}, reports[-1].served_by
+    assert set(reports[-1].served_by) == {"ranker-0", "ranker-1"}, (
+        f"{reports[-1].served_by}\n{mesh_state(mesh)}"
+    )
     assert asyncio.run(registered(mesh)) == {s.name: s.address for s in mesh.rankers}
 
 
 async def registered(mesh: LocalMesh) -> dict[str, str]:
     """The rankers in etcd's membership, by instance: address."""
+    records = await etcd_records(mesh, "/relaygr/rankers/")
+    return {str(record["instance_id"]): str(record["address"]) for record in records}
+
+
+async def etcd_records(mesh: LocalMesh, prefix: str) -> list[dict[str, object]]:
+    """The JSON records under `prefix` in the mesh's etcd."""
     client = EtcdClient([mesh.etcd_endpoint], security=mesh.etcd_security)
     try:
-        records, _ = await client.get_prefix("/relaygr/rankers/")
+        values, _ = await client.get_prefix(prefix)
     finally:
         await client.close()
-    return {
-        json.loads(value)["instance_id"]: json.loads(value)["address"] for value in records.values()
-    }
+    return [json.loads(value) for value in values.values()]
+
+
+# What a failed assertion shows of each service: its view and etcd, where a router sent requests
+# and why, what a ranker holds pinned, refused and has in flight.
+_SHOWN = (
+    "relaygr_cluster_rankers", "relaygr_etcd_connected", "relaygr_router_placements",
+    "relaygr_router_forwarded", "relaygr_router_failovers", "relaygr_router_hedges",
+    "relaygr_ranker_kv_pinned_bytes", "relaygr_ranker_kv_rejected",
+    "relaygr_ranker_inflight_prefixes", "relaygr_ranker_queue_depth",
+)  # fmt: skip
+
+
+def mesh_state(mesh: LocalMesh) -> str:
+    """Each service's `_SHOWN` samples (non-zero) and the directory's entries in etcd, by
+    instance: what a failed assertion about where Ranks went needs to be read."""
+    lines = []
+    for entry in mesh.processes():
+        if entry.metrics is None or entry.role == "etcd":
+            continue
+        with urllib.request.urlopen(entry.metrics, timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(_SHOWN) and sample.value:
+                    lines.append(f"{entry.name} {sample.name}{sample.labels} {sample.value:g}")
+    entries = asyncio.run(etcd_records(mesh, "/relaygr/directory/"))
+    lines.append(f"directory entries by instance: {Counter(e['instance_id'] for e in entries)}")
+    return "\n".join(lines)
