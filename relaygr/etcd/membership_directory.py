@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -77,6 +78,8 @@ class EtcdMembershipDirectory:
         self._entries: dict[_Key, _Entry] = {}  # (model version, user id) -> entry
         self._recorded: set[_Key] = set()  # entries this process last wrote
         self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
+        # One per owned instance: its record's puts go one at a time (see `register`).
+        self._puts: dict[str, asyncio.Lock] = {}
         self._watches: list[Watch] = []
         self.writes: Counter[str] = Counter()
         # When a ranker last joined or left the view (`clock` seconds); its start counts.
@@ -114,18 +117,33 @@ class EtcdMembershipDirectory:
             raise InvalidInput(f"lease ttl_s must be positive, got {ttl_s}")
         instance_id = record.instance_id
         if instance_id in self._owned:
-            kept = self._owned[instance_id][1]
-            self._owned[instance_id] = (record, kept)
-            lease = None if kept is None else kept.lease
-            if lease is not None:  # else the coming replacement lease re-puts the new record
-                await self._put_ranker(record, lease)
+            self._owned[instance_id] = (record, self._owned[instance_id][1])
+            # After any put of the record still on its way (a new lease's), and under the lease
+            # kept once it landed: a put sent under a lease the keeper has since replaced would
+            # land after the new lease's put and tie the record to the old lease, which etcd
+            # lets lapse (after an outage it restores the old lease for one more TTL), taking
+            # the record, and the ranker, out of every view until its next put.
+            async with self._puts[instance_id]:
+                kept = self._owned[instance_id][1] if instance_id in self._owned else None
+                lease = None if kept is None else kept.lease
+                if kept is None or lease is None:
+                    return  # the coming replacement lease puts the newest record
+                try:
+                    await self._put_ranker(self._owned[instance_id][0], lease)
+                except EtcdRejected:
+                    if kept.lease is lease:
+                        raise
+                    # The lease lapsed while the put was on its way, and the keeper replaced it:
+                    # the new lease's put carries this record.
             return
 
         async def on_new_lease(lease: Lease) -> None:
             self.writes["lease_grant"] += 1
-            await self._put_ranker(self._owned[instance_id][0], lease)
+            async with self._puts[instance_id]:
+                await self._put_ranker(self._owned[instance_id][0], lease)
 
         self._owned[instance_id] = (record, None)
+        self._puts[instance_id] = asyncio.Lock()
         try:
             kept = await self._etcd.keep_lease(math.ceil(ttl_s), on_new_lease)
         except BaseException:

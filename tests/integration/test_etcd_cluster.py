@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from dataclasses import replace
 
 import pytest
 
 from relaygr.cluster import PlacementRecord, RankerRecord
 from relaygr.errors import Unavailable
 from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.errors import EtcdRejected
+from relaygr.etcd.lease import Lease
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
 from tests.integration.etcd_server import EtcdServer
 from tests.polling import eventually
@@ -172,6 +176,102 @@ async def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServ
         await ranker_side.stop()
         await router_side.stop()
         await ranker_client.close()
+        await router_client.close()
+
+
+class HeldPut(EtcdClient):
+    """A real etcd client whose first put under `held_lease` waits until `release` is set, and
+    which tells when it granted a lease and when a put under another lease was on its way."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.held_lease: int | None = None
+        self.held, self.release, self.granted = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.others_on_their_way = 0
+        self.other_landed = asyncio.Event()
+
+    async def grant_lease(self, ttl_s: int) -> Lease:
+        lease = await super().grant_lease(ttl_s)
+        self.granted.set()
+        return lease
+
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> int:
+        if lease is not None and lease.id == self.held_lease:
+            self.held_lease = None
+            self.held.set()
+            await self.release.wait()
+            return await super().put(key, value, lease)
+        self.others_on_their_way += 1
+        try:
+            return await super().put(key, value, lease)
+        finally:
+            self.others_on_their_way -= 1
+            self.other_landed.set()
+
+
+async def test_a_record_put_while_its_lease_is_replaced_stays_registered(
+    etcd_server: EtcdServer,
+) -> None:
+    """A ranker republishes its record (a refitted cost model) under its lease just as an etcd
+    outage past the TTL makes the lease keeper replace that lease. Whatever order the two puts
+    were sent in, the record ends up under the kept lease, with the newest values: it outlives
+    the old lease, which etcd restored at its restart and then lets lapse."""
+    endpoints = [etcd_server.endpoint]
+    held, router_client = HeldPut(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(held)
+    router_side = EtcdMembershipDirectory(router_client)
+    key = "/relaygr/rankers/r0"
+
+    async def lease_of_r0() -> int | None:
+        values, _ = await router_client.get_prefix("/relaygr/rankers/")
+        return json.loads(values[key])["lease"] if key in values else None
+
+    try:
+        await router_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        old = await lease_of_r0()
+        assert old is not None
+        held.held_lease = old
+        refitted = replace(ranker("r0"), fixed_ms=3.0)
+        republish = asyncio.create_task(ranker_side.register(refitted, TTL_S))
+        await asyncio.wait_for(held.held.wait(), timeout=10)  # sent under the old lease
+
+        await asyncio.to_thread(etcd_server.stop)
+        held.granted.clear()
+        # The outage itself is under test: it outlasts the TTL, so the lease counts as lost.
+        await asyncio.sleep(TTL_S + 1.0)
+        await asyncio.to_thread(etcd_server.start)
+        await asyncio.wait_for(held.granted.wait(), timeout=15)  # the keeper's new lease
+        # A put the new lease sent at once (in the step that granted it) lands first; then the
+        # held one goes on.
+        if held.others_on_their_way:
+            held.other_landed.clear()
+            await asyncio.wait_for(held.other_landed.wait(), timeout=10)
+        held.release.set()
+        await asyncio.wait_for(republish, timeout=10)
+
+        async def old_lease_lapsed() -> bool:
+            try:
+                await router_client.put("/relaygr/probe", b"", Lease(id=old, ttl_s=0))
+            except EtcdRejected:  # lease not found
+                return True
+            except Unavailable:  # the client's channels may lag the restart briefly
+                return False
+            return False
+
+        await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=15)
+        values, _ = await router_client.get_prefix("/relaygr/rankers/")
+        assert key in values, "the record went with the old lease"
+        stored = json.loads(values[key])
+        assert stored["lease"] != old and stored["fixed_ms"] == 3.0, stored
+        await eventually(
+            lambda: router_side.view().get("r0") == refitted, "the newest record in the view"
+        )
+    finally:
+        held.release.set()
+        await ranker_side.stop()
+        await router_side.stop()
+        await held.close()
         await router_client.close()
 
 
