@@ -29,14 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chaos import ChaosSettings, Traffic, wrong_scores
 from bench.pipeline import ROOT, save_results
@@ -54,6 +52,7 @@ from tooling.local.drive import OK, RequestRecord
 from tooling.local.mesh import LocalMesh, MeshSpec
 from tooling.local.ports import free_port_range
 from tooling.local.processes import dying_with_parent, terminate
+from tooling.local.scrape import scrape
 from tooling.local.workload import Arrival, Population, WorkloadSpec, poisson_arrivals
 
 NAME = "lifecycle_bench"
@@ -327,14 +326,11 @@ def ranker_counters(urls: Iterable[str | None]) -> dict[str, float]:
     for url in urls:
         if url is None:
             continue
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in COUNTED and sample.value:
-                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                    name = f"{sample.name}{{{labels}}}"
-                    total[name] = total.get(name, 0.0) + sample.value
+        for sample in scrape(url):
+            if sample.name in COUNTED and sample.value:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                name = f"{sample.name}{{{labels}}}"
+                total[name] = total.get(name, 0.0) + sample.value
     return dict(sorted(total.items()))
 
 

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from services.ranker.model_config import PRESETS, ModelPreset
 from services.ranker.synthetic import random_behaviours
 from tooling.local.certs import Pki, make_pki
 from tooling.local.etcd_server import EtcdServer, find_etcd_binary
+from tooling.local.scrape import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small enough that the Rank's compute does not drown the hop being measured.
@@ -71,13 +71,8 @@ def spawn(args: list[str], pattern: str) -> tuple[subprocess.Popen[str], int]:
 
 
 def etcd_writes(server: EtcdServer) -> float:
-    url = f"http://127.0.0.1:{server.client_port}/metrics"
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.split(" ")[0] in WRITE_METRICS:
-            total += float(line.split(" ")[1])
-    return total
+    samples = scrape(f"http://127.0.0.1:{server.client_port}/metrics")
+    return sum(sample.value for sample in samples if sample.name in WRITE_METRICS)
 
 
 def request(rng: np.random.Generator, user: int) -> RankInput:

@@ -158,6 +158,7 @@ class EtcdMembershipDirectory:
         down the lease is no longer kept and lapses within its TTL.
         """
         record_and_kept = self._owned.pop(instance_id, None)
+        self._puts.pop(instance_id, None)  # a put waiting on it finds the instance gone
         if record_and_kept is None or record_and_kept[1] is None:
             return
         kept = record_and_kept[1]

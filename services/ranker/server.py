@@ -1,7 +1,6 @@
 """Wires a RankerConfig into a running ranker: model, calibration, KV store, engine, gRPC."""
 
 import asyncio
-import contextlib
 import json
 import logging
 import socket
@@ -20,6 +19,7 @@ from relaygr.cost import CallShape, CostModel
 from relaygr.cpu_quota import available_cpus
 from relaygr.device import select_device
 from relaygr.errors import ConfigError, Unavailable
+from relaygr.etcd.errors import EtcdRejected
 from relaygr.grpc_server import GrpcServer
 from relaygr.lifecycle import MeshLink, connect_mesh, serve, start_service_servers, stop_service
 from relaygr.metrics import MetricsServer
@@ -200,8 +200,14 @@ async def keep_learning(
         engine.cost_model_refitted(model)
         if republish is not None and republisher.offer(model, clock()):
             _log.info("republishing the cost model refitted to served work: %s", model)
-            with contextlib.suppress(Unavailable):  # etcd down: the next change goes
+            try:
                 await republish(model)
+            except Unavailable:
+                pass  # etcd down: the next change goes
+            except EtcdRejected as err:
+                # The lease lapsed before its keeper noticed: the membership keeps the newest
+                # record, and the keeper's replacement lease puts it. Refitting goes on.
+                _log.warning("etcd refused the refitted cost model's republication: %s", err)
 
 
 async def keep_ticking(engine: RankerEngine, interval_s: float = TICK_S) -> None:

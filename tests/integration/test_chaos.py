@@ -7,14 +7,12 @@ that their RSS after warm-up holds no cache.
 
 import asyncio
 import json
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chaos import (
     CHAOS_MODEL,
@@ -38,6 +36,7 @@ from tests.unit.ranker.factories import prefix, rank_input, rel_err
 from tooling.local.etcd_server import find_etcd_binary
 from tooling.local.mesh import LocalMesh
 from tooling.local.ports import free_port_range
+from tooling.local.scrape import scrape
 from tooling.local.workload import Population
 
 pytestmark = pytest.mark.chaos
@@ -175,12 +174,9 @@ def mesh_state(mesh: LocalMesh) -> str:
     for entry in mesh.processes():
         if entry.metrics is None or entry.role == "etcd":
             continue
-        with urllib.request.urlopen(entry.metrics, timeout=10) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith(_SHOWN) and sample.value:
-                    lines.append(f"{entry.name} {sample.name}{sample.labels} {sample.value:g}")
+        for sample in scrape(entry.metrics):
+            if sample.name.startswith(_SHOWN) and sample.value:
+                lines.append(f"{entry.name} {sample.name}{sample.labels} {sample.value:g}")
     entries = asyncio.run(etcd_records(mesh, "/relaygr/directory/"))
     lines.append(f"directory entries by instance: {Counter(e['instance_id'] for e in entries)}")
     return "\n".join(lines)

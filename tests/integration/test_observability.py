@@ -45,6 +45,7 @@ from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input
 from tooling.local.drive import retrieval_event
 from tooling.local.mesh import LocalMesh
+from tooling.local.scrape import scrape
 
 # The harness's cost model predicts full inference of a 700-token history with 16 candidates at
 # ~9 ms and of a 30-token one at ~1.5 ms: an 8 ms SLO with 1 ms margin relays only the first.
@@ -200,19 +201,16 @@ def _scrape(port: int, path: str = "/metrics") -> str:
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def _parse(text: str) -> Samples:
-    """Every sample of a /metrics page, parsed by prometheus_client's own parser."""
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+def _samples_now(port: int | None) -> Samples:
+    """Every sample of a service's /metrics, by name and labels."""
+    assert port is not None
+    samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    return {(sample.name, frozenset(sample.labels.items())): sample.value for sample in samples}
 
 
 async def _samples(port: int | None) -> Samples:
     """The samples of a service's /metrics (fetched off the loop that serves them)."""
-    assert port is not None
-    return _parse(await asyncio.to_thread(_scrape, port))
+    return await asyncio.to_thread(_samples_now, port)
 
 
 def _value(samples: Mapping[Any, float], name: str, **labels: str) -> float:
@@ -465,7 +463,7 @@ def test_the_local_mesh_passes_otel_env_and_serves_metrics(
         relayed = "relaygr_trigger_dispatches_total"
         asyncio.run(
             eventually(
-                lambda: _value(_parse(_scrape(trigger_metrics)), relayed, outcome="relayed") == 1,
+                lambda: _value(_samples_now(trigger_metrics), relayed, outcome="relayed") == 1,
                 "the relay landed",
                 timeout_s=60,
             )

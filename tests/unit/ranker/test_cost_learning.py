@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from relaygr.cost import CostModel
+from relaygr.etcd.errors import EtcdRejected
 from services.ranker.config import RankerConfig
 from services.ranker.cost_fit import Sample, fit_cost_model, relative_errors
 from services.ranker.cost_learner import CostLearner, Republisher, changed_materially
@@ -339,3 +340,49 @@ def test_the_engine_plans_with_each_refitted_cost_model(rng: np.random.Generator
     assert refitted.reload_ms(KV_BYTES) > refitted.prefill_ms(TOKENS + USER_FEATURES)
     # a's third Rank reloaded its host copy (calibrated); b's, after the refit, recomputes it.
     assert outcomes == [CacheOutcome.MISS] * 2 + [CacheOutcome.DRAM_HIT, CacheOutcome.MISS]
+
+
+class AlternatingLearner(CostLearner):
+    """A learner whose every refit differs materially from the one before (TRUTH, then a
+    model half again slower, and back)."""
+
+    def __init__(self) -> None:
+        super().__init__([Sample(256, 0, 50.0)], TRUTH)
+        self._slower = CostModel(8.0, 0.16 * 1.5, 3.6e-5 * 1.5, 2.5e-4, 0.3)
+
+    def refit(self) -> CostModel | None:
+        self.model = self._slower if self.model is TRUTH else TRUTH
+        return self.model
+
+
+def test_a_republication_etcd_refuses_leaves_the_refit_loop_running() -> None:
+    """etcd refuses a put under a lease that lapsed before its keeper noticed (the keeper's
+    next lease then puts the newest record): the ranker goes on refitting, and republishes the
+    next change, rather than ending its refits for good at the first refusal."""
+    published: list[CostModel] = []
+    refused: list[CostModel] = []
+
+    async def republish(model: CostModel) -> None:
+        if not refused:
+            refused.append(model)
+            raise EtcdRejected("etcdserver: requested lease not found")
+        published.append(model)
+
+    ticks = iter(range(0, 10**9, 60))  # a minute between refits: every change may go
+    learner = AlternatingLearner()
+    cfg = RankerConfig(plaintext=True, cost_refit_interval_s=0.001)
+    with running_engine() as (engine, _):
+
+        async def scenario() -> None:
+            learning = asyncio.create_task(
+                keep_learning(engine, learner, cfg, republish, clock=lambda: float(next(ticks)))
+            )
+            try:
+                await eventually(lambda: published or learning.done(), "a republication")
+                assert not learning.done(), learning.exception()
+            finally:
+                learning.cancel()
+
+        asyncio.run(scenario())
+    assert len(refused) == 1
+    assert published and published[0] is not refused[0]  # the next change, after the refusal
