@@ -72,7 +72,7 @@ def spawn(args: list[str], pattern: str) -> tuple[subprocess.Popen[str], int]:
 
 def etcd_writes(server: EtcdServer) -> float:
     samples = scrape(f"http://127.0.0.1:{server.client_port}/metrics")
-    return sum(sample.value for sample in samples if sample.name in WRITE_METRICS)
+    return sum((sample.value for sample in samples if sample.name in WRITE_METRICS), 0.0)
 
 
 def request(rng: np.random.Generator, user: int) -> RankInput:
