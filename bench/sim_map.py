@@ -101,6 +101,11 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     )  # fmt: skip
     p.add_argument("--margin-ms", type=float, default=5.0)
     p.add_argument(
+        "--chunk-tokens", type=int, default=None,
+        help="every ranker's background prefill chunk, tokens (default: the ranker's own,"
+        " RankerConfig.prefill_chunk_tokens)",
+    )  # fmt: skip
+    p.add_argument(
         "--observe-ms", type=int, default=100,
         help="how often the trigger and router read the rankers' Describe (room and queues)",
     )  # fmt: skip
@@ -161,6 +166,9 @@ def point_spec(
         trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms),
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
+    if args.chunk_tokens is not None:
+        ranker = replace(fleet.ranker, prefill_chunk_tokens=args.chunk_tokens)
+        fleet = replace(fleet, ranker=ranker)
     profile = point_profile(base, values, args.binding_tier_mib)
     return SweepSpec(profile, fleet, workload, (), args.duration, (seed,))
 
@@ -324,11 +332,17 @@ def run(args: argparse.Namespace) -> dict:
     saved = save_results("sim_map", args, measure(args, keep), started, threads=1)
     if not args.quick:
         for name in args.profiles:
-            chart(saved, name, ROOT / "docs" / f"sim_map_{name}.png")
+            chart(saved, name, ROOT / "docs" / chart_name(saved, name))
     return saved
 
 
 # -- rendering --------------------------------------------------------------------------------
+
+
+def chart_name(saved: dict, profile: str) -> str:
+    """The chart of `profile` in docs/: a tagged run's beside the untagged run's."""
+    tag = saved.get("args", {}).get("tag", "")
+    return f"sim_map_{profile}{f'_{tag}' if tag else ''}.png"
 
 
 def _by(saved: dict, profile: str, point: str) -> dict[str, dict[int, dict[str, Any]]]:
@@ -428,7 +442,7 @@ def render(saved: dict) -> str:
         lines += [
             f"### {profile} (device tier {tier:,.0f} MiB when sized)",
             "",
-            f"![map {profile}](sim_map_{profile}.png)",
+            f"![map {profile}]({chart_name(saved, profile)})",
             "",
             "| point | no cache | cache only | relay all | seq-aware | relay / best baseline "
             "| seq-aware / relay all | longest: base / relay | longest ratio | shares "
