@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.pipeline import ROOT, save_results
+from bench.pipeline import ROOT, result_name, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
 from bench.verdict import grid_search
 from tooling.local.workload import WorkloadSpec
@@ -561,7 +561,7 @@ def chart(saved: dict, profile: str, path: Path) -> None:
 
 def main() -> int:
     args = parse()
-    name = f"sim_map_{args.tag}" if args.tag else "sim_map"
+    name = result_name("sim_map", args)
     publish(args, run, render, ROOT / "docs" / "benchmarks.md", name)
     return 0
 

@@ -21,7 +21,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from bench.pipeline import ROOT, save_results
+from bench.pipeline import ROOT, result_name, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
 from bench.verdict import (
     MIN_SIM_SEEDS,
@@ -278,7 +278,7 @@ class _P:
 
 def main() -> int:
     args = parse()
-    name = f"sim_paper_{args.tag}" if args.tag else "sim_paper"
+    name = result_name("sim_paper", args)
     publish(args, run, render, ROOT / "docs" / "benchmarks.md", name)
     return 0
 
