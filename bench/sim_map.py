@@ -102,8 +102,9 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     p.add_argument("--margin-ms", type=float, default=5.0)
     p.add_argument(
         "--chunk-tokens", type=int, default=None,
-        help="every ranker's background prefill chunk, tokens (default: the ranker's own,"
-        " RankerConfig.prefill_chunk_tokens)",
+        help="every ranker's background prefill chunk, tokens, fixed (default: the ranker's"
+        " own, RankerConfig.prefill_chunk_tokens grown by prefill_chunk_fixed_share from the"
+        " profile's cost)",
     )  # fmt: skip
     p.add_argument(
         "--observe-ms", type=int, default=100,
@@ -167,7 +168,9 @@ def point_spec(
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
     if args.chunk_tokens is not None:
-        ranker = replace(fleet.ranker, prefill_chunk_tokens=args.chunk_tokens)
+        ranker = replace(
+            fleet.ranker, prefill_chunk_tokens=args.chunk_tokens, prefill_chunk_fixed_share=1.0
+        )
         fleet = replace(fleet, ranker=ranker)
     profile = point_profile(base, values, args.binding_tier_mib)
     return SweepSpec(profile, fleet, workload, (), args.duration, (seed,))

@@ -1,5 +1,7 @@
 """Where a chunked prefill or extension splits, and each chunk's predicted compute time."""
 
+import math
+
 from relaygr.cost import CostModel
 
 Span = tuple[int, int]  # (tokens cached before the step, tokens cached after it)
@@ -53,3 +55,19 @@ def chunk_ms(cost: CostModel, span: Span) -> float:
     return (
         cost.fixed_ms + cost.per_token_ms * new + cost.per_pair_ms * (new * cached + new * new / 2)
     )
+
+
+def background_chunk(cost: CostModel, least: int, fixed_share: float, most: int) -> int:
+    """The tokens of a background prefill chunk under `cost`: the fewest, in multiples of
+    `least`, whose call spends at most `fixed_share` of its predicted time on the call's fixed
+    cost; never below `least`, nor past `most` (unless `least` is). A Rank arriving meanwhile
+    waits for at most one chunk, so a chunk is small; but each chunk is one call, and where a
+    call's fixed cost is large beside a token's (an accelerator: 1 ms against 1e-3 ms a token)
+    small chunks make a relayed prefill cost several times its compute. The token term alone
+    decides (the pair term only adds to a chunk's time, so the share holds with it)."""
+    if fixed_share >= 1.0 or cost.fixed_ms <= 0.0 or most <= least:
+        return least
+    if cost.per_token_ms <= 0.0:
+        return most
+    tokens = cost.fixed_ms * (1.0 - fixed_share) / (fixed_share * cost.per_token_ms)
+    return min(least * max(1, math.ceil(tokens / least)), most)

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaygr.bounds import POSITIVE, non_negative
+from relaygr.bounds import POSITIVE, SHARE, non_negative
 from relaygr.config import check_bounds, helped
 from relaygr.cost import TransferCost
 from relaygr.device import parse_device_kind
@@ -62,6 +62,17 @@ class RankerConfig(ServiceOptions):
     )
     prefill_chunk_tokens: int = field(
         default=512, metadata=helped("background prefill chunk: a Rank waits at most one", POSITIVE)
+    )
+    prefill_chunk_fixed_share: float = field(
+        default=0.25,
+        metadata=helped(
+            "most share of a background chunk's predicted time that its call's fixed cost may"
+            " take: the chunk grows past prefill_chunk_tokens, in steps of it, up to"
+            " max_batch_rows, until it does (from the cost model in use: on an accelerator,"
+            " whose call costs a thousand tokens' time, small chunks would make a relayed"
+            " prefill cost several times its compute); 1: never grows",
+            SHARE,
+        ),
     )
     relay_enabled: bool = field(
         default=True, metadata=helped("serve Ranks from prefix caches (off: full inference)")
@@ -276,6 +287,7 @@ class RankerConfig(ServiceOptions):
             relay_enabled=self.relay_enabled,
             relay_window_s=self.relay_window_ms / 1e3,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
+            prefill_chunk_fixed_share=self.prefill_chunk_fixed_share,
             max_relay_window_s=self.max_relay_window_ms / 1e3,
             max_queued_ranks=self.max_queued_ranks,
             max_queued_prefills=self.max_queued_prefills,

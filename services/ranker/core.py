@@ -369,11 +369,7 @@ class RankerCore(Generic[KV]):
             self._end_flight(key)
             self._landed(flight, kv)
             return self._flush()
-        chunk = (
-            self.settings.prefill_chunk_tokens
-            if flight.fallback_priority is Priority.BACKGROUND
-            else None
-        )
+        chunk = self._chunk(flight.fallback_priority)
         source, spec, computed, step_ms = self._planner.plan(key, flight.prefix, chunk)
         if source is Source.RELOAD and not flight.relay:
             flight.origin = self._planner.reload_origin(key, flight.origin)
@@ -569,7 +565,7 @@ class RankerCore(Generic[KV]):
         work runs in chunks, so that ranks overtake it; rank work in one call, in `place` (the
         arrival of the Rank it serves). The Rank `scores` computes its prefix from nothing as
         its full inference, keeping the prefix (`_one_call`)."""
-        chunk = self.settings.prefill_chunk_tokens if priority is Priority.BACKGROUND else None
+        chunk = self._chunk(priority)
         peers = self._planner.fetch_peers(key)
         source, spec, computed, step_ms = self._planner.plan(key, prefix, chunk, peers)
         scores_for = None
@@ -592,6 +588,13 @@ class RankerCore(Generic[KV]):
         self.flights[key] = flight
         self._owner[job] = key
         return flight
+
+    def _chunk(self, priority: Priority) -> int | None:
+        """The chunk work of `priority` runs in: background work in chunks sized from the cost
+        model in use (`CoreSettings.background_chunk`), rank work in one call (None)."""
+        if priority is not Priority.BACKGROUND:
+            return None
+        return self.settings.background_chunk(self.cost_model)
 
     def _one_call(self, r: Pending) -> tuple[FullForward, tuple[float, ...]]:
         """Rank `r`'s prefix computed from nothing with its scores: its full inference, keeping

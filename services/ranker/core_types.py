@@ -9,7 +9,7 @@ from typing import Any, Generic, NewType, Protocol, TypeVar
 from relaygr.behaviours import UserId
 from relaygr.bucket_counts import BucketCounts
 from relaygr.cost import CallShape, CostModel
-from services.ranker.chunks import Span, extension_span, prefill_span
+from services.ranker.chunks import Span, background_chunk, extension_span, prefill_span
 from services.ranker.digest import PrefixDigest
 from services.ranker.kv_store import Cached, CacheKey, KVStats, Tier, TierUsage
 from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
@@ -378,6 +378,10 @@ class CoreSettings:
     relay_enabled: bool
     relay_window_s: float
     prefill_chunk_tokens: int
+    # The most share of a background chunk's predicted time its call's fixed cost may take:
+    # the chunk grows past prefill_chunk_tokens, in steps of it and within max_batch_rows,
+    # until it does (chunks.background_chunk, from the cost model in use); 1: never grows.
+    prefill_chunk_fixed_share: float = 1.0
     max_relay_window_s: float = 60.0  # a longer pin asked for is refused: it would hold memory
     max_queued_ranks: int = 64
     max_queued_prefills: int = 256
@@ -393,6 +397,12 @@ class CoreSettings:
     # Most new tokens of background chunks in one call (and within max_batch_rows): a Rank
     # arriving meanwhile waits for the whole call.
     max_chunk_batch_rows: int = 512
+
+    def background_chunk(self, cost: CostModel) -> int:
+        """The tokens of a background chunk under `cost` (`chunks.background_chunk`)."""
+        return background_chunk(
+            cost, self.prefill_chunk_tokens, self.prefill_chunk_fixed_share, self.max_batch_rows
+        )
 
     def max_queued(self) -> dict[Priority, int]:
         return {Priority.RANK: self.max_queued_ranks, Priority.BACKGROUND: self.max_queued_prefills}

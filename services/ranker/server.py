@@ -425,6 +425,8 @@ async def start_ranker(
         loaded, learner = await asyncio.to_thread(calibrate_alone, cfg, model)
         cost_model = learner.model
         _log.info("calibrated %s: %s", loaded.device, cost_model)
+        chunk = cfg.core_settings().background_chunk(cost_model)
+        _log.info("background prefill chunk: %d tokens (resized on a refit)", chunk)
     else:
         loaded = model if model is not None else await asyncio.to_thread(load_model, cfg)
     timings = None if learner is None else LearnerSink(learner)

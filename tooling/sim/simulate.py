@@ -173,7 +173,13 @@ def add_fleet_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     fleet.add_argument(
         "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE),
         default=default_of(RankerConfig, "prefill_chunk_tokens"),
-        help="background prefill chunk",
+        help="background prefill chunk (the least: see --chunk-fixed-share)",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--chunk-fixed-share", type=Bounded(float, SHARE),
+        default=default_of(RankerConfig, "prefill_chunk_fixed_share"),
+        help="most share of a background chunk's time its call's fixed cost may take: the chunk"
+        " grows from --chunk-tokens until it does (1: never grows)",
     )  # fmt: skip
     fleet.add_argument(
         "--handoff", action=argparse.BooleanOptionalAction, default=True,
@@ -209,6 +215,7 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
             plaintext=True,
             relay_window_ms=args.relay_window_ms,
             prefill_chunk_tokens=args.chunk_tokens,
+            prefill_chunk_fixed_share=args.chunk_fixed_share,
             handoff=args.handoff,
             peer_fetch=args.peer_fetch,
         ),

@@ -1,10 +1,13 @@
 """Chunk spans of a prefill or extension and their predicted times."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from relaygr.cost import CostModel
 from services.ranker.chunks import (
+    background_chunk,
     chunk_ms,
     extension_span,
     extension_spans,
@@ -63,3 +66,41 @@ def test_each_step_and_the_lists_match_an_independent_statement(rng: np.random.G
         ] == more
         with pytest.raises(IndexError):
             extension_span(user_features, start, behaviours, chunk, len(more))
+
+
+def _fixed_share(cost: CostModel, tokens: int) -> float:
+    """The share of a `tokens`-token call's time, pairs left out, that is its fixed cost."""
+    return cost.fixed_ms / (cost.fixed_ms + cost.per_token_ms * tokens)
+
+
+def test_a_background_chunk_grows_until_the_call_cost_is_its_share() -> None:
+    h100 = CostModel(1.0, 1.017e-3, 3.974e-7, 3.974e-7, reload_ms_per_mb=0.02)
+    assert background_chunk(h100, 512, 0.25, 4096) == 3072  # 2,950 tokens needed
+    assert _fixed_share(h100, 3072) <= 0.25 < _fixed_share(h100, 2560)
+    cpu = CostModel(8.0, 0.16, 1e-5, 1e-5, reload_ms_per_mb=0.3)  # a calibrated CPU mesh
+    assert background_chunk(cpu, 512, 0.25, 4096) == 512  # 150 tokens would do: never shrinks
+    assert background_chunk(h100, 512, 1.0, 4096) == 512  # 1: never grows
+    assert background_chunk(h100, 512, 0.25, 2048) == 2048  # capped
+    assert background_chunk(replace(h100, per_token_ms=0.0), 512, 0.25, 4096) == 4096
+
+
+def test_a_background_chunk_is_the_least_multiple_within_its_share(
+    rng: np.random.Generator,
+) -> None:
+    for _ in range(500):
+        cost = CostModel(
+            float(rng.uniform(0.0, 10.0)), float(rng.uniform(1e-4, 0.5)), 0.0, 0.0,
+            reload_ms_per_mb=0.0,
+        )  # fmt: skip
+        least, most = int(rng.integers(1, 1024)), int(rng.integers(1, 8192))
+        share = float(rng.uniform(0.01, 1.0))
+        chunk = background_chunk(cost, least, share, most)
+        if most <= least:
+            assert chunk == least
+            continue
+        assert least <= chunk <= most
+        assert chunk == most or chunk % least == 0
+        if chunk < most:
+            assert _fixed_share(cost, chunk) <= share + 1e-12
+        if chunk > least:
+            assert _fixed_share(cost, chunk - least) > share - 1e-12

@@ -29,6 +29,7 @@ from services.ranker.core_types import (
     Score,
     StartFetch,
     Waited,
+    chunk_span,
 )
 from services.ranker.digest import ModelVersion, PrefixDigest
 from services.ranker.flight import FlightState
@@ -445,6 +446,33 @@ def test_a_refitted_cost_model_decides_from_then_on() -> None:
     core.cost_model_refitted(replace(COST, reload_ms_per_mb=1e9))  # reloading is now dear
     d.rank(R(a))
     assert [type(j.spec) for j in d.run()] == [FullForward]
+
+
+def test_background_chunks_grow_to_a_bounded_call_cost_share_by_the_model_in_use() -> None:
+    """A call costs `COST.fixed_ms` beside 0.01 ms a token: 300 tokens make the fixed cost a
+    quarter of the call, so at a share of 0.25 the 64-token chunk grows to 320 (a 1,004-token
+    prefix: four calls, not sixteen). A refit that makes tokens dear brings it back to 64."""
+    settings = replace(SETTINGS, prefill_chunk_fixed_share=0.25)
+    core, d, _ = make(prefix_behaviours=1000, settings=settings)
+    d.pre_infer(prefix("a", 1000))
+    assert _spans(d) == [(0, 320), (320, 640), (640, 960), (960, 1004)]
+    core.cost_model_refitted(replace(COST, per_token_ms=0.1))  # 30 tokens would do
+    d.pre_infer(prefix("b", 1000))
+    assert len(_spans(d)) == 16
+
+
+def _spans(d: Driver) -> list[tuple[int, int] | None]:
+    """What each call computes as it starts (`chunk_span`), until the queues are empty."""
+    spans = []
+    while True:
+        if not d.running:
+            d.feed(d.core.worker_free())
+        if not d.running:
+            return spans
+        [job] = d.running
+        spans.append(chunk_span(job.spec, job.steps_run))
+        d.running = []
+        d.feed(d.core.step_done(job, product(job)))
 
 
 def test_reading_the_stats_changes_nothing_and_a_tick_expires_relays() -> None:
