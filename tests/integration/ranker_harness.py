@@ -32,6 +32,7 @@ BASE = RankerConfig(
     calibration_lengths=(32, 64),
     calibration_candidates=8,
     prefill_chunk_tokens=64,
+    prefill_chunk_fixed_share=1.0,  # chunks as configured: the tests count them
 )
 
 
