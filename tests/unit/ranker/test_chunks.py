@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from relaygr.cost import CostModel
+from relaygr.errors import ConfigError
 from services.ranker.chunks import (
     background_chunk,
     chunk_ms,
@@ -14,6 +15,7 @@ from services.ranker.chunks import (
     prefill_span,
     prefill_spans,
 )
+from services.ranker.config import RankerConfig
 
 COST = CostModel(2.0, 0.05, 2e-5, 1e-4, reload_ms_per_mb=0.3)
 
@@ -104,3 +106,9 @@ def test_a_background_chunk_is_the_least_multiple_within_its_share(
             assert _fixed_share(cost, chunk) <= share + 1e-12
         if chunk > least:
             assert _fixed_share(cost, chunk - least) > share - 1e-12
+
+
+@pytest.mark.parametrize("share", [0.0, -0.25, 1.5])
+def test_a_ranker_refuses_a_fixed_share_outside_zero_to_one(share: float) -> None:
+    with pytest.raises(ConfigError, match="prefill_chunk_fixed_share must be in"):
+        RankerConfig(prefill_chunk_fixed_share=share)
