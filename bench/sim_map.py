@@ -24,6 +24,7 @@ from typing import Any
 from bench.pipeline import ROOT, result_name, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
 from bench.verdict import grid_search
+from relaygr.bounds import AT_LEAST_ONE, Bounded
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.profile import DeviceProfile, load_profile
@@ -101,7 +102,7 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     )  # fmt: skip
     p.add_argument("--margin-ms", type=float, default=5.0)
     p.add_argument(
-        "--chunk-tokens", type=int, default=None,
+        "--chunk-tokens", type=Bounded(int, AT_LEAST_ONE), default=None,
         help="every ranker's background prefill chunk, tokens, fixed (default: the ranker's"
         " own, RankerConfig.prefill_chunk_tokens grown by prefill_chunk_fixed_share from the"
         " profile's cost)",
