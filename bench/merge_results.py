@@ -14,7 +14,9 @@ Parts are joined only when the comparison stays one comparison: every part measu
 clean commit on the same kind of machine with the same threads, with the same arguments but for
 which seeds and variants it ran, each variant of each seed comes from one part, and every seed
 has every variant. Everything
-else a part records (the population, the rankers' threads) must agree. The joined file's command
+else a part records (the population, the rankers' threads) must agree, but for what a part draws
+at its own first seed (`SEED_DRAWN`: the sample of the population's traffic), on which the parts
+of one seed agree and the join keeps the lowest seed's. The joined file's command
 runs every part and then this join; its stamp is the first part's, dated from the first part's
 start to the last's, and each part's own stamp is kept under `parts` (by file name, in
 bench/results/parts/).
@@ -37,6 +39,12 @@ PER_PART = frozenset({"seed", "repeats", "variants", "length_variants", "tag", "
 RECORDS = frozenset({"command", "args", "machine", "seeds", "parts"})
 # The stamp fields every part must share (the date is each part's own).
 SHARED_STAMP = ("commit", "machine", "threads", "torch", "python")
+# Fields of a record that a part draws at its own first seed (`args.seed`): relay_bench's sample
+# of the population's traffic (`relay_bench.population_info`). Parts of one seed agree on them;
+# the join keeps the lowest seed's, as one run starting there would have drawn them.
+SEED_DRAWN: dict[str, frozenset[str]] = {
+    "population": frozenset({"sample_visits", "sample_distinct_users"}),
+}
 
 
 class PartsDisagree(ValueError):
@@ -73,8 +81,23 @@ def _check_args(names: Sequence[str], parts: Sequence[dict[str, Any]]) -> None:
                     f" {key}={first.get(key)!r}"
                 )
         for key in sorted((set(part) | set(parts[0])) - RECORDS):
-            if part.get(key) != parts[0].get(key):
+            if _shared(part, key) != _shared(parts[0], key):
                 raise PartsDisagree(f"{name} records another {key} than {names[0]}")
+    drawn_at: dict[int, tuple[str, dict[str, Any]]] = {}
+    for name, part in zip(names, parts, strict=True):
+        first_name, first = drawn_at.setdefault(part["args"]["seed"], (name, part))
+        for key in sorted(SEED_DRAWN.keys() & part.keys()):
+            if part[key] != first.get(key):
+                raise PartsDisagree(f"{name} records another {key} than {first_name}, same seed")
+
+
+def _shared(part: dict[str, Any], key: str) -> Any:
+    """The part's record `key` less the fields it drew at its own seed (`SEED_DRAWN`)."""
+    record = part.get(key)
+    drawn = SEED_DRAWN.get(key, frozenset())
+    if not drawn or not isinstance(record, dict):
+        return record
+    return {k: v for k, v in record.items() if k not in drawn}
 
 
 def _union(lists: Sequence[Sequence[str]]) -> list[str]:
@@ -138,7 +161,8 @@ def merge(
     join = [".venv/bin/python", "bench/merge_results.py", name, *map(str, paths)]
     if tag:
         join += ["--tag", tag]
-    others = {k: v for k, v in parts[0].items() if k not in RECORDS}
+    lowest = min(parts, key=lambda p: int(p["args"]["seed"]))  # what one run would record
+    others = {k: v for k, v in lowest.items() if k not in RECORDS}
     return {
         "command": " && ".join([*(p["command"] for p in parts), shlex.join(join)]),
         "args": args,

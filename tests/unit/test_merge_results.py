@@ -87,7 +87,7 @@ def test_parts_cut_by_seed_and_variant_join_into_the_stored_comparison() -> None
         (lambda p: p["machine"].update(commit=CLEAN + "-dirty"), "clean commit"),
         (lambda p: p["machine"].update(commit="f" * 40), "commit"),
         (lambda p: p["machine"].update(threads=2), "threads"),
-        (lambda p: p["args"].update(rates=[0.5]), "rates"),
+        (lambda p: p["args"].update(rates=[*p["args"]["rates"], 99.0]), "rates"),
         (lambda p: p["population"].update(users=10), "population"),
     ],
     ids=["dirty", "another commit", "other threads", "other rates", "other population"],
@@ -98,6 +98,27 @@ def test_a_part_that_is_not_the_same_comparison_is_refused_by_name(spoil, named:
     with pytest.raises(PartsDisagree, match=named) as refused:
         merge("relay_bench", paths(len(parts)), parts)
     assert paths(len(parts))[-1].name in str(refused.value)
+
+
+def test_a_sample_drawn_at_each_part_s_seed_joins_as_the_lowest_seed_s() -> None:
+    # relay_bench samples the population's traffic at its first seed, so parts of other seeds
+    # record other samples; the join keeps the one a single run from the lowest seed draws.
+    parts = cut()
+    for p in parts:
+        seed = int(p["args"]["seed"])
+        p["population"].update(sample_visits=seed % 97, sample_distinct_users=seed % 89)
+    first_seed = min(int(p["args"]["seed"]) for p in parts)
+    joined = merge("relay_bench", paths(len(parts)), parts)
+    assert joined["population"]["sample_visits"] == first_seed % 97
+    assert joined["population"]["sample_distinct_users"] == first_seed % 89
+    assert joined["population"]["users"] == STORED["population"]["users"]
+    # ...but the parts of one seed drew one sample, or they are not one run.
+    parts[1]["population"]["sample_visits"] += 1
+    assert parts[1]["args"]["seed"] == parts[0]["args"]["seed"]
+    with pytest.raises(PartsDisagree, match="population") as refused:
+        merge("relay_bench", paths(len(parts)), parts)
+    assert paths(len(parts))[1].name in str(refused.value)
+    assert "same seed" in str(refused.value)
 
 
 def test_a_variant_of_a_seed_run_in_two_parts_is_refused() -> None:
