@@ -24,7 +24,7 @@ from typing import Any
 from bench.pipeline import ROOT, result_name, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
 from bench.verdict import grid_search
-from relaygr.bounds import AT_LEAST_ONE, Bounded
+from relaygr.bounds import AT_LEAST_ONE, Bound, Bounded
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.profile import DeviceProfile, load_profile
@@ -108,6 +108,11 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
         " profile's cost)",
     )  # fmt: skip
     p.add_argument(
+        "--no-show-prior", type=Bounded(float, Bound(low=0, high=1)), default=None,
+        help="the trigger's no_show_prior (default: TriggerConfig's, 1: every relay a no-show"
+        " until relays end)",
+    )  # fmt: skip
+    p.add_argument(
         "--observe-ms", type=int, default=100,
         help="how often the trigger and router read the rankers' Describe (room and queues)",
     )  # fmt: skip
@@ -163,9 +168,10 @@ def point_spec(
     slo = values["slo_ms"]
     margin = min(args.margin_ms, slo / 4)
     fleet = FleetSettings.serving(args.rankers, slo, margin, values["gap_ms"])
+    prior = fleet.trigger.no_show_prior if args.no_show_prior is None else args.no_show_prior
     fleet = replace(
         fleet,
-        trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms),
+        trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms, no_show_prior=prior),
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
     if args.chunk_tokens is not None:

@@ -52,6 +52,16 @@ def test_a_slow_point_runs_long_enough_to_count_the_ranks_its_p99_needs() -> Non
     assert ranked == pytest.approx(args.min_ranks)
 
 
+def test_the_trigger_s_no_show_prior_is_its_default_unless_set() -> None:
+    base = load_profile(ROOT / "profiles" / "nvidia-h100.toml")
+    default = parse(["--seed", "1", "--no-docs"])
+    assert point_spec(default, base, CENTRE, 1).fleet.trigger.no_show_prior == 1.0
+    told = parse(["--seed", "1", "--no-docs", "--no-show-prior", "0"])
+    assert point_spec(told, base, CENTRE, 1).fleet.trigger.no_show_prior == 0.0
+    with pytest.raises(SystemExit):
+        parse(["--seed", "1", "--no-show-prior", "1.5"])
+
+
 def test_ratios_are_per_seed_over_the_best_baseline_and_infinite_when_it_never_complies() -> None:
     def row(value: float) -> dict[str, float]:
         return {"compliant_per_ranker": value}
