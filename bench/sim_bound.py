@@ -24,7 +24,7 @@ import argparse
 import statistics
 from typing import Any
 
-from bench.pipeline import ROOT, save_results
+from bench.pipeline import ROOT, result_name, save_results
 from bench.report import machine_info, publish, run_stamp
 from bench.sim_map import (
     AXES,
@@ -161,7 +161,7 @@ def render(saved: dict[str, Any]) -> str:
 
 def main() -> int:
     args = parse(description=__doc__)
-    publish(args, run, render, ROOT / "docs" / "benchmarks.md", NAME)
+    publish(args, run, render, ROOT / "docs" / "benchmarks.md", result_name(NAME, args))
     return 0
 
 
