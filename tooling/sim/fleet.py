@@ -89,6 +89,9 @@ class FleetStats:
     handed_off: int = 0  # prefixes a draining ranker's successors admitted
     handoff_unsent: int = 0  # planned but past the time budget, or gone since the plan
     handoff_declined: int = 0  # sent, not stored (held, computing, no room)
+    # Seconds draining rankers stayed registered (drain to deregistration), all drains summed:
+    # the router spills a draining ranker's relays meanwhile, each a directory write.
+    draining_s: float = 0.0
     peak_directory_entries: int = 0
     busy_s: dict[str, float] = field(default_factory=dict)  # compute per ranker, seconds
     # Per ranker, the most its tiers held at any observation tick (the trigger's interval).
@@ -229,6 +232,7 @@ class Fleet:
         self._sending = 0
         self._made = 0
         self._changed_at = float("-inf")  # the membership last changed
+        self._drained_at: dict[str, float] = {}  # rankers draining, since when
         for _ in range(settings.rankers):
             self.add_ranker()
         self._observe_every(settings.trigger.observe_interval_ms / 1e3, self._trigger_observes)
@@ -256,6 +260,7 @@ class Fleet:
         """As `RankerServer.drain`: the ranker refuses pre-inference and lands what is in
         flight; hands its most valuable prefixes to their next owners while still registered
         (serving its users meanwhile); then leaves the membership and serves what it has."""
+        self._drained_at[instance] = self.loop.now
         self.rankers[instance].drain(lambda: self._hand_off(instance))
 
     def _hand_off(self, instance: str) -> None:
@@ -301,6 +306,8 @@ class Fleet:
         if instance in self.cluster.view():
             self.cluster.leave(instance)
             self.stats.deregistrations += 1
+            if (since := self._drained_at.pop(instance, None)) is not None:
+                self.stats.draining_s += self.loop.now - since
             self._changed_at = self.loop.now
 
     # -- the rankers' peer source (`ranker.PeerLookup`) -------------------------------------

@@ -50,6 +50,7 @@ def test_a_draining_ranker_hands_off_before_it_leaves() -> None:
     leaving = fleet.rankers["ranker-0"]
     held = [c.key for c in leaving.handoff_order()]
     assert held, "the trace left prefixes on ranker-0"
+    began = loop.now
     fleet.drain("ranker-0")
     # Registered, serving its users, until its receivers hold what it sent.
     while "ranker-0" in fleet.live():
@@ -57,6 +58,9 @@ def test_a_draining_ranker_hands_off_before_it_leaves() -> None:
         assert stats.handed_off + stats.handoff_declined + stats.handoff_unsent <= len(held)
         loop.run(until=loop.now + 0.001)
     stats = fleet.stats
+    # The time it stayed registered, draining, is counted (sizing reads it beside the writes).
+    assert 0 < stats.draining_s <= loop.now - began
+    assert stats.draining_s > loop.now - began - 0.001
     assert stats.handed_off > 0
     assert stats.handed_off + stats.handoff_declined + stats.handoff_unsent == len(held)
     others = [r for name, r in fleet.rankers.items() if name != "ranker-0"]
