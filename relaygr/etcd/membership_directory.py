@@ -137,18 +137,30 @@ class EtcdMembershipDirectory:
                     # the new lease's put carries this record.
             return
 
+        # This registration's lock: a deregister (a drain begun during start-up) drops it, and
+        # a put or a lease that finds it gone belongs to a registration no longer wanted.
+        puts = asyncio.Lock()
+
+        def current() -> bool:
+            return self._puts.get(instance_id) is puts
+
         async def on_new_lease(lease: Lease) -> None:
             self.writes["lease_grant"] += 1
-            async with self._puts[instance_id]:
-                await self._put_ranker(self._owned[instance_id][0], lease)
+            async with puts:
+                if current():
+                    await self._put_ranker(self._owned[instance_id][0], lease)
 
         self._owned[instance_id] = (record, None)
-        self._puts[instance_id] = asyncio.Lock()
+        self._puts[instance_id] = puts
         try:
             kept = await self._etcd.keep_lease(math.ceil(ttl_s), on_new_lease)
         except BaseException:
-            del self._owned[instance_id]
+            if current():
+                del self._owned[instance_id], self._puts[instance_id]
             raise
+        if not current():  # deregistered while the lease was granted: take it back
+            await self._revoke(kept)
+            return
         self._owned[instance_id] = (self._owned[instance_id][0], kept)
 
     async def deregister(self, instance_id: str) -> None:
@@ -161,7 +173,9 @@ class EtcdMembershipDirectory:
         self._puts.pop(instance_id, None)  # a put waiting on it finds the instance gone
         if record_and_kept is None or record_and_kept[1] is None:
             return
-        kept = record_and_kept[1]
+        await self._revoke(record_and_kept[1])
+
+    async def _revoke(self, kept: KeptLease) -> None:
         if kept.lease is not None:
             self.writes["lease_revoke"] += 1
         await kept.revoke()

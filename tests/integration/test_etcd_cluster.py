@@ -283,6 +283,38 @@ async def test_a_record_put_while_its_lease_is_replaced_stays_registered(
         await router_client.close()
 
 
+async def test_a_ranker_deregistered_while_registering_is_not_left_registered(
+    etcd_server: EtcdServer,
+) -> None:
+    """A drain that begins during start-up (SIGTERM while the first lease is granted): the
+    registration finishes without error and leaves no record and no kept lease behind; the
+    instance can register again afterwards."""
+    endpoints = [etcd_server.endpoint]
+    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(ranker_client)
+    router_side = EtcdMembershipDirectory(router_client)
+    try:
+        await router_side.start()
+        registering = asyncio.create_task(ranker_side.register(ranker("r0"), TTL_S))
+        await asyncio.sleep(0)  # the registration is now waiting on its lease's grant
+        assert not registering.done()
+        await ranker_side.deregister("r0")
+        await asyncio.wait_for(registering, timeout=10)  # raises what the registration raised
+        assert await router_client.get("/relaygr/rankers/r0") is None
+        assert ranker_side.writes["lease_grant"] == ranker_side.writes["lease_revoke"] == 1
+        assert ranker_side.writes["put"] == 0
+
+        await ranker_side.register(ranker("r0"), TTL_S)
+        await eventually(lambda: "r0" in router_side.view(), "r0 registered again")
+        await ranker_side.deregister("r0")
+        await eventually(lambda: "r0" not in router_side.view(), "r0 gone again")
+    finally:
+        await ranker_side.stop()
+        await router_side.stop()
+        await ranker_client.close()
+        await router_client.close()
+
+
 async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServer) -> None:
     clock = Clock(1000.0)
     client = EtcdClient([etcd_server.endpoint])
