@@ -21,11 +21,16 @@ from pathlib import Path
 from bench.pipeline import ROOT, save_results
 from bench.report import add_render_arguments, machine_info, publish, run_stamp
 from bench.verdict import seeds_note
-from relaygr.cluster import MemoryCluster, PlacementRecord
+from relaygr.cluster import PlacementRecord
+from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.membership_directory import EtcdMembershipDirectory
+from relaygr.etcd.watch import EventKind, WatchEvent
+from services.ranker.config import RankerConfig
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.membership import FleetEvent
 from tooling.sim.profile import load_profile
+from tooling.sim.ranker import MODEL_VERSION
 from tooling.sim.sweep import SweepSpec, run_point
 from tooling.sim.workload import light_visits
 
@@ -65,6 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 NO_HANDOFF = "rolling restart, no hand-off"
+SHORT_HANDOFF = "rolling restart, 1 s hand-off budget"
 
 
 def spec_for(args: argparse.Namespace, rankers: int, share: float) -> tuple[SweepSpec, float]:
@@ -89,15 +95,18 @@ def scenario(
 
 
 def entry_bytes(entries: int = 100_000) -> float:
-    """Python heap per directory entry as a router holds it (`MemoryCluster`'s dicts: the
-    etcd-backed directory keeps the same records in the same kind of dict)."""
-    cluster = MemoryCluster(clock=lambda: 0.0)
-    cluster._rankers = {"ranker-0": None}  # type: ignore[dict-item]
+    """Python heap per directory entry as a router holds it: entries fed to the etcd-backed
+    directory as its watch delivers them (the event's key and value are freed after, as the
+    watch's are), so the key, the parsed record and the entry are counted."""
+    directory = EtcdMembershipDirectory(EtcdClient(["127.0.0.1:2379"]))  # never connected
+    prefix = "/relaygr/directory/"
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for i in range(entries):
-        placement = PlacementRecord(f"user-{i:09d}", "ranker-0", 10.0)
-        cluster._placements[placement.user_id] = (placement, "ranker-0")
+        placement = PlacementRecord(f"user-{i:09d}", "ranker-0", 10.0, MODEL_VERSION)
+        value = placement.to_json()[:-1] + b', "holder": "ranker-0"}'
+        key = f"{prefix}{MODEL_VERSION}/{placement.user_id}"
+        directory._on_directory_event(WatchEvent(EventKind.PUT, key, value, i + 1))
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return used / entries
@@ -109,12 +118,17 @@ def run(args: argparse.Namespace) -> dict:
     spec, rate = spec_for(args, k, k / n)
     t0 = args.event_at
     rolling = (f"{t0:g}:rolling-restart:{(args.duration - t0) * 0.6 / k:g}",)
-    no_handoff = replace(spec.fleet.ranker, handoff=False)
+
+    def ranker_with(ranker: RankerConfig) -> SweepSpec:
+        return replace(spec, fleet=replace(spec.fleet, ranker=ranker))
+
+    base = spec.fleet.ranker
     scenarios = {
         "steady": ((), spec),
         "kill one ranker": ((f"{t0:g}:kill:ranker-0",), spec),
         "rolling restart": (rolling, spec),
-        NO_HANDOFF: (rolling, replace(spec, fleet=replace(spec.fleet, ranker=no_handoff))),
+        SHORT_HANDOFF: (rolling, ranker_with(replace(base, handoff_budget_s=1.0))),
+        NO_HANDOFF: (rolling, ranker_with(replace(base, handoff=False))),
         "scale-out 10%": ((f"{t0:g}:scale-out:{max(1, k // 10)}",), spec),
     }
     results: dict = {"scenarios": {}, "check": {}}
@@ -243,7 +257,10 @@ def handoff_cost(scenarios: dict, duration: float, scale: float) -> list[str]:
     def writes(fleet: dict) -> str:
         return f"{per_s(fleet['directory_writes'], duration) * scale:,.0f}/s"
 
-    return [
+    def misses(name: str) -> int:
+        return scenarios[name]["outcomes"].get("miss", 0)
+
+    lines = [
         "",
         f"**What the hand-off costs the directory in a rolling restart:** {writes(on)} of "
         f"directory writes with hand-off, {writes(off)} without "
@@ -256,8 +273,17 @@ def handoff_cost(scenarios: dict, duration: float, scale: float) -> list[str]:
         f"{off['placed'].get('spilled', 0):,}; peak directory entries "
         f"{on['peak_directory_entries']:,} against {off['peak_directory_entries']:,} in the "
         f"slice). What it carried: {on['handed_off']:,} prefixes handed off over "
-        f"{on['deregistrations']} drains.",
+        f"{on['deregistrations']} drains; misses {misses('rolling restart'):,} against "
+        f"{misses(NO_HANDOFF):,} without.",
     ]
+    if SHORT_HANDOFF in scenarios:
+        short = scenarios[SHORT_HANDOFF]["fleet"]
+        lines[-1] += (
+            f" With a 1 s budget (`handoff_budget_s = 1`): {writes(short)} of writes, "
+            f"{short['draining_s'] / max(1, short['deregistrations']):.1f} s a drain, "
+            f"{short['handed_off']:,} prefixes handed off, {misses(SHORT_HANDOFF):,} misses."
+        )
+    return lines
 
 
 def main() -> int:
