@@ -128,15 +128,18 @@ class Plan:
         return None if self.answer is None else self.answer.rankers
 
 
-def fewest(passes: Callable[[int], bool], limit: int) -> int | None:
-    """The least n in [1, limit] with `passes(n)`, for `passes` false below some n and true
-    from there: 1, 2, 4, ... until one passes, then bisection between it and the last that
-    failed. None when `limit` fails too."""
-    failed, n = 0, 1
+def fewest(passes: Callable[[int], bool], limit: int, above: int = 0) -> int | None:
+    """The least n in (above, limit] with `passes(n)`, for `passes` false below some n and true
+    from there (`above` known to fail): above + 1, 2, 4, ... until one passes, then bisection
+    between it and the last that failed. None when `limit` fails too, or `above` reaches it."""
+    if above >= limit:
+        return None
+    failed, step, n = above, 1, above + 1
     while not passes(n):
         if n >= limit:
             return None
-        failed, n = n, min(2 * n, limit)
+        step *= 2
+        failed, n = n, min(above + step, limit)
     return _bisect(passes, failed, n)
 
 
@@ -162,14 +165,17 @@ def _bisect(passes: Callable[[int], bool], failed: int, passed: int) -> int:
 
 
 def search(
-    evaluate: Evaluate, goal: Goal, on_run: Callable[[int, int, Run], None] = lambda *_: None
+    evaluate: Evaluate,
+    goal: Goal,
+    on_run: Callable[[int, int, Run], None] = lambda *_: None,
+    above: int = 0,
 ) -> Plan:
-    """The fewest rankers that pass at the top device tier, then the least tier that passes
-    with that many; `evaluate` runs once per (rankers, tier, seed) at most, and `on_run`
-    hears each run."""
+    """The fewest rankers (more than `above`, known too few) that pass at the top device tier,
+    then the least tier that passes with that many; `evaluate` runs once per (rankers, tier,
+    seed) at most, and `on_run` hears each run."""
     judge = _Judge(evaluate, goal, on_run)
     top = goal.device_tier_bytes
-    rankers = fewest(lambda n: judge.trial(n, top).passed, goal.max_rankers)
+    rankers = fewest(lambda n: judge.trial(n, top).passed, goal.max_rankers, above)
     if rankers is None:
         largest = judge.trial(goal.max_rankers, top, every_seed=True)
         return Plan(goal, None, None, largest, tuple(judge.steps))
@@ -178,6 +184,23 @@ def search(
     at_top = judge.trial(rankers, top, every_seed=True)
     fewer = judge.trial(rankers - 1, top, every_seed=True) if rankers > 1 else None
     return Plan(goal, answer, at_top, fewer, tuple(judge.steps))
+
+
+def confirm(
+    sliced: Plan,
+    whole_at_answer: Sequence[Run],
+    evaluate_whole: Evaluate,
+    on_run: Callable[[int, int, Run], None] = lambda *_: None,
+) -> Plan | None:
+    """The plan once the slice's answer is checked on the whole fleet (`whole_at_answer`: one
+    run per seed there): None when the whole fleet meets the SLO on every seed (the sliced plan
+    stands); else the search from one ranker more, every fleet simulated whole
+    (`evaluate_whole`). A slice errs low near capacity, where a fleet's P99 is set by its
+    hottest rankers and a larger fleet has hotter ones (docs/simulator.md, "Planning a fleet")."""
+    assert sliced.answer is not None
+    if all(run.meets(sliced.goal.slo_ms) for run in whole_at_answer):
+        return None
+    return search(evaluate_whole, sliced.goal, on_run, above=sliced.answer.rankers)
 
 
 class _Judge:

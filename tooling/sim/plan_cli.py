@@ -23,7 +23,7 @@ from pathlib import Path
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, Bounded
 from relaygr.cli_help import HelpFormatter
 from relaygr.errors import ConfigError, InvalidInput
-from tooling.sim.plan import Goal, Run, Slice, default_step, search, slice_trace
+from tooling.sim.plan import Goal, Plan, Run, Slice, confirm, default_step, search, slice_trace
 from tooling.sim.plan_report import Ask, SliceCheck, report, size, to_json
 from tooling.sim.profile import MIB
 from tooling.sim.simulate import (
@@ -103,8 +103,9 @@ def parser() -> argparse.ArgumentParser:
     find.add_argument(
         "--check-slice",
         action="store_true",
-        help="also simulate the whole fleet at the answer (when larger than the slice) and "
-        "print how far the slice was from it",
+        help="also simulate the whole fleet at the answer (when larger than the slice), print "
+        "how far the slice was from it and, where the whole fleet misses the SLO, search on "
+        "from one ranker more with every fleet simulated whole",
     )
     out = p.add_argument_group("output")
     out.add_argument(
@@ -232,11 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plan = search(simulate, goal, heard)
     check: list[SliceCheck] = []
+    sliced: Plan | None = None  # the slice's plan, where the whole fleet's replaced it
     answer = plan.answer
     if args.check_slice and answer is not None and answer.rankers > args.slice:
-        whole = replace(simulate, most=answer.rankers, _visits={})
+        whole = replace(simulate, most=args.max_rankers, _visits={})
         for run in answer.runs:
             check.append(SliceCheck(run, whole(answer.rankers, answer.device_tier_bytes, run.seed)))
+        replanned = confirm(plan, [c.whole for c in check], whole, heard)
+        if replanned is not None:
+            sliced, plan = plan, replanned
     ask = Ask(
         shlex.join(["relaygr", "plan", *with_seeds(argv, args.seeds)]),
         args.qps,
@@ -250,10 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         None if args.trace is None else str(args.trace),
         spec,
     )
-    text = report(plan, ask, check)
+    text = report(plan, ask, check, sliced)
     print(text, end="")
     if args.json is not None:
-        saved = {**to_json(plan, ask, check), "machine": started, "report": text}
+        saved = {**to_json(plan, ask, check, sliced), "machine": started, "report": text}
         args.json.write_text(json.dumps(saved, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if plan.answer is not None else 1

@@ -72,7 +72,7 @@ def host_memory(plan: Plan, ask: Ask) -> tuple[int, int]:
     return estimate, min(round_up(estimate, plan.goal.memory_step_bytes), ask.host_cap_bytes)
 
 
-def assumptions(plan: Plan, ask: Ask) -> list[str]:
+def assumptions(plan: Plan, ask: Ask, whole: bool = False) -> list[str]:
     spec, profile = ask.spec, ask.spec.profile
     mode, serve = VARIANTS[ask.variant]
     lines = [
@@ -92,13 +92,16 @@ def assumptions(plan: Plan, ask: Ask) -> list[str]:
     for source in profile.sources:
         lines.append(f"  source: {source[:110]}{'...' if len(source) > 110 else ''}")
     at = ask.slice_at(plan.rankers or ask.max_rankers)
+    at_answer = (
+        "At the answer: the whole fleet, simulated whole (the slice's answer missed on it)"
+        if whole
+        else f"At the answer: {at.rankers} of {at.fleet} rankers at {at.rate(ask.qps):,.1f} req/s"
+        + ("" if spec.trace is not None else f" over {at.users(spec.workload.users):,} users")
+    )
     lines.append(
         f"Slice: N rankers at {ask.qps:g} req/s are simulated as k = min(N, {ask.slice}) "
         "rankers at k/N of the rate over k/N of the users: rendezvous hashing spreads users, "
-        f"and so load, evenly over rankers. At the answer: {at.rankers} of {at.fleet} rankers "
-        f"at {at.rate(ask.qps):,.1f} req/s"
-        + ("" if spec.trace is not None else f" over {at.users(spec.workload.users):,} users")
-        + f". The approximation, {SLICE_MEASURED}."
+        f"and so load, evenly over rankers. {at_answer}. The approximation, {SLICE_MEASURED}."
     )
     w = spec.workload
     if spec.trace is not None:
@@ -204,7 +207,9 @@ def _table(plan: Plan, slo_ms: float) -> list[str]:
     return lines
 
 
-def report(plan: Plan, ask: Ask, check: Sequence[SliceCheck]) -> str:
+def report(plan: Plan, ask: Ask, check: Sequence[SliceCheck], sliced: Plan | None = None) -> str:
+    """The printed plan; `sliced`: the slice's plan, where the whole fleet missed the SLO at its
+    answer and `plan` is the search that went on with whole fleets."""
     head = (
         f"relaygr plan: {ask.qps:g} req/s within a {ask.slo_ms:g} ms P99, "
         f"{ask.variant}, on {ask.spec.profile.name}"
@@ -223,21 +228,34 @@ def report(plan: Plan, ask: Ask, check: Sequence[SliceCheck]) -> str:
             f"{size(plan.answer.device_tier_bytes)} device (HBM) prefix-cache tier and "
             f"{size(give)} of host (DRAM) tier (cap {size(ask.host_cap_bytes)})."
         )
+    if sliced is not None and sliced.answer is not None:
+        lines.append(
+            f"Simulated whole: the slice's answer, {sliced.answer.rankers} rankers with "
+            f"{size(sliced.answer.device_tier_bytes)}, missed the SLO as a whole fleet (the "
+            f"check below), so the search went on from {sliced.answer.rankers + 1} rankers "
+            "with every fleet simulated whole."
+        )
     lines += ["", *_table(plan, ask.slo_ms), ""]
-    steps = ", ".join(
-        f"{t.rankers}x{size(t.device_tier_bytes)} {'pass' if t.passed else 'fail'}"
-        for t in plan.steps
-    )
-    lines += [f"Searched: {steps}.", ""]
+    if sliced is not None:
+        lines += [f"Searched (slices): {_steps(sliced)}.", f"Then whole: {_steps(plan)}.", ""]
+    else:
+        lines += [f"Searched: {_steps(plan)}.", ""]
     if check:
-        lines += [*_check_lines(check, ask.slo_ms), ""]
-    notes = assumptions(plan, ask)
+        lines += [*_check_lines(check, ask.slo_ms, sliced is not None), ""]
+    notes = assumptions(plan, ask, whole=sliced is not None)
     lines += ["Assumptions:", *(a if a.startswith("  ") else f"- {a}" for a in notes)]
     lines += ["", f"Reproduce: {ask.command}"]
     return "\n".join(lines) + "\n"
 
 
-def _check_lines(check: Sequence[SliceCheck], slo_ms: float) -> list[str]:
+def _steps(plan: Plan) -> str:
+    return ", ".join(
+        f"{t.rankers}x{size(t.device_tier_bytes)} {'pass' if t.passed else 'fail'}"
+        for t in plan.steps
+    )
+
+
+def _check_lines(check: Sequence[SliceCheck], slo_ms: float, searched_on: bool) -> list[str]:
     lines = ["Slice check (--check-slice): the whole fleet simulated beside its slice:"]
     missed = [c.whole.seed for c in check if not c.whole.meets(slo_ms)]
     for c in check:
@@ -251,13 +269,15 @@ def _check_lines(check: Sequence[SliceCheck], slo_ms: float) -> list[str]:
     if missed:
         lines.append(
             f"The whole fleet misses the SLO on seed{'s' if len(missed) > 1 else ''} "
-            f"{', '.join(map(str, missed))}: the slice "
-            "was optimistic here; plan with a larger --slice or a tighter --slo-ms."
+            f"{', '.join(map(str, missed))}: the slice was optimistic here"
+            + ("; the answer above is the whole fleet's." if searched_on else ".")
         )
     return lines
 
 
-def to_json(plan: Plan, ask: Ask, check: Sequence[SliceCheck]) -> dict[str, Any]:
+def to_json(
+    plan: Plan, ask: Ask, check: Sequence[SliceCheck], sliced: Plan | None = None
+) -> dict[str, Any]:
     answer: dict[str, Any] | None = None
     if plan.answer is not None:
         estimate, give = host_memory(plan, ask)
@@ -279,7 +299,14 @@ def to_json(plan: Plan, ask: Ask, check: Sequence[SliceCheck]) -> dict[str, Any]
         "rows": [{"label": label, **_trial(t)} for label, t in _rows(plan)],
         "steps": [_trial(t) for t in plan.steps],
         "slice_check": [asdict(c) for c in check],
-        "assumptions": assumptions(plan, ask),
+        # The slice's own answer and search, where the whole fleet missed at that answer.
+        "sliced": None
+        if sliced is None
+        else {
+            "answer": None if sliced.answer is None else _trial(sliced.answer),
+            "steps": [_trial(t) for t in sliced.steps],
+        },
+        "assumptions": assumptions(plan, ask, whole=sliced is not None),
     }
 
 

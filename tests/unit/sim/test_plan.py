@@ -16,6 +16,7 @@ from tooling.sim.plan import (
     Goal,
     Run,
     Slice,
+    confirm,
     fewest,
     host_estimate,
     least_below,
@@ -65,6 +66,17 @@ def test_fewest_finds_every_threshold_and_none_beyond_the_limit(limit: int) -> N
         assert len(asked) <= 2 * limit.bit_length() + 1
 
 
+@pytest.mark.parametrize("above", [0, 1, 5, 9])
+def test_fewest_above_a_known_failure_asks_nothing_at_or_below_it(above: int) -> None:
+    limit = 40
+    for threshold in range(above + 1, limit + 2):
+        passes, asked = from_(threshold)
+        assert fewest(passes, limit, above) == (threshold if threshold <= limit else None)
+        assert min(asked) == above + 1 and max(asked) <= limit
+        assert len(asked) == len(set(asked))
+    assert fewest(lambda n: True, limit, above=limit) is None
+
+
 @pytest.mark.parametrize("top", [1, 2, 9, 32])
 def test_least_below_finds_every_threshold_without_asking_the_top(top: int) -> None:
     for threshold in range(1, top + 1):
@@ -105,6 +117,33 @@ def test_search_finds_the_least_rankers_then_the_least_tier_over_every_seed() ->
         assert plan.fewer is None
     assert len(calls) == len(set(calls)), "each (rankers, tier, seed) is simulated once"
     assert len(calls) < 2 * len(seeds) * (2 * 10 + 2 * top.bit_length())
+
+
+def test_a_slice_answer_the_whole_fleet_misses_is_searched_on_with_whole_fleets() -> None:
+    """Near capacity the slice errs low: here it passes from 5 rankers, the whole fleet only
+    from 7 (and, at 7, from a larger tier). The plan goes on from 6 with whole fleets."""
+    rng = random.Random(seed())
+    seeds, step, top = (1, 2, 3), 1 << 20, 64 << 20
+    slice_need, whole_need = 5, 7
+    whole_tier = rng.randrange(33, 64) * step
+    goal = Goal(SLO_MS, seeds, top, step, max_rankers=100)
+    sliced = search(lambda n, tier, s: run(s, n >= slice_need), goal)
+    assert sliced.answer is not None and sliced.answer.rankers == slice_need
+    asked: list[int] = []
+
+    def whole(rankers: int, tier: int, s: int) -> Run:
+        asked.append(rankers)
+        return run(s, rankers >= whole_need and tier >= whole_tier)
+
+    at_answer = [whole(slice_need, sliced.answer.device_tier_bytes, s) for s in seeds]
+    asked.clear()
+    plan = confirm(sliced, at_answer, whole)
+    assert plan is not None and plan.answer is not None
+    assert (plan.answer.rankers, plan.answer.device_tier_bytes) == (whole_need, whole_tier)
+    assert plan.fewer is not None and plan.fewer.rankers == whole_need - 1
+    assert min(asked) == slice_need + 1 and not plan.fewer.passed
+    # Where the whole fleet meets the SLO at the slice's answer, the sliced plan stands.
+    assert confirm(sliced, [run(s, True) for s in seeds], whole) is None
 
 
 def test_search_says_so_when_no_fleet_is_enough() -> None:
