@@ -194,13 +194,15 @@ def confirm(
 ) -> Plan | None:
     """The plan once the slice's answer is checked on the whole fleet (`whole_at_answer`: one
     run per seed there): None when the whole fleet meets the SLO on every seed (the sliced plan
-    stands); else the search from one ranker more, every fleet simulated whole
-    (`evaluate_whole`). A slice errs low near capacity, where a fleet's P99 is set by its
-    hottest rankers and a larger fleet has hotter ones (docs/simulator.md, "Planning a fleet")."""
+    stands); else the search again with every fleet simulated whole (`evaluate_whole`), from the
+    slice's answer at the top tier on: the slice's one ranker fewer is taken to fail (a slice
+    errs low near capacity, where a fleet's P99 is set by its hottest rankers and a larger fleet
+    has hotter ones: docs/simulator.md, "Planning a fleet"), which the plan's own row for one
+    ranker fewer, simulated whole, then shows."""
     assert sliced.answer is not None
     if all(run.meets(sliced.goal.slo_ms) for run in whole_at_answer):
         return None
-    return search(evaluate_whole, sliced.goal, on_run, above=sliced.answer.rankers)
+    return search(evaluate_whole, sliced.goal, on_run, above=sliced.answer.rankers - 1)
 
 
 class _Judge:

@@ -119,16 +119,21 @@ def test_search_finds_the_least_rankers_then_the_least_tier_over_every_seed() ->
     assert len(calls) < 2 * len(seeds) * (2 * 10 + 2 * top.bit_length())
 
 
-def test_a_slice_answer_the_whole_fleet_misses_is_searched_on_with_whole_fleets() -> None:
-    """Near capacity the slice errs low: here it passes from 5 rankers, the whole fleet only
-    from 7 (and, at 7, from a larger tier). The plan goes on from 6 with whole fleets."""
+@pytest.mark.parametrize("more", [0, 2])
+def test_a_slice_answer_the_whole_fleet_misses_is_searched_again_with_whole_fleets(
+    more: int,
+) -> None:
+    """Near capacity the slice errs low: here it passes from 5 rankers at a small tier, the
+    whole fleet only from 5 + `more` rankers and a larger tier. The plan searches again with
+    whole fleets from the slice's answer at the top tier, asking nothing below it."""
     rng = random.Random(seed())
     seeds, step, top = (1, 2, 3), 1 << 20, 64 << 20
-    slice_need, whole_need = 5, 7
-    whole_tier = rng.randrange(33, 64) * step
+    slice_need = 5
+    whole_need, whole_tier = slice_need + more, rng.randrange(33, 64) * step
     goal = Goal(SLO_MS, seeds, top, step, max_rankers=100)
-    sliced = search(lambda n, tier, s: run(s, n >= slice_need), goal)
+    sliced = search(lambda n, tier, s: run(s, n >= slice_need and tier > 8 * step), goal)
     assert sliced.answer is not None and sliced.answer.rankers == slice_need
+    assert sliced.answer.device_tier_bytes < whole_tier
     asked: list[int] = []
 
     def whole(rankers: int, tier: int, s: int) -> Run:
@@ -141,7 +146,8 @@ def test_a_slice_answer_the_whole_fleet_misses_is_searched_on_with_whole_fleets(
     assert plan is not None and plan.answer is not None
     assert (plan.answer.rankers, plan.answer.device_tier_bytes) == (whole_need, whole_tier)
     assert plan.fewer is not None and plan.fewer.rankers == whole_need - 1
-    assert min(asked) == slice_need + 1 and not plan.fewer.passed
+    assert not plan.fewer.passed
+    assert min(r for r in asked if r != whole_need - 1) == slice_need
     # Where the whole fleet meets the SLO at the slice's answer, the sliced plan stands.
     assert confirm(sliced, [run(s, True) for s in seeds], whole) is None
 
