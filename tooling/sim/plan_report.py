@@ -232,8 +232,8 @@ def report(plan: Plan, ask: Ask, check: Sequence[SliceCheck], sliced: Plan | Non
         lines.append(
             f"Simulated whole: the slice's answer, {sliced.answer.rankers} rankers with "
             f"{size(sliced.answer.device_tier_bytes)}, missed the SLO as a whole fleet (the "
-            f"check below), so the search went on from {sliced.answer.rankers + 1} rankers "
-            "with every fleet simulated whole."
+            f"check below), so the search ran again from {sliced.answer.rankers} rankers at the "
+            "profile's tier with every fleet simulated whole."
         )
     lines += ["", *_table(plan, ask.slo_ms), ""]
     if sliced is not None:
