@@ -104,8 +104,8 @@ def parser() -> argparse.ArgumentParser:
         "--check-slice",
         action="store_true",
         help="also simulate the whole fleet at the answer (when larger than the slice), print "
-        "how far the slice was from it and, where the whole fleet misses the SLO, search on "
-        "from one ranker more with every fleet simulated whole",
+        "how far the slice was from it and, where the whole fleet misses the SLO, search "
+        "again from the slice's answer with every fleet simulated whole",
     )
     out = p.add_argument_group("output")
     out.add_argument(

@@ -241,7 +241,7 @@ def report(plan: Plan, ask: Ask, check: Sequence[SliceCheck], sliced: Plan | Non
     else:
         lines += [f"Searched: {_steps(plan)}.", ""]
     if check:
-        lines += [*_check_lines(check, ask.slo_ms, sliced is not None), ""]
+        lines += [*_check_lines(check, ask.slo_ms), ""]
     notes = assumptions(plan, ask, whole=sliced is not None)
     lines += ["Assumptions:", *(a if a.startswith("  ") else f"- {a}" for a in notes)]
     lines += ["", f"Reproduce: {ask.command}"]
@@ -255,7 +255,7 @@ def _steps(plan: Plan) -> str:
     )
 
 
-def _check_lines(check: Sequence[SliceCheck], slo_ms: float, searched_on: bool) -> list[str]:
+def _check_lines(check: Sequence[SliceCheck], slo_ms: float) -> list[str]:
     lines = ["Slice check (--check-slice): the whole fleet simulated beside its slice:"]
     missed = [c.whole.seed for c in check if not c.whole.meets(slo_ms)]
     for c in check:
@@ -269,8 +269,8 @@ def _check_lines(check: Sequence[SliceCheck], slo_ms: float, searched_on: bool) 
     if missed:
         lines.append(
             f"The whole fleet misses the SLO on seed{'s' if len(missed) > 1 else ''} "
-            f"{', '.join(map(str, missed))}: the slice was optimistic here"
-            + ("; the answer above is the whole fleet's." if searched_on else ".")
+            f"{', '.join(map(str, missed))}: the slice was optimistic here, and the search "
+            "above ran again with whole fleets."
         )
     return lines
 

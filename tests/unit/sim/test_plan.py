@@ -12,6 +12,8 @@ import pytest
 
 from relaygr.placement import ranking
 from tests.unit.sim.test_agreement import PROFILE
+from tooling.local.workload import WorkloadSpec
+from tooling.sim.fleet import FleetSettings
 from tooling.sim.plan import (
     Goal,
     Run,
@@ -24,8 +26,10 @@ from tooling.sim.plan import (
     slice_trace,
 )
 from tooling.sim.plan_cli import main
+from tooling.sim.plan_report import Ask, SliceCheck, report, to_json
 from tooling.sim.profile import write_profile
 from tooling.sim.ranker import MemoryUse
+from tooling.sim.sweep import SweepSpec
 from tooling.sim.workload import Visit
 
 SLO_MS = 100.0
@@ -150,6 +154,31 @@ def test_a_slice_answer_the_whole_fleet_misses_is_searched_again_with_whole_flee
     assert min(r for r in asked if r != whole_need - 1) == slice_need
     # Where the whole fleet meets the SLO at the slice's answer, the sliced plan stands.
     assert confirm(sliced, [run(s, True) for s in seeds], whole) is None
+
+
+def test_a_plan_searched_again_whole_prints_and_saves_the_whole_fleet_s_answer() -> None:
+    seeds, step, top = (1, 2), 1 << 20, 64 << 20
+    goal = Goal(SLO_MS, seeds, top, step, max_rankers=100)
+    sliced = search(lambda n, tier, s: run(s, n >= 5), goal)
+    assert sliced.answer is not None
+
+    def whole(rankers: int, tier: int, s: int) -> Run:
+        return run(s, rankers >= 7)
+
+    at_answer = [whole(5, sliced.answer.device_tier_bytes, s) for s in seeds]
+    plan = confirm(sliced, at_answer, whole)
+    assert plan is not None
+    spec = SweepSpec(PROFILE, FleetSettings(), WorkloadSpec(users=1000), (10.0,), 30.0, seeds)
+    ask = Ask("relaygr plan ...", 10.0, SLO_MS, "relay all", 4, 100, 100, 1, "p.toml", None, spec)
+    check = [SliceCheck(r, w) for r, w in zip(sliced.answer.runs, at_answer, strict=True)]
+    text = report(plan, ask, check, sliced)
+    assert "Answer: 7 rankers" in text
+    assert "Simulated whole: the slice's answer, 5 rankers" in text
+    assert "Searched (slices): " in text and "Then whole: 5x64 MiB fail, 6x64 MiB fail" in text
+    assert "the search above ran again with whole fleets" in text
+    saved = to_json(plan, ask, check, sliced)
+    assert saved["answer"]["rankers"] == 7 and saved["sliced"]["answer"]["rankers"] == 5
+    assert to_json(sliced, ask, [], None)["sliced"] is None
 
 
 def test_search_says_so_when_no_fleet_is_enough() -> None:
