@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 
 _Key = tuple[str, str]  # a directory entry's (model version, user id)
+_NAMES_KEPT = 4096  # distinct ranker ids and model versions whose strings entries share
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ class EtcdMembershipDirectory:
         self._leases: dict[str, int] = {}  # instance id -> lease id of its record, as last seen
         self._entries: dict[_Key, _Entry] = {}  # (model version, user id) -> entry
         self._recorded: set[_Key] = set()  # entries this process last wrote
+        self._names: dict[str, str] = {}  # one string per ranker id or version entries name
         self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
         # One per owned instance: its record's puts go one at a time (see `register`).
         self._puts: dict[str, asyncio.Lock] = {}
@@ -321,7 +324,25 @@ class EtcdMembershipDirectory:
             log.warning("ignoring malformed placement at %s: %s", event.key, err)
             self._apply(key, None, event.revision)
             return
-        self._apply(key, _Entry(placement, holder, event.revision), event.revision)
+        # Entries repeat a few names (rankers, versions) over many users: each is held once,
+        # and the user id once, so a router's heap per entry is the entry's own.
+        placement = dataclasses.replace(
+            placement,
+            instance_id=self._shared(placement.instance_id),
+            model_version=self._shared(version),
+        )
+        key = (placement.model_version, placement.user_id)
+        self._apply(key, _Entry(placement, self._shared(holder), event.revision), event.revision)
+
+    def _shared(self, name: str) -> str:
+        """The one string object kept for `name` (at most `_NAMES_KEPT` names are kept: a
+        directory of malformed names costs no more than one without sharing)."""
+        kept = self._names.get(name)
+        if kept is not None:
+            return kept
+        if len(self._names) < _NAMES_KEPT:
+            self._names[name] = name
+        return name
 
     def _apply(self, key: _Key, entry: _Entry | None, revision: int) -> None:
         """Set (or, with None, drop) an entry as of `revision`, unless ours is newer."""

@@ -315,6 +315,45 @@ async def test_a_ranker_deregistered_while_registering_is_not_left_registered(
         await router_client.close()
 
 
+async def test_entries_seen_through_the_watch_share_their_ranker_and_version_names(
+    etcd_server: EtcdServer,
+) -> None:
+    """A router holds an entry per user placed off its owner (millions in a large fleet); the
+    few ranker ids and model versions they name are held once, not once per entry."""
+    endpoints = [etcd_server.endpoint]
+    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(ranker_client)
+    router_side = EtcdMembershipDirectory(router_client)
+    try:
+        await router_side.start()
+        await ranker_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        await ranker_side.register(ranker("r1"), TTL_S)
+        await eventually(lambda: set(router_side.view()) == {"r0", "r1"}, "rankers seen")
+        expires_at = time.time() + 60
+        for user in ("u1", "u2"):
+            assert await ranker_side.record(PlacementRecord(user, "r1", expires_at, MV), "r0")
+        seen = [lambda: router_side.entry("u1", MV), lambda: router_side.entry("u2", MV)]
+        await eventually(lambda: all(e() is not None for e in seen), "both entries seen")
+        first, second = (e() for e in seen)
+        assert first is not None and second is not None
+        assert (
+            (first.instance_id, first.model_version)
+            == ("r1", MV)
+            == (
+                second.instance_id,
+                second.model_version,
+            )
+        )
+        assert first.instance_id is second.instance_id
+        assert first.model_version is second.model_version
+    finally:
+        await ranker_side.stop()
+        await router_side.stop()
+        await ranker_client.close()
+        await router_client.close()
+
+
 async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServer) -> None:
     clock = Clock(1000.0)
     client = EtcdClient([etcd_server.endpoint])
