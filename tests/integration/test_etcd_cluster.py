@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import pytest
 
@@ -50,13 +52,37 @@ class Clock:
         return self.now
 
 
-async def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) -> None:
-    clock = Clock(1000.0)
+class Processes(NamedTuple):
+    """Two processes' directories on one etcd, each with its own client: a ranker's first."""
+
+    ranker: EtcdMembershipDirectory
+    router: EtcdMembershipDirectory
+    ranker_client: EtcdClient
+    router_client: EtcdClient
+
+
+@contextlib.asynccontextmanager
+async def two_processes(
+    etcd_server: EtcdServer, clock: Callable[[], float] = time.time
+) -> AsyncIterator[Processes]:
+    """A ranker's and a router's directory on `etcd_server`, stopped and disconnected after."""
     endpoints = [etcd_server.endpoint]
     ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
     ranker_side = EtcdMembershipDirectory(ranker_client, clock=clock)
     router_side = EtcdMembershipDirectory(router_client, clock=clock)
     try:
+        yield Processes(ranker_side, router_side, ranker_client, router_client)
+    finally:
+        await ranker_side.stop()
+        await router_side.stop()
+        await ranker_client.close()
+        await router_client.close()
+
+
+async def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServer) -> None:
+    clock = Clock(1000.0)
+    async with two_processes(etcd_server, clock) as p:
+        ranker_side, router_side, router_client = p.ranker, p.router, p.router_client
         # Malformed values are skipped, before and after the watches start.
         await router_client.put("/relaygr/rankers/bad", b"{not json")
         await ranker_side.start()
@@ -86,11 +112,6 @@ async def test_two_clusters_share_membership_and_directory(etcd_server: EtcdServ
         assert set(snapshot) == {"r0", "r1"}, "a view is a snapshot"
         assert router_side.lookup("u1", MV) is None, "the entry went with its holder"
         assert (await router_client.get_prefix(DIRECTORY))[0].keys() == {DIRECTORY + "v1/bad"}
-    finally:
-        await ranker_side.stop()
-        await router_side.stop()
-        await ranker_client.close()
-        await router_client.close()
 
 
 async def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(
@@ -123,11 +144,8 @@ async def test_a_dead_rankers_record_and_entries_vanish_within_its_ttl(
 
 
 async def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServer) -> None:
-    endpoints = [etcd_server.endpoint]
-    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-    ranker_side = EtcdMembershipDirectory(ranker_client)
-    router_side = EtcdMembershipDirectory(router_client)
-    try:
+    async with two_processes(etcd_server) as p:
+        ranker_side, router_side, router_client = p.ranker, p.router, p.router_client
         await ranker_side.start()
         await router_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
@@ -172,11 +190,6 @@ async def test_an_etcd_outage_keeps_the_views_and_recovers(etcd_server: EtcdServ
         await eventually(recorded_and_seen, "a post-outage record seen", timeout_s=10)
         await ranker_side.register(ranker("r1"), TTL_S)
         await eventually(lambda: "r1" in router_side.view(), "a post-outage ranker seen")
-    finally:
-        await ranker_side.stop()
-        await router_side.stop()
-        await ranker_client.close()
-        await router_client.close()
 
 
 class HeldPut(EtcdClient):
@@ -289,11 +302,8 @@ async def test_a_ranker_deregistered_while_registering_is_not_left_registered(
     """A drain that begins during start-up (SIGTERM while the first lease is granted): the
     registration finishes without error and leaves no record and no kept lease behind; the
     instance can register again afterwards."""
-    endpoints = [etcd_server.endpoint]
-    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-    ranker_side = EtcdMembershipDirectory(ranker_client)
-    router_side = EtcdMembershipDirectory(router_client)
-    try:
+    async with two_processes(etcd_server) as p:
+        ranker_side, router_side, router_client = p.ranker, p.router, p.router_client
         await router_side.start()
         registering = asyncio.create_task(ranker_side.register(ranker("r0"), TTL_S))
         await asyncio.sleep(0)  # the registration is now waiting on its lease's grant
@@ -308,11 +318,6 @@ async def test_a_ranker_deregistered_while_registering_is_not_left_registered(
         await eventually(lambda: "r0" in router_side.view(), "r0 registered again")
         await ranker_side.deregister("r0")
         await eventually(lambda: "r0" not in router_side.view(), "r0 gone again")
-    finally:
-        await ranker_side.stop()
-        await router_side.stop()
-        await ranker_client.close()
-        await router_client.close()
 
 
 async def test_entries_seen_through_the_watch_share_their_ranker_and_version_names(
@@ -320,11 +325,8 @@ async def test_entries_seen_through_the_watch_share_their_ranker_and_version_nam
 ) -> None:
     """A router holds an entry per user placed off its owner (millions in a large fleet); the
     few ranker ids and model versions they name are held once, not once per entry."""
-    endpoints = [etcd_server.endpoint]
-    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
-    ranker_side = EtcdMembershipDirectory(ranker_client)
-    router_side = EtcdMembershipDirectory(router_client)
-    try:
+    async with two_processes(etcd_server) as p:
+        ranker_side, router_side = p.ranker, p.router
         await router_side.start()
         await ranker_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
@@ -347,11 +349,6 @@ async def test_entries_seen_through_the_watch_share_their_ranker_and_version_nam
         )
         assert first.instance_id is second.instance_id
         assert first.model_version is second.model_version
-    finally:
-        await ranker_side.stop()
-        await router_side.stop()
-        await ranker_client.close()
-        await router_client.close()
 
 
 async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: EtcdServer) -> None:
@@ -388,11 +385,7 @@ async def test_writes_count_puts_deletes_and_leases_not_lookups(etcd_server: Etc
 
 async def test_directory_entries_are_namespaced_by_model_version(etcd_server: EtcdServer) -> None:
     clock = Clock(1000.0)
-    endpoints = [etcd_server.endpoint]
-    writer_client, reader_client = EtcdClient(endpoints), EtcdClient(endpoints)
-    writer = EtcdMembershipDirectory(writer_client, clock=clock)
-    reader = EtcdMembershipDirectory(reader_client, clock=clock)
-    try:
+    async with two_processes(etcd_server, clock) as (writer, reader, writer_client, reader_client):
         await writer.start()
         await reader.start()
         await writer.register(ranker("r0"), TTL_S)
@@ -410,8 +403,3 @@ async def test_directory_entries_are_namespaced_by_model_version(etcd_server: Et
         await writer.forget_instance("r1")  # the v2 entry goes, the v1 entry stays
         await eventually(lambda: reader.lookup("u1", "v2") is None, "the v2 entry gone")
         assert reader.lookup("u1", "v1") == "r0"
-    finally:
-        await writer.stop()
-        await reader.stop()
-        await writer_client.close()
-        await reader_client.close()
