@@ -23,7 +23,7 @@ from bench.report import add_render_arguments, machine_info, publish, run_stamp
 from bench.verdict import seeds_note
 from relaygr.cluster import PlacementRecord
 from relaygr.etcd.client import EtcdClient
-from relaygr.etcd.membership_directory import EtcdMembershipDirectory
+from relaygr.etcd.membership_directory import EtcdMembershipDirectory, entry_value
 from relaygr.etcd.watch import EventKind, WatchEvent
 from services.ranker.config import RankerConfig
 from tooling.local.workload import WorkloadSpec
@@ -99,13 +99,12 @@ def entry_bytes(entries: int = 100_000) -> float:
     directory as its watch delivers them (the event's key and value are freed after, as the
     watch's are), so the key, the parsed record and the entry are counted."""
     directory = EtcdMembershipDirectory(EtcdClient(["127.0.0.1:2379"]))  # never connected
-    prefix = "/relaygr/directory/"
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for i in range(entries):
         placement = PlacementRecord(f"user-{i:09d}", "ranker-0", 10.0, MODEL_VERSION)
-        value = placement.to_json()[:-1] + b', "holder": "ranker-0"}'
-        key = f"{prefix}{MODEL_VERSION}/{placement.user_id}"
+        key = directory._directory_key((MODEL_VERSION, placement.user_id))
+        value = entry_value(placement, "ranker-0")
         directory._on_directory_event(WatchEvent(EventKind.PUT, key, value, i + 1))
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
@@ -252,10 +251,12 @@ def handoff_cost(scenarios: dict, duration: float, scale: float) -> list[str]:
     if NO_HANDOFF not in scenarios:
         return []  # a run from before the comparison was measured
     on, off = scenarios["rolling restart"]["fleet"], scenarios[NO_HANDOFF]["fleet"]
-    drains = max(1, on["deregistrations"])
 
     def writes(fleet: dict) -> str:
         return f"{per_s(fleet['directory_writes'], duration) * scale:,.0f}/s"
+
+    def drain_s(fleet: dict) -> float:  # a drain's registered time, on average
+        return fleet["draining_s"] / max(1, fleet["deregistrations"])
 
     def misses(name: str) -> int:
         return scenarios[name]["outcomes"].get("miss", 0)
@@ -265,8 +266,8 @@ def handoff_cost(scenarios: dict, duration: float, scale: float) -> list[str]:
         f"**What the hand-off costs the directory in a rolling restart:** {writes(on)} of "
         f"directory writes with hand-off, {writes(off)} without "
         f"(`handoff = false`). A draining ranker stays registered while it hands off "
-        f"({on['draining_s'] / drains:.1f} s a drain on average, against "
-        f"{off['draining_s'] / max(1, off['deregistrations']):.2f} s without), refusing new "
+        f"({drain_s(on):.1f} s a drain on average, against {drain_s(off):.2f} s without), "
+        "refusing new "
         "relays; the router spills each to the user's next owner, which is off the hash owner "
         "while the draining ranker is listed, so each is written to the directory (placed "
         f"off the hash owner: {on['placed'].get('spilled', 0):,} against "
@@ -280,7 +281,7 @@ def handoff_cost(scenarios: dict, duration: float, scale: float) -> list[str]:
         short = scenarios[SHORT_HANDOFF]["fleet"]
         lines[-1] += (
             f" With a 1 s budget (`handoff_budget_s = 1`): {writes(short)} of writes, "
-            f"{short['draining_s'] / max(1, short['deregistrations']):.1f} s a drain, "
+            f"{drain_s(short):.1f} s a drain, "
             f"{short['handed_off']:,} prefixes handed off, {misses(SHORT_HANDOFF):,} misses."
         )
     return lines

@@ -193,7 +193,7 @@ class EtcdMembershipDirectory:
         lease_id = self._leases.get(holder_instance_id)
         if lease_id is None:
             return False
-        data = _with_key(placement.to_json(), "holder", holder_instance_id)
+        data = entry_value(placement, holder_instance_id)
         entry_key = (placement.model_version, placement.user_id)
         key = self._directory_key(entry_key)
         try:
@@ -353,6 +353,11 @@ class EtcdMembershipDirectory:
             self._entries.pop(key, None)
         else:
             self._entries[key] = entry
+
+
+def entry_value(placement: PlacementRecord, holder_instance_id: str) -> bytes:
+    """What the directory stores for `placement` held under `holder_instance_id`'s lease."""
+    return _with_key(placement.to_json(), "holder", holder_instance_id)
 
 
 def _with_key(record_json: bytes, key: str, value: object) -> bytes:
