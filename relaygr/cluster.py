@@ -90,7 +90,12 @@ class RankerRecord:
 
         Unknown keys are ignored, so an older reader accepts a newer ranker's record.
         """
-        return _from_json(cls, data)
+        return cls.from_object(json_object(data, cls.__name__, InvalidInput))
+
+    @classmethod
+    def from_object(cls, raw: Mapping[str, Any]) -> Self:
+        """The record in a stored JSON object already parsed (`from_json` less the parse)."""
+        return _from_object(cls, raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +125,12 @@ class PlacementRecord:
     @classmethod
     def from_json(cls, data: bytes) -> Self:
         """Parse a stored record; raises InvalidInput naming what is wrong."""
-        return _from_json(cls, data)
+        return cls.from_object(json_object(data, cls.__name__, InvalidInput))
+
+    @classmethod
+    def from_object(cls, raw: Mapping[str, Any]) -> Self:
+        """The record in a stored JSON object already parsed (`from_json` less the parse)."""
+        return _from_object(cls, raw)
 
 
 class Membership(Protocol):
@@ -274,9 +284,8 @@ def _to_json(value: Any) -> bytes:
     return json.dumps(dataclasses.asdict(value), sort_keys=True, separators=(",", ":")).encode()
 
 
-def _from_json(cls: type[T], data: bytes) -> T:
+def _from_object(cls: type[T], raw: Mapping[str, Any]) -> T:
     kind = cls.__name__
-    raw = json_object(data, kind, InvalidInput)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     required = [f.name for f in fields if f.default is dataclasses.MISSING]
     missing = [n for n in required if n not in raw]

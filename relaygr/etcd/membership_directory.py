@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -19,6 +18,7 @@ from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.lease import KeptLease, Lease
 from relaygr.etcd.watch import EventKind, Watch, WatchEvent
+from relaygr.json_object import json_object
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +267,9 @@ class EtcdMembershipDirectory:
             self._drop_ranker(instance_id)
             return
         try:
-            record = RankerRecord.from_json(event.value)
-            lease_id = json.loads(event.value).get("lease")
+            raw = json_object(event.value, RankerRecord.__name__, InvalidInput)
+            record = RankerRecord.from_object(raw)
+            lease_id = raw.get("lease")
             if isinstance(lease_id, bool) or not isinstance(lease_id, int) or lease_id <= 0:
                 raise InvalidInput(f"lease must be a positive integer, got {lease_id!r}")
             if record.instance_id != instance_id:
@@ -312,8 +313,14 @@ class EtcdMembershipDirectory:
             self._apply(key, None, event.revision)
             return
         try:
-            placement = PlacementRecord.from_json(event.value)
-            holder = json.loads(event.value).get("holder")
+            raw = json_object(event.value, PlacementRecord.__name__, InvalidInput)
+            # Entries repeat a few names (rankers, versions) over many users: each is held
+            # once, and the user id once, so a router's heap per entry is the entry's own.
+            for name in ("instance_id", "model_version", "holder"):
+                if isinstance(value := raw.get(name), str):
+                    raw[name] = self._shared(value)
+            placement = PlacementRecord.from_object(raw)
+            holder = raw.get("holder")
             if not isinstance(holder, str) or not holder:
                 raise InvalidInput(f"holder must be a non-empty string, got {holder!r}")
             if placement.user_id != user_id:
@@ -324,15 +331,8 @@ class EtcdMembershipDirectory:
             log.warning("ignoring malformed placement at %s: %s", event.key, err)
             self._apply(key, None, event.revision)
             return
-        # Entries repeat a few names (rankers, versions) over many users: each is held once,
-        # and the user id once, so a router's heap per entry is the entry's own.
-        placement = dataclasses.replace(
-            placement,
-            instance_id=self._shared(placement.instance_id),
-            model_version=self._shared(version),
-        )
         key = (placement.model_version, placement.user_id)
-        self._apply(key, _Entry(placement, self._shared(holder), event.revision), event.revision)
+        self._apply(key, _Entry(placement, holder, event.revision), event.revision)
 
     def _shared(self, name: str) -> str:
         """The one string object kept for `name` (at most `_NAMES_KEPT` names are kept: a
