@@ -10,6 +10,7 @@ import pytest
 from relaygr.placement import (
     Placement,
     Reason,
+    _Orders,
     directory_write,
     load_bound,
     place,
@@ -66,6 +67,28 @@ def test_ranking_is_deterministic_and_ignores_instance_order() -> None:
         assert ranking(user, reversed(INSTANCES)) == first
         assert ranking(user, shuffled) == first
         assert ranking(user, [*INSTANCES, INSTANCES[0]]) == first  # duplicates collapse
+
+
+def test_orders_kept_stay_within_their_index_budget_whatever_the_fleet_size() -> None:
+    # A user's order holds one index per instance, so the cache is bounded in indices: a large
+    # fleet keeps fewer users' orders, not more memory (kept by count of users, a process held
+    # 273 MiB of orders over 1,000 instances).
+    orders = _Orders(slots=10_000)
+    for n in (10, 1_000):
+        for i in range(200):
+            orders.put((f"user-{i}", n), np.arange(n, dtype=np.int16))
+            assert orders.held <= 10_000
+    assert len(orders) == 10, "the last ten users' orders over 1,000 instances"
+    assert orders.get(("user-199", 1_000)) is not None
+    assert orders.get(("user-189", 1_000)) is None
+
+
+def test_ranking_over_more_instances_than_a_short_index_holds() -> None:
+    instances = [f"r{i}" for i in range(40_000)]  # past int16's 32,767
+    order = ranking("alice", instances)
+    assert sorted(order) == sorted(instances)
+    assert order[0] == max(instances, key=lambda i: weight("alice", i))
+    assert ranking("alice", instances) == order, "the kept order reads back the same"
 
 
 def test_adding_an_instance_moves_only_users_it_wins() -> None:
