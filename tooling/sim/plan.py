@@ -14,6 +14,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from relaygr.placement import ranking
 from tooling.sim.ranker import MemoryUse
@@ -41,6 +42,29 @@ class Run:
 
 # (rankers, device tier bytes per ranker, seed) -> what the simulation measured
 Evaluate = Callable[[int, int, int], Run]
+Ask = tuple[int, int, int]  # an `Evaluate`'s arguments
+
+
+class Runs(Protocol):
+    """Many runs at once (`tooling.sim.processes.Processes`): up to `width` asks, whose runs
+    come back in the order asked."""
+
+    @property
+    def width(self) -> int: ...
+
+    def __call__(self, asks: Sequence[Ask]) -> list[Run]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class InTurn:
+    """`Runs` one after another in this process: a trial asks its seeds one at a time and stops
+    at the first that fails."""
+
+    evaluate: Evaluate
+    width: int = 1
+
+    def __call__(self, asks: Sequence[Ask]) -> list[Run]:
+        return [self.evaluate(*ask) for ask in asks]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +193,14 @@ def search(
     goal: Goal,
     on_run: Callable[[int, int, Run], None] = lambda *_: None,
     above: int = 0,
+    runs: Runs | None = None,
 ) -> Plan:
     """The fewest rankers (more than `above`, known too few) that pass at the top device tier,
     then the least tier that passes with that many; `evaluate` runs once per (rankers, tier,
-    seed) at most, and `on_run` hears each run."""
-    judge = _Judge(evaluate, goal, on_run)
+    seed) at most, and `on_run` hears each run. `runs`, where given, runs a trial's seeds
+    `runs.width` at a time (the answer is the same: a trial still fails at its first failing
+    seed, though the seeds beside it in its batch ran too)."""
+    judge = _Judge(runs or InTurn(evaluate), goal, on_run)
     top = goal.device_tier_bytes
     rankers = fewest(lambda n: judge.trial(n, top).passed, goal.max_rankers, above)
     if rankers is None:
@@ -191,6 +218,7 @@ def confirm(
     whole_at_answer: Sequence[Run],
     evaluate_whole: Evaluate,
     on_run: Callable[[int, int, Run], None] = lambda *_: None,
+    runs: Runs | None = None,
 ) -> Plan | None:
     """The plan once the slice's answer is checked on the whole fleet (`whole_at_answer`: one
     run per seed there): None when the whole fleet meets the SLO on every seed (the sliced plan
@@ -202,33 +230,36 @@ def confirm(
     assert sliced.answer is not None
     if all(run.meets(sliced.goal.slo_ms) for run in whole_at_answer):
         return None
-    return search(evaluate_whole, sliced.goal, on_run, above=sliced.answer.rankers - 1)
+    return search(evaluate_whole, sliced.goal, on_run, sliced.answer.rankers - 1, runs)
 
 
 class _Judge:
     """Trials from runs, each (rankers, tier, seed) evaluated once."""
 
-    def __init__(
-        self, evaluate: Evaluate, goal: Goal, on_run: Callable[[int, int, Run], None]
-    ) -> None:
-        self._evaluate = evaluate
+    def __init__(self, runs: Runs, goal: Goal, on_run: Callable[[int, int, Run], None]) -> None:
+        self._many = runs
         self._goal = goal
         self._on_run = on_run
-        self._runs: dict[tuple[int, int, int], Run] = {}
+        self._runs: dict[Ask, Run] = {}
         self.steps: list[Trial] = []
 
     def trial(self, rankers: int, tier: int, every_seed: bool = False) -> Trial:
+        """The seeds judged in order, up to the first that fails (every seed: all of them);
+        those not yet run are run `width` at a time."""
         slo, seeds = self._goal.slo_ms, self._goal.seeds
         runs: list[Run] = []
-        for seed in seeds:
-            key = (rankers, tier, seed)
-            run = self._runs.get(key)
-            if run is None:
-                run = self._runs[key] = self._evaluate(rankers, tier, seed)
+        for start in range(0, len(seeds), self._many.width):
+            batch = [(rankers, tier, seed) for seed in seeds[start : start + self._many.width]]
+            new = [ask for ask in batch if ask not in self._runs]
+            for ask, run in zip(new, self._many(new), strict=True):
+                self._runs[ask] = run
                 self._on_run(rankers, tier, run)
-            runs.append(run)
-            if not run.meets(slo) and not every_seed:
+            judged = [self._runs[ask] for ask in batch]
+            failed = next((i for i, run in enumerate(judged) if not run.meets(slo)), None)
+            if failed is not None and not every_seed:
+                runs += judged[: failed + 1]
                 break
+            runs += judged
         passed = len(runs) == len(seeds) and all(r.meets(slo) for r in runs)
         trial = Trial(rankers, tier, tuple(runs), passed)
         if not every_seed:

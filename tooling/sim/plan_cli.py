@@ -22,9 +22,11 @@ from pathlib import Path
 
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, Bounded
 from relaygr.cli_help import HelpFormatter
+from relaygr.cpu_quota import available_cpus
 from relaygr.errors import ConfigError, InvalidInput
 from tooling.sim.plan import Goal, Plan, Run, Slice, confirm, default_step, search, slice_trace
 from tooling.sim.plan_report import Ask, SliceCheck, report, size, to_json
+from tooling.sim.processes import Processes
 from tooling.sim.profile import MIB
 from tooling.sim.simulate import (
     add_device_args,
@@ -106,6 +108,13 @@ def parser() -> argparse.ArgumentParser:
         help="also simulate the whole fleet at the answer (when larger than the slice), print "
         "how far the slice was from it and, where the whole fleet misses the SLO, search "
         "again from the slice's answer with every fleet simulated whole",
+    )
+    find.add_argument(
+        "--jobs",
+        type=Bounded(int, AT_LEAST_ONE),
+        help="simulations at once, each in a process of its own: a step's seeds side by side "
+        "(default: the CPUs this process may use, at most one per seed); the answer is the "
+        "same whatever the count",
     )
     out = p.add_argument_group("output")
     out.add_argument(
@@ -231,15 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    plan = search(simulate, goal, heard)
+    jobs = min(args.jobs or available_cpus(), len(args.seeds))
+    with Processes(simulate, jobs) as runs:
+        plan = search(simulate, goal, heard, runs=runs)
     check: list[SliceCheck] = []
     sliced: Plan | None = None  # the slice's plan, where the whole fleet's replaced it
     answer = plan.answer
     if args.check_slice and answer is not None and answer.rankers > args.slice:
         whole = replace(simulate, most=args.max_rankers, _visits={})
-        for run in answer.runs:
-            check.append(SliceCheck(run, whole(answer.rankers, answer.device_tier_bytes, run.seed)))
-        replanned = confirm(plan, [c.whole for c in check], whole, heard)
+        with Processes(whole, jobs) as runs:
+            asks = [(answer.rankers, answer.device_tier_bytes, run.seed) for run in answer.runs]
+            check = [SliceCheck(*pair) for pair in zip(answer.runs, runs(asks), strict=True)]
+            replanned = confirm(plan, [c.whole for c in check], whole, heard, runs)
         if replanned is not None:
             sliced, plan = plan, replanned
     ask = Ask(

@@ -278,6 +278,24 @@ def test_plan_answers_with_the_fewest_rankers_that_meet_the_slo(
     assert data["report"] in printed
 
 
+def test_a_plan_is_the_same_whatever_the_simulations_run_at_once(
+    profile: Path, tmp_path: Path
+) -> None:
+    # Three seeds: one at a time, or all three at once in worker processes, where a trial's
+    # seeds after its first failing one ran too but must not count.
+    seeds = [str(seed()) for _ in range(3)]
+    saved = {}
+    for jobs in ("1", "3"):
+        out = tmp_path / f"plan-{jobs}.json"
+        argv = ["--profile", str(profile), *SMALL, "--seeds", *seeds, "--slice", "4",
+                "--memory-step-mib", "0.5", "--check-slice", "--jobs", jobs,
+                "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        saved[jobs] = json.loads(out.read_text())
+    for key in ("answer", "rows", "steps", "slice_check", "sliced"):
+        assert saved["1"][key] == saved["3"][key], key
+
+
 def test_no_profile_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(SMALL) == 2
     assert "give one of --profile FILE or --profile-from" in capsys.readouterr().err
