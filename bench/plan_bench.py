@@ -16,6 +16,7 @@ import json
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.pipeline import ROOT
@@ -48,8 +49,10 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         printed = io.StringIO()
+        started = time.perf_counter()
         with contextlib.redirect_stdout(printed):
             code = plan_main([*args.plan, "--json", str(out)])
+        wall_s = time.perf_counter() - started
         sys.stdout.write(printed.getvalue())
         if not out.exists():
             raise SystemExit(f"relaygr plan wrote no result (exit {code})")
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": shlex.join([*command, "--", *shlex.split(plan["command"])[2:]]),
         "machine": plan.pop("machine"),  # stamped by `relaygr plan` as it started
         "exit": code,
+        "wall_s": wall_s,  # the whole search, with `plan["jobs"]` simulations at once
         "plan": plan,
     }
     path = ROOT / "bench" / "results" / f"{result_name(args)}.json"
@@ -78,6 +82,12 @@ def render(saved: dict) -> str:
         if answer
         else "no answer within the search's bounds"
     )
+    took = (
+        f" It took {saved['wall_s']:.0f} s of wall time with {plan['jobs']} simulation(s) at "
+        "once (`--jobs`; the answer is the same whatever the count)."
+        if "wall_s" in saved
+        else ""
+    )
     return "\n".join([
         f"## relaygr plan: {plan['profile']}, {plan['qps']:g} req/s within {plan['slo_ms']:g} ms",
         "",
@@ -85,7 +95,7 @@ def render(saved: dict) -> str:
         "",
         f"- {run_stamp(saved['machine'])}. Simulated, not measured: `relaygr plan`'s search "
         f"(variant `{plan['variant']}`); answer: **{found}**; slice checked against the whole "
-        f"fleet: {checked}.",
+        f"fleet: {checked}.{took}",
         "",
         "What it printed:",
         "",

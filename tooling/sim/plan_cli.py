@@ -270,7 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = report(plan, ask, check, sliced)
     print(text, end="")
     if args.json is not None:
-        saved = {**to_json(plan, ask, check, sliced), "machine": started, "report": text}
+        saved = {
+            **to_json(plan, ask, check, sliced),
+            "machine": started,
+            "jobs": jobs,  # simulations at once: the answer's the same, the wall time not
+            "report": text,
+        }
         args.json.write_text(json.dumps(saved, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if plan.answer is not None else 1
