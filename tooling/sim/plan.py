@@ -42,17 +42,17 @@ class Run:
 
 # (rankers, device tier bytes per ranker, seed) -> what the simulation measured
 Evaluate = Callable[[int, int, int], Run]
-Ask = tuple[int, int, int]  # an `Evaluate`'s arguments
+RunKey = tuple[int, int, int]  # an `Evaluate`'s arguments: (rankers, tier, seed)
 
 
 class Runs(Protocol):
-    """Many runs at once (`tooling.sim.processes.Processes`): up to `width` asks, whose runs
+    """Many runs at once (`tooling.sim.processes.Processes`): up to `width` keys, whose runs
     come back in the order asked."""
 
     @property
     def width(self) -> int: ...
 
-    def __call__(self, asks: Sequence[Ask]) -> list[Run]: ...
+    def __call__(self, asks: Sequence[RunKey]) -> list[Run]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class InTurn:
     evaluate: Evaluate
     width: int = 1
 
-    def __call__(self, asks: Sequence[Ask]) -> list[Run]:
+    def __call__(self, asks: Sequence[RunKey]) -> list[Run]:
         return [self.evaluate(*ask) for ask in asks]
 
 
@@ -240,7 +240,7 @@ class _Judge:
         self._many = runs
         self._goal = goal
         self._on_run = on_run
-        self._runs: dict[Ask, Run] = {}
+        self._runs: dict[RunKey, Run] = {}
         self.steps: list[Trial] = []
 
     def trial(self, rankers: int, tier: int, every_seed: bool = False) -> Trial:

@@ -26,12 +26,14 @@ def _call(args: tuple[Any, ...]) -> Any:
 
 
 class Processes(Generic[R]):
-    """`evaluate` over many argument tuples at once in `jobs` forked workers (one: in this
-    process, one after another, with no worker). `width` is how many runs it takes at once."""
+    """`evaluate` over many argument tuples at once in `jobs` forked workers (one, or a platform
+    without fork: in this process, one after another). `width` is how many runs it takes at
+    once."""
 
     def __init__(self, evaluate: Callable[..., R], jobs: int) -> None:
         self._evaluate = evaluate
-        self.width = max(1, jobs)
+        forks = "fork" in multiprocessing.get_all_start_methods()
+        self.width = max(1, jobs) if forks else 1
         self._pool = None
         if self.width > 1:
             context = multiprocessing.get_context("fork")
