@@ -6,7 +6,7 @@ visits it keeps) is pickled; each run's result comes back pickled, in the order 
 """
 
 import multiprocessing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -41,9 +41,14 @@ class Processes(Generic[R]):
 
     def __call__(self, asks: Sequence[tuple[Any, ...]]) -> list[R]:
         """The runs of `asks`, in their order."""
+        return list(self.each(asks))
+
+    def each(self, asks: Sequence[tuple[Any, ...]]) -> Iterator[R]:
+        """The runs of `asks` one by one, in their order, each as soon as it and those before
+        it are done."""
         if self._pool is None or len(asks) < 2:
-            return [self._evaluate(*args) for args in asks]
-        return self._pool.map(_call, asks, chunksize=1)
+            return (self._evaluate(*args) for args in asks)
+        return self._pool.imap(_call, asks, chunksize=1)
 
     def close(self) -> None:
         if self._pool is not None:

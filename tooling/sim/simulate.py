@@ -19,6 +19,7 @@ from pathlib import Path
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, SHARE, Bound, Bounded
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import default_of
+from relaygr.cpu_quota import available_cpus
 from relaygr.errors import ConfigError, InvalidInput
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
@@ -67,6 +68,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="T:KIND[:ARG]",
         help="fleet change: T:kill:RANKER, T:drain:RANKER, T:start, T:scale-out:N, "
         "T:rolling-restart:SECONDS (repeatable; rankers are ranker-0, ranker-1, ...)",
+    )
+    fleet.add_argument(
+        "--jobs",
+        type=Bounded(int, AT_LEAST_ONE),
+        help="points simulated at once, each in a process of its own (default: the CPUs this "
+        "process may use); the results are the same whatever the count",
     )
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("relaygr-sim"), help="results directory")
@@ -282,8 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"relaygr simulate: error: {err}", file=sys.stderr)
         return 2
     rates = 1 if spec.trace is not None else len(spec.rates)
-    bar = Progress(len(spec.seeds) * rates * len(spec.variants), "simulating")
-    result = run_sweep(spec, lambda p: bar.step(f"{p.variant} {p.point.rate:g}/s"))
+    points = len(spec.seeds) * rates * len(spec.variants)
+    bar = Progress(points, "simulating")
+    jobs = min(args.jobs or available_cpus(), points)
+    result = run_sweep(spec, lambda p: bar.step(f"{p.variant} {p.point.rate:g}/s"), jobs)
     command = shlex.join(["relaygr", "simulate", *with_seeds(argv, spec.seeds)])
     data = output.to_json(result, command)
     written = output.write(data, args.out)

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from services.trigger.config import Mode
@@ -16,6 +17,7 @@ from tooling.local.workload import WorkloadSpec
 from tooling.sim.events import EventLoop, collector_paused
 from tooling.sim.fleet import Fleet, FleetSettings
 from tooling.sim.membership import FleetEvent, schedule
+from tooling.sim.processes import Processes
 from tooling.sim.profile import DeviceProfile
 from tooling.sim.ranker import MemoryUse
 from tooling.sim.workload import Visit, light_visits
@@ -115,25 +117,35 @@ class SweepResult:
 
 
 def run_sweep(
-    spec: SweepSpec, on_point: Callable[[PointResult], None] = lambda _: None
+    spec: SweepSpec, on_point: Callable[[PointResult], None] = lambda _: None, jobs: int = 1
 ) -> SweepResult:
-    """Every (variant, rate, seed) point, each on a fresh fleet; `on_point` hears each one."""
+    """Every (variant, rate, seed) point, each on a fresh fleet, `jobs` at once in worker
+    processes (`tooling.sim.processes`: the points are the same whatever the count);
+    `on_point` hears each one, in order."""
     result = SweepResult(spec)
     rates = (0.0,) if spec.trace is not None else spec.rates
-    for seed in spec.seeds:
-        for rate in rates:
-            if spec.trace is not None:
-                visits: Sequence[Visit] = spec.trace
-                span = visits[-1].at if visits else 0.0
-                rate = len(visits) / span if span else 0.0
-            else:
-                visits = light_visits(spec.workload, rate, spec.duration_s, seed)
-                span = spec.duration_s
-            for variant in spec.variants:
-                done = run_point(spec, variant, rate, seed, visits, span)
-                result.points.append(done)
-                on_point(done)
+    asks = [(v, rate, seed) for seed in spec.seeds for rate in rates for v in spec.variants]
+    with Processes(partial(_sweep_point, spec), jobs) as points:
+        for done in points.each(asks):
+            result.points.append(done)
+            on_point(done)
     return result
+
+
+def _sweep_point(spec: SweepSpec, variant: str, rate: float, seed: int) -> PointResult:
+    """One point of `spec`: its visits (the trace, or drawn for the rate and seed), then a run."""
+    if spec.trace is not None:
+        span = spec.trace[-1].at if spec.trace else 0.0
+        return run_point(spec, variant, len(spec.trace) / span if span else 0.0, seed,
+                         spec.trace, span)  # fmt: skip
+    drawn = (spec.workload, rate, spec.duration_s, seed)
+    if _drawn.get("for") != drawn:  # the variants of a (rate, seed) run one after another
+        _drawn.update({"for": drawn, "visits": light_visits(*drawn)})
+    return run_point(spec, variant, rate, seed, _drawn["visits"], spec.duration_s)
+
+
+# The visits last drawn in this process, and what for: a sweep's variants share them.
+_drawn: dict[str, Any] = {}
 
 
 def settings_for(base: FleetSettings, variant: str) -> FleetSettings:

@@ -3,6 +3,7 @@ fleet changes applied, and one seed giving one result."""
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,26 @@ def test_scale_out_and_rolling_restart_keep_every_rank_answered() -> None:
     (point,) = run_sweep(sweep(seed(), events)).points
     assert point.point.ok == point.point.sent
     assert point.fleet["registrations"] == 3 + 2 + 5  # the 5 rankers live at 12 s, replaced
+
+
+def test_a_sweep_s_points_are_the_same_whatever_the_points_run_at_once() -> None:
+    # Two seeds, two rates, two variants: one at a time, or three at once in worker processes.
+    spec = replace(
+        sweep(seed()),
+        rates=(8.0, 16.0),
+        seeds=(seed(), seed()),
+        variants=("relay all", "cache only"),
+        duration_s=10.0,
+    )
+    one, three = run_sweep(spec), run_sweep(spec, jobs=3)
+    order = lambda r: [(p.variant, p.point.rate, p.seed) for p in r.points]  # noqa: E731
+    assert (
+        order(one)
+        == order(three)
+        == [(v, rate, s) for s in spec.seeds for rate in spec.rates for v in spec.variants]
+    )
+    for a, b in zip(one.points, three.points, strict=True):
+        assert (a.point, a.fleet, a.timeline) == (b.point, b.fleet, b.timeline)
 
 
 @pytest.mark.parametrize("text", ["x:kill:ranker-0", "5:explode", "5:kill", "5:scale-out:0"])
