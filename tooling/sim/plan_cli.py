@@ -22,11 +22,10 @@ from pathlib import Path
 
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, Bounded
 from relaygr.cli_help import HelpFormatter
-from relaygr.cpu_quota import available_cpus
 from relaygr.errors import ConfigError, InvalidInput
 from tooling.sim.plan import Goal, Plan, Run, Slice, confirm, default_step, search, slice_trace
 from tooling.sim.plan_report import Ask, SliceCheck, report, size, to_json
-from tooling.sim.processes import Processes
+from tooling.sim.processes import Processes, add_jobs_arg, jobs_for
 from tooling.sim.profile import MIB
 from tooling.sim.simulate import (
     add_device_args,
@@ -109,13 +108,7 @@ def parser() -> argparse.ArgumentParser:
         "how far the slice was from it and, where the whole fleet misses the SLO, search "
         "again from the slice's answer with every fleet simulated whole",
     )
-    find.add_argument(
-        "--jobs",
-        type=Bounded(int, AT_LEAST_ONE),
-        help="simulations at once, each in a process of its own: a step's seeds side by side "
-        "(default: the CPUs this process may use, at most one per seed); the answer is the "
-        "same whatever the count",
-    )
+    add_jobs_arg(find, "simulations (a step's seeds, at most one process per seed)")
     out = p.add_argument_group("output")
     out.add_argument(
         "--json",
@@ -240,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    jobs = min(args.jobs or available_cpus(), len(args.seeds))
+    jobs = jobs_for(args.jobs, len(args.seeds))
     with Processes(simulate, jobs) as runs:
         plan = search(simulate, goal, heard, runs=runs)
     check: list[SliceCheck] = []

@@ -5,10 +5,14 @@ The workers are forked with the evaluator installed, so nothing of it (its spec,
 visits it keeps) is pickled; each run's result comes back pickled, in the order asked.
 """
 
+import argparse
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
+
+from relaygr.bounds import AT_LEAST_ONE, Bounded
+from relaygr.cpu_quota import available_cpus
 
 R = TypeVar("R")
 
@@ -23,6 +27,22 @@ def _install(evaluate: Callable[..., Any]) -> None:
 def _call(args: tuple[Any, ...]) -> Any:
     assert _installed is not None, "a worker evaluates only once installed"
     return _installed(*args)
+
+
+def add_jobs_arg(group: argparse._ArgumentGroup, what: str) -> None:
+    """The `--jobs` option of a command whose `what` run side by side (`jobs_for` reads it)."""
+    group.add_argument(
+        "--jobs",
+        type=Bounded(int, AT_LEAST_ONE),
+        help=f"{what} at once, each in a process of its own (default: the CPUs this process "
+        "may use); the results are the same whatever the count",
+    )
+
+
+def jobs_for(asked: int | None, most: int) -> int:
+    """Workers for `most` runs at a time: as asked, else the CPUs this process may use (cgroup
+    quota included), never more than `most`."""
+    return max(1, min(asked or available_cpus(), most))
 
 
 class Processes(Generic[R]):

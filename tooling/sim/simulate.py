@@ -19,7 +19,6 @@ from pathlib import Path
 from relaygr.bounds import AT_LEAST_ONE, POSITIVE, SHARE, Bound, Bounded
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import default_of
-from relaygr.cpu_quota import available_cpus
 from relaygr.errors import ConfigError, InvalidInput
 from services.ranker.config import RankerConfig
 from services.router.config import RouterConfig
@@ -28,6 +27,7 @@ from tooling.local.workload import WorkloadSpec, read_trace
 from tooling.sim import output
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.membership import FleetEvent
+from tooling.sim.processes import add_jobs_arg, jobs_for
 from tooling.sim.profile import DeviceProfile, load_profile, write_profile
 from tooling.sim.progress import Progress
 from tooling.sim.sweep import VARIANTS, SweepSpec, run_sweep
@@ -69,12 +69,7 @@ def parser() -> argparse.ArgumentParser:
         help="fleet change: T:kill:RANKER, T:drain:RANKER, T:start, T:scale-out:N, "
         "T:rolling-restart:SECONDS (repeatable; rankers are ranker-0, ranker-1, ...)",
     )
-    fleet.add_argument(
-        "--jobs",
-        type=Bounded(int, AT_LEAST_ONE),
-        help="points simulated at once, each in a process of its own (default: the CPUs this "
-        "process may use); the results are the same whatever the count",
-    )
+    add_jobs_arg(fleet, "points (variant, rate, seed)")
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("relaygr-sim"), help="results directory")
     out.add_argument(
@@ -291,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = 1 if spec.trace is not None else len(spec.rates)
     points = len(spec.seeds) * rates * len(spec.variants)
     bar = Progress(points, "simulating")
-    jobs = min(args.jobs or available_cpus(), points)
+    jobs = jobs_for(args.jobs, points)
     result = run_sweep(spec, lambda p: bar.step(f"{p.variant} {p.point.rate:g}/s"), jobs)
     command = shlex.join(["relaygr", "simulate", *with_seeds(argv, spec.seeds)])
     data = output.to_json(result, command)

@@ -2,12 +2,12 @@
 benchmark sums its runs (`tooling.local.drive.Point`), with what sizing needs besides."""
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 from services.trigger.config import Mode
@@ -125,7 +125,7 @@ def run_sweep(
     result = SweepResult(spec)
     rates = (0.0,) if spec.trace is not None else spec.rates
     asks = [(v, rate, seed) for seed in spec.seeds for rate in rates for v in spec.variants]
-    with Processes(partial(_sweep_point, spec), jobs) as points:
+    with Processes(functools.partial(_sweep_point, spec), jobs) as points:
         for done in points.each(asks):
             result.points.append(done)
             on_point(done)
@@ -138,14 +138,12 @@ def _sweep_point(spec: SweepSpec, variant: str, rate: float, seed: int) -> Point
         span = spec.trace[-1].at if spec.trace else 0.0
         return run_point(spec, variant, len(spec.trace) / span if span else 0.0, seed,
                          spec.trace, span)  # fmt: skip
-    drawn = (spec.workload, rate, spec.duration_s, seed)
-    if _drawn.get("for") != drawn:  # the variants of a (rate, seed) run one after another
-        _drawn.update({"for": drawn, "visits": light_visits(*drawn)})
-    return run_point(spec, variant, rate, seed, _drawn["visits"], spec.duration_s)
+    visits = _last_drawn(spec.workload, rate, spec.duration_s, seed)
+    return run_point(spec, variant, rate, seed, visits, spec.duration_s)
 
 
-# The visits last drawn in this process, and what for: a sweep's variants share them.
-_drawn: dict[str, Any] = {}
+# The variants of a (rate, seed) run one after another: they share the visits last drawn.
+_last_drawn = functools.lru_cache(maxsize=1)(light_visits)
 
 
 def settings_for(base: FleetSettings, variant: str) -> FleetSettings:
