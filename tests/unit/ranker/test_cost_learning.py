@@ -205,6 +205,33 @@ def test_served_cached_ranks_refit_their_terms_and_not_the_full_inference_ones(
     assert_predicts(refitted, TRUTH, rel=0.01)
 
 
+def test_a_host_that_became_faster_prices_shapes_it_has_not_served_since_calibration(
+    rng: np.random.Generator,
+) -> None:
+    # Calibrated while the core was shared: every cached rank 3x too slow. The Ranks served
+    # since all score 128 candidates after 64 short-term behaviours; a Rank of 64 candidates
+    # and none (a calibration shape, never served) is priced at the host's speed now too, not
+    # the calibration's, and the full-inference terms keep theirs (no miss was served).
+    slow = dataclasses.replace(
+        CACHED, cached_fixed_ms=3 * 2.8, cached_per_row_ms=3 * 0.037, cached_per_key_ms=3e-4,
+        cached_per_row_key_ms=6e-5,
+    )  # fmt: skip
+    calibration = [Sample(t, c, TRUTH.full_ms(t, c)) for t in LENGTHS for c in (0, 64)]
+    calibration += cached_ranks(slow)
+    learner = CostLearner(calibration, fit_cost_model(calibration, 0.3), refit_after=8)
+    for _ in range(16):
+        cached = int(rng.integers(200, 8192))
+        ms = CACHED.rank_ms(cached, 64, 128) * float(rng.normal(1.0, 0.02))
+        learner.observe(Sample(cached + 64, 128, ms, cached_tokens=cached))
+    refitted = learner.refit()
+    assert refitted is not None
+    for t in (500, 3000, 8000):
+        assert refitted.rank_ms(t, 0, 64) == pytest.approx(CACHED.rank_ms(t, 0, 64), rel=0.1)
+        assert refitted.rank_ms(t, 64, 128) == pytest.approx(CACHED.rank_ms(t, 64, 128), rel=0.1)
+    assert_predicts(refitted, TRUTH, rel=0.01)
+    assert refitted.samples == len(calibration) + 16
+
+
 def test_learner_keeps_only_the_most_recent_served_samples() -> None:
     learner = CostLearner([Sample(256, 0, 50.0)], TRUTH, capacity=4, refit_after=1)
     for i in range(10):
