@@ -223,8 +223,17 @@ class RankerConfig(ServiceOptions):
     fetch_timeout_ms: int = field(
         default=250,
         metadata=helped(
-            "most time one peer fetch may take (else twice its predicted time + 20 ms, within"
-            " the request's deadline); then the prefix is computed",
+            "most time one peer fetch may take (else twice its predicted time +"
+            " fetch_timeout_floor_ms, within the request's deadline); then the prefix is computed",
+            POSITIVE,
+        ),
+    )
+    fetch_timeout_floor_ms: int = field(
+        default=20,
+        metadata=helped(
+            "time a peer fetch gets beyond twice its predicted time: the round trip, a first"
+            " connection's set-up and a loaded host's scheduling, which the transfer cost does"
+            " not price",
             POSITIVE,
         ),
     )

@@ -240,7 +240,7 @@ def peer_fetch(
         cfg.previous_owners(),
         changed_at=lambda: cluster.members_changed_at,
     )
-    settings = FetchSettings(cap_s=cfg.fetch_timeout_ms / 1e3)
+    settings = FetchSettings(cfg.fetch_timeout_ms / 1e3, cfg.fetch_timeout_floor_ms / 1e3)
     return PeerFetch(
         source, settings, cfg.transfer_prior(), learn=learn, timings=metrics.observe_fetch
     )

@@ -37,8 +37,16 @@ from tooling.local.certs import make_pki
 
 Outcome = common_pb2.CacheOutcome
 # A transfer far cheaper than the tiny model's prefill under the harness's cost (~2 ms), and
-# one far dearer; the harness gives rankers their cost model, so neither is refitted.
-CHEAP = {"transfer_fixed_ms": 0.01, "transfer_ms_per_mb": 0.01, "fetch_timeout_ms": 2000}
+# one far dearer; the harness gives rankers their cost model, so neither is refitted. Priced at
+# 0.01 ms, a fetch would get only the default 20 ms floor past its prediction, and on a loaded
+# host these loopback fetches took 2-28 ms (a moved user then timed out into a MISS): the
+# floor gives them the cap's 2 s, as a slow network's operator would.
+CHEAP = {
+    "transfer_fixed_ms": 0.01,
+    "transfer_ms_per_mb": 0.01,
+    "fetch_timeout_ms": 2000,
+    "fetch_timeout_floor_ms": 2000,
+}
 DEAR = {"transfer_fixed_ms": 1e6, "transfer_ms_per_mb": 0.0}
 OLD, NEW = ("r0", "r1", "r2"), "r3"
 
@@ -106,9 +114,11 @@ async def test_moved_users_are_served_from_fetched_prefixes_when_fetching_is_che
                 if now != before
                 else (Outcome.CACHE_OUTCOME_HBM_HIT)
             )
-            assert outcome == expected, (user, before, now, Outcome.Name(outcome))
+            fetches = mesh.rankers[NEW].engine.peer_fetch.stats.attempts  # type: ignore[union-attr]
+            assert outcome == expected, (user, before, now, Outcome.Name(outcome), fetches)
         engine = mesh.rankers[NEW].engine
         assert engine is not None and engine.peer_fetch is not None
+        assert engine.peer_fetch.settings.floor_s == 2.0  # the configured floor, not 20 ms
         assert engine.peer_fetch.stats.attempts[FetchResult.HIT] == len(moved)
         assert engine.peer_fetch.stats.bytes_fetched > 0
 
@@ -231,8 +241,11 @@ async def test_a_failed_fetch_is_recomputed_exactly(
         record = ranker_record("fake", f"127.0.0.1:{port}", model, COST, cfg)
         await link.cluster.register(record, 5.0)
         async with running_mesh(etcd_server.endpoint, model) as mesh:
+            # Every fetch gets the 300 ms cap (the floor as in CHEAP): only the stall times out.
             fetch = {"transfer_fixed_ms": 0.01, "transfer_ms_per_mb": 0.01}
-            ranker: RankerServer = await mesh.add_ranker("r", fetch_timeout_ms=300, **fetch)
+            ranker: RankerServer = await mesh.add_ranker(
+                "r", fetch_timeout_ms=300, fetch_timeout_floor_ms=300, **fetch
+            )
             assert ranker.mesh is not None and ranker.engine is not None
             await poll(lambda: "fake" in ranker.mesh.cluster.view())  # type: ignore[union-attr]
             request = rank_input(rng, prefix(rng, 100, user_id="moved"))
