@@ -27,6 +27,7 @@ from bench.verdict import grid_search
 from relaygr.bounds import AT_LEAST_ONE, Bound, Bounded
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
+from tooling.sim.processes import Processes, add_jobs_arg, jobs_for
 from tooling.sim.profile import DeviceProfile, load_profile
 from tooling.sim.sweep import BASELINES, RELAYS, VARIANTS, SweepSpec, run_point
 from tooling.sim.workload import Visit, light_visits
@@ -134,6 +135,7 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     p.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny grid, one seed")
     p.add_argument("--tag", default="", help="suffix of the result file and docs section")
+    add_jobs_arg(p.add_argument_group("runs"), "points x seeds")
     add_render_arguments(p)
     args = p.parse_args(argv)
     if args.seed is None:
@@ -299,14 +301,12 @@ def profile_rows(
     measure_one: MeasureOne = measure_point,
 ) -> list[dict[str, Any]]:
     """Every point x seed on the profile `name` (under profiles/), each measured by
-    `measure_one` (default `measure_point`: the four variants)."""
+    `measure_one` (default `measure_point`: the four variants), `args.jobs` of them at once
+    (`tooling.sim.processes`), the rows in the same order whatever the count."""
     base = load_profile(ROOT / "profiles" / f"{name}.toml")
-    return [
-        row
-        for point in points
-        for seed in seeds
-        for row in measure_one(args, name, base, point, seed)
-    ]
+    asks = [(args, name, base, point, seed) for point in points for seed in seeds]
+    with Processes(measure_one, jobs_for(args.jobs, len(asks))) as runs:
+        return [row for rows in runs.each(asks) for row in rows]
 
 
 def measure(

@@ -22,6 +22,7 @@ from bench.sim_map import (
     spread,
 )
 from tooling.sim.profile import load_profile
+from tooling.sim.sweep import VARIANTS
 
 
 def test_the_grid_is_one_axis_at_a_time_around_the_centre_plus_the_corners() -> None:
@@ -98,3 +99,22 @@ def test_the_quick_path_runs_renders_and_charts_in_seconds(tmp_path: Path) -> No
     assert "Where the relay does not pay" in text
     chart(saved, args.profiles[0], tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 0
+
+
+def test_a_map_s_rows_are_the_same_whatever_the_points_run_at_once() -> None:
+    # Each point x seed draws its own visits in its own worker: run two at once, the rows (and
+    # their order) are those of one at a time.
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"seed {seed}")
+    rows = {}
+    for jobs in (1, 2):
+        args = parse(
+            ["--quick", "--seed", str(seed), "--no-docs", "--seeds", "1", "--jobs", str(jobs)]
+        )
+        args.seeds, args.duration, args.rate_max, args.length_max = 2, 2.0, 20.0, 1024
+        args.users = 10_000
+        rows[jobs] = measure(args)["rows"]
+    assert [(r["point"], r["seed"], r["variant"]) for r in rows[1]] == [
+        (p, seed + i, v) for p in ("centre", "tier=binding") for i in (0, 1) for v in VARIANTS
+    ]
+    assert rows[2] == rows[1]
