@@ -806,6 +806,28 @@ def test_binding_room_admits_more_violations_saved_per_byte_whatever_the_arrival
     assert admitted_of(long, short, flow=0) == ["long"]
 
 
+def test_the_room_a_flow_fills_is_every_ranker_s_of_the_order() -> None:
+    # The flow of short relays asked for, held for their window, against a long relay whose
+    # order has k rankers of 200,000 bytes: priced out while k rooms are no more than the flow
+    # holds, admitted with one ranker more (the rooms are summed over the whole order).
+    long = event("long", prefix=2 * PREFIX)
+    later = NOW + 10.0
+    policy = AdmissionPolicy(config(relay_budget_share=1.0))
+    ask(policy, 40, PREFIX, NOW, per_s=10)
+    held = policy.demand.held_below(2 * NBYTES, policy.hold_s(), later)
+    k = int(held // 200_000)
+    assert k >= 2, held
+
+    def reason(rankers: int) -> Reason:
+        fresh = AdmissionPolicy(config(relay_budget_share=1.0))
+        ask(fresh, 40, PREFIX, NOW, per_s=10)
+        order = [ranker(f"r{i}", hbm_budget_bytes=200_000) for i in range(rankers)]
+        return fresh.decide(long, order, later).reason
+
+    assert reason(k) is Reason.NO_ROOM
+    assert reason(k + 1) is Reason.ADMITTED
+
+
 def test_a_relay_that_fits_an_empty_room_is_admitted_while_the_room_does_not_bind() -> None:
     # 240,000 of 250,000 bytes: nearly the whole room, and nothing smaller asked for.
     target = ranker(hbm_budget_bytes=250_000)
