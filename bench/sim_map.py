@@ -114,6 +114,11 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
         " until relays end)",
     )  # fmt: skip
     p.add_argument(
+        "--relay-window-ms", type=Bounded(int, AT_LEAST_ONE), default=None,
+        help="how long a relay stays pinned awaiting its Rank, as the trigger asks and the"
+        " router and rankers default to (default: the services' own, TriggerConfig's)",
+    )  # fmt: skip
+    p.add_argument(
         "--observe-ms", type=int, default=100,
         help="how often the trigger and router read the rankers' Describe (room and queues)",
     )  # fmt: skip
@@ -176,6 +181,14 @@ def point_spec(
         trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms, no_show_prior=prior),
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
+    if args.relay_window_ms is not None:
+        window = args.relay_window_ms
+        fleet = replace(
+            fleet,
+            trigger=replace(fleet.trigger, relay_window_ms=window),
+            router=replace(fleet.router, relay_window_ms=window),
+            ranker=replace(fleet.ranker, relay_window_ms=window),
+        )
     if args.chunk_tokens is not None:
         ranker = replace(
             fleet.ranker, prefill_chunk_tokens=args.chunk_tokens, prefill_chunk_fixed_share=1.0

@@ -53,6 +53,16 @@ def test_a_slow_point_runs_long_enough_to_count_the_ranks_its_p99_needs() -> Non
     assert ranked == pytest.approx(args.min_ranks)
 
 
+def test_the_relay_window_is_the_services_default_unless_set_and_then_everyone_s() -> None:
+    base = load_profile(ROOT / "profiles" / "nvidia-h100.toml")
+    fleet = point_spec(parse(["--seed", "1", "--no-docs"]), base, CENTRE, 1).fleet
+    assert fleet.trigger.relay_window_ms == 2000
+    told = parse(["--seed", "1", "--no-docs", "--relay-window-ms", "500"])
+    fleet = point_spec(told, base, CENTRE, 1).fleet
+    windows = (fleet.trigger.relay_window_ms, fleet.router.relay_window_ms)
+    assert (*windows, fleet.ranker.relay_window_ms) == (500, 500, 500)
+
+
 def test_the_trigger_s_no_show_prior_is_its_default_unless_set() -> None:
     base = load_profile(ROOT / "profiles" / "nvidia-h100.toml")
     default = parse(["--seed", "1", "--no-docs"])
