@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.pipeline import ROOT, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_run_arguments, machine_info, parse_run, publish, run_stamp
 from relaygr.cluster import RankerRecord
 from relaygr.placement import ranking
 from services.trigger.config import Mode, TriggerConfig
@@ -44,13 +44,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000], help="rankers")
     p.add_argument("--users", type=int, default=2000, help="calls of each kind per repeat")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="smoke run")
-    p.add_argument("--tag", default="", help="suffix of the result file")
-    add_render_arguments(p)
-    args = p.parse_args(argv)
-    if args.seed is None:
-        args.seed = random.SystemRandom().randrange(2**32)
+    add_run_arguments(p)
+    args = parse_run(p, argv)
     if args.quick:
         args.users, args.repeats = 200, 1
     return args

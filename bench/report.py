@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import random
 import re
 import shlex
 import sys
@@ -52,6 +53,24 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
         help="re-render the section from saved results (bench/results/*.json), run nothing"
         " (default: none: run the benchmark)",
     )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, quick: str = "smoke run") -> None:
+    """--seed, --quick and --tag, then the render options (`add_render_arguments`); read them
+    with `parse_run`, which draws the seed when none is given."""
+    parser.add_argument("--seed", type=int, default=None, help="default: random")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--tag", default="", help="suffix of the result file")
+    add_render_arguments(parser)
+
+
+def parse_run(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s arguments, with a seed drawn at random when none was given (the reproducing
+    command then carries it: `reproduce_command`)."""
+    args = parser.parse_args(argv)
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**32)
+    return args
 
 
 def load_result(path: Path) -> dict[str, Any]:

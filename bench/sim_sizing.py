@@ -12,14 +12,13 @@ steady state, one ranker killed, a rolling restart of every ranker, a 10% scale-
 """
 
 import argparse
-import random
 import resource
 import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
 from bench.pipeline import ROOT, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_run_arguments, machine_info, parse_run, publish, run_stamp
 from bench.verdict import seeds_note
 from relaygr.cluster import PlacementRecord
 from relaygr.etcd.client import EtcdClient
@@ -56,13 +55,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--triggers", type=int, default=0, help="trigger replicas (0: one per 10 rankers)"
     )
-    p.add_argument("--seed", type=int, default=None, help="default: random")
-    p.add_argument("--quick", action="store_true", help="smoke run: short, small")
-    p.add_argument("--tag", default="", help="suffix of the result file")
-    add_render_arguments(p)
-    args = p.parse_args(argv)
-    if args.seed is None:
-        args.seed = random.SystemRandom().randrange(2**32)
+    add_run_arguments(p, quick="smoke run: short, small")
+    args = parse_run(p, argv)
     if args.quick:
         args.duration, args.slice, args.check_fleet, args.check_slice = 20.0, 5, 10, 5
         args.event_at = 8.0

@@ -9,14 +9,13 @@ memory bounded by the users who visit, not by the population.
 """
 
 import argparse
-import random
 import resource
 import statistics
 import time
 from pathlib import Path
 
 from bench.pipeline import ROOT, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_run_arguments, machine_info, parse_run, publish, run_stamp
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.profile import load_profile
@@ -34,13 +33,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=20.0, help="simulated seconds")
     p.add_argument("--users", type=int, default=100_000_000)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="smoke run")
-    p.add_argument("--tag", default="", help="suffix of the result file")
-    add_render_arguments(p)
-    args = p.parse_args(argv)
-    if args.seed is None:
-        args.seed = random.SystemRandom().randrange(2**32)
+    add_run_arguments(p)
+    args = parse_run(p, argv)
     if args.quick:
         args.duration, args.repeats = 2.0, 1
     return args
