@@ -38,7 +38,8 @@ def retimed(
     The shape of the calibration is kept; its level follows the host."""
     factors = {}
     for kind in (True, False):
-        ratios = [s.ms / predicted_ms(calibrated, s) for s in served if s.is_cached_rank is kind]
+        pairs = [(s.ms, predicted_ms(calibrated, s)) for s in served if s.is_cached_rank is kind]
+        ratios = [ms / predicted for ms, predicted in pairs if predicted > 0]
         if len(ratios) >= _MIN_TO_RETIME:
             factors[kind] = statistics.median(ratios)
     return [

@@ -286,7 +286,7 @@ class AdmissionPolicy:
 
         The rankers' budgets are summed only until they exceed what is held: where the room
         does not bind, a few rankers of the order answer it, not all of them (over 1,000
-        rankers, summing every budget made a decision 161 us against 28: docs/sizing.md)."""
+        rankers, summing every budget made a decision 190 us against 28: docs/sizing.md)."""
         nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
         need = held(nbytes, self.hold_s(), now)
         share = self.cfg.relay_budget_share

@@ -413,3 +413,16 @@ def test_a_republication_etcd_refuses_leaves_the_refit_loop_running() -> None:
         asyncio.run(scenario())
     assert len(refused) == 1
     assert published and published[0] is not refused[0]  # the next change, after the refusal
+
+
+def test_a_served_timing_the_calibration_prices_at_nothing_does_not_retime_it() -> None:
+    # A fit may zero a term (non-negative least squares): a served shape it then prices at 0 ms
+    # says nothing about the host's speed, and must not fail the refit.
+    calibration = [Sample(t, c, TRUTH.full_ms(t, c)) for t in LENGTHS for c in (0, 64)]
+    free = CostModel(0.0, 0.0, 0.0, 0.0, reload_ms_per_mb=0.3)
+    learner = CostLearner(calibration, free, refit_after=8)
+    for tokens in LENGTHS + LENGTHS[:2]:
+        learner.observe(Sample(tokens, 0, TRUTH.full_ms(tokens, 0)))
+    refitted = learner.refit()
+    assert refitted is not None
+    assert_predicts(refitted, TRUTH, rel=0.01)
