@@ -12,7 +12,7 @@ and of the users (see `Slice`).
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -194,13 +194,15 @@ def search(
     on_run: Callable[[int, int, Run], None] = lambda *_: None,
     above: int = 0,
     runs: Runs | None = None,
+    known: Mapping[RunKey, Run] | None = None,
 ) -> Plan:
     """The fewest rankers (more than `above`, known too few) that pass at the top device tier,
     then the least tier that passes with that many; `evaluate` runs once per (rankers, tier,
-    seed) at most, and `on_run` hears each run. `runs`, where given, runs a trial's seeds
-    `runs.width` at a time (the answer is the same: a trial still fails at its first failing
-    seed, though the seeds beside it in its batch ran too)."""
-    judge = _Judge(runs or InTurn(evaluate), goal, on_run)
+    seed) at most, and never for a run `known` holds already; `on_run` hears each run.
+    `runs`, where given, runs a trial's seeds `runs.width` at a time (the answer is the same: a
+    trial still fails at its first failing seed, though the seeds beside it in its batch ran
+    too)."""
+    judge = _Judge(runs or InTurn(evaluate), goal, on_run, known or {})
     top = goal.device_tier_bytes
     rankers = fewest(lambda n: judge.trial(n, top).passed, goal.max_rankers, above)
     if rankers is None:
@@ -226,21 +228,30 @@ def confirm(
     slice's answer at the top tier on: the slice's one ranker fewer is taken to fail (a slice
     errs low near capacity, where a fleet's P99 is set by its hottest rankers and a larger fleet
     has hotter ones: docs/simulator.md, "Planning a fleet"), which the plan's own row for one
-    ranker fewer, simulated whole, then shows."""
+    ranker fewer, simulated whole, then shows. The check's runs count in it: the search never
+    simulates the slice's answer whole again."""
     assert sliced.answer is not None
     if all(run.meets(sliced.goal.slo_ms) for run in whole_at_answer):
         return None
-    return search(evaluate_whole, sliced.goal, on_run, sliced.answer.rankers - 1, runs)
+    answer = sliced.answer
+    known = {(answer.rankers, answer.device_tier_bytes, run.seed): run for run in whole_at_answer}
+    return search(evaluate_whole, sliced.goal, on_run, answer.rankers - 1, runs, known)
 
 
 class _Judge:
     """Trials from runs, each (rankers, tier, seed) evaluated once."""
 
-    def __init__(self, runs: Runs, goal: Goal, on_run: Callable[[int, int, Run], None]) -> None:
+    def __init__(
+        self,
+        runs: Runs,
+        goal: Goal,
+        on_run: Callable[[int, int, Run], None],
+        known: Mapping[RunKey, Run],
+    ) -> None:
         self._many = runs
         self._goal = goal
         self._on_run = on_run
-        self._runs: dict[RunKey, Run] = {}
+        self._runs: dict[RunKey, Run] = dict(known)
         self.steps: list[Trial] = []
 
     def trial(self, rankers: int, tier: int, every_seed: bool = False) -> Trial:

@@ -156,6 +156,28 @@ def test_a_slice_answer_the_whole_fleet_misses_is_searched_again_with_whole_flee
     assert confirm(sliced, [run(s, True) for s in seeds], whole) is None
 
 
+def test_the_search_again_does_not_simulate_again_the_whole_fleet_at_the_slice_s_answer() -> None:
+    # The slice passes from 5 rankers, and only at the top tier; the whole fleet needs 7. The
+    # search again starts at 5 rankers and the top tier: the check already ran it, whole.
+    seeds, step, top = (1, 2, 3), 1 << 20, 64 << 20
+    goal = Goal(SLO_MS, seeds, top, step, max_rankers=100)
+    sliced = search(lambda n, tier, s: run(s, n >= 5 and tier == top), goal)
+    assert sliced.answer is not None
+    assert (sliced.answer.rankers, sliced.answer.device_tier_bytes) == (5, top)
+    asked: list[tuple[int, int, int]] = []
+
+    def whole(rankers: int, tier: int, s: int) -> Run:
+        asked.append((rankers, tier, s))
+        return run(s, rankers >= 7)
+
+    at_answer = [whole(5, top, s) for s in seeds]
+    asked.clear()
+    plan = confirm(sliced, at_answer, whole)
+    assert plan is not None and plan.answer is not None and plan.answer.rankers == 7
+    assert not [a for a in asked if a[:2] == (5, top)], asked
+    assert plan.steps[0].rankers == 5 and not plan.steps[0].passed  # judged from the check's runs
+
+
 def test_a_plan_searched_again_whole_prints_and_saves_the_whole_fleet_s_answer() -> None:
     seeds, step, top = (1, 2), 1 << 20, 64 << 20
     goal = Goal(SLO_MS, seeds, top, step, max_rankers=100)
