@@ -182,13 +182,7 @@ def point_spec(
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
     if args.relay_window_ms is not None:
-        window = args.relay_window_ms
-        fleet = replace(
-            fleet,
-            trigger=replace(fleet.trigger, relay_window_ms=window),
-            router=replace(fleet.router, relay_window_ms=window),
-            ranker=replace(fleet.ranker, relay_window_ms=window),
-        )
+        fleet = fleet.with_relay_window(args.relay_window_ms)
     if args.chunk_tokens is not None:
         ranker = replace(
             fleet.ranker, prefill_chunk_tokens=args.chunk_tokens, prefill_chunk_fixed_share=1.0

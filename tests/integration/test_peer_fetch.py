@@ -108,16 +108,16 @@ async def test_moved_users_are_served_from_fetched_prefixes_when_fetching_is_che
         results = await scale_out(mesh, rng, **CHEAP)
         moved = [r for r in results if r[2] != r[1]]
         assert len(moved) >= 4, results  # the joining ranker's share, spills aside
+        engine = mesh.rankers[NEW].engine
+        assert engine is not None and engine.peer_fetch is not None
+        fetches = engine.peer_fetch.stats.attempts
         for user, before, now, outcome in results:
             expected = (
                 Outcome.CACHE_OUTCOME_PEER_FETCHED
                 if now != before
                 else (Outcome.CACHE_OUTCOME_HBM_HIT)
             )
-            fetches = mesh.rankers[NEW].engine.peer_fetch.stats.attempts  # type: ignore[union-attr]
             assert outcome == expected, (user, before, now, Outcome.Name(outcome), fetches)
-        engine = mesh.rankers[NEW].engine
-        assert engine is not None and engine.peer_fetch is not None
         assert engine.peer_fetch.settings.floor_s == 2.0  # the configured floor, not 20 ms
         assert engine.peer_fetch.stats.attempts[FetchResult.HIT] == len(moved)
         assert engine.peer_fetch.stats.bytes_fetched > 0

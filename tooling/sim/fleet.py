@@ -76,6 +76,16 @@ class FleetSettings:
         )
         return cls(rankers=rankers, trigger=trigger, gap_s=gap_ms / 1e3, triggers=triggers)
 
+    def with_relay_window(self, window_ms: int) -> "FleetSettings":
+        """These settings with every relay pinned `window_ms` awaiting its Rank: the window the
+        trigger asks for and the one the router and the rankers default to."""
+        return replace(
+            self,
+            trigger=replace(self.trigger, relay_window_ms=window_ms),
+            router=replace(self.router, relay_window_ms=window_ms),
+            ranker=replace(self.ranker, relay_window_ms=window_ms),
+        )
+
 
 @dataclass(slots=True)
 class FleetStats:

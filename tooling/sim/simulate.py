@@ -215,23 +215,21 @@ def fleet_of(args: argparse.Namespace, rankers: int) -> FleetSettings:
         rankers=rankers,
         ranker=RankerConfig(
             plaintext=True,
-            relay_window_ms=args.relay_window_ms,
             prefill_chunk_tokens=args.chunk_tokens,
             prefill_chunk_fixed_share=args.chunk_fixed_share,
             handoff=args.handoff,
             peer_fetch=args.peer_fetch,
         ),
-        router=RouterConfig(plaintext=True, relay_window_ms=args.relay_window_ms),
+        router=RouterConfig(plaintext=True),
         trigger=TriggerConfig(
             plaintext=True,
             slo_ms=args.slo_ms,
             margin_ms=args.margin_ms,
             expected_gap_ms=args.gap_ms,
-            relay_window_ms=args.relay_window_ms,
             relay_budget_share=args.relay_budget_share,
         ),
         gap_s=args.gap_ms / 1e3,
-    )
+    ).with_relay_window(args.relay_window_ms)
 
 
 def trace_of(args: argparse.Namespace) -> tuple[Visit, ...] | None:
