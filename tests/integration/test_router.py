@@ -57,8 +57,15 @@ async def test_pre_infer_and_rank_meet_across_two_routers(
         assert same >= 999 and hits >= 999, f"same instance {same}/1000, hits {hits}/1000"
         assert {pre for pre, _, _ in results} == {"r0", "r1", "r2"}
         writes = sum(r.cluster.writes["put"] for r in mesh.routers)
-        # Only spills are written (hashing noise past the load bound): a few, not per request.
-        assert writes <= 20, writes
+        # Only spills are written: one write per PreInfer served away from its user's hash
+        # owner, not one per request. How many spill is hashing noise past the load bound,
+        # which grows as a slower host puts fewer PreInfers in each relay window: a tenth at most.
+        owners = ["r0", "r1", "r2"]
+        away = sum(
+            pre != ranking(q.prefix.user_id, owners)[0]
+            for q, (pre, _, _) in zip(requests, results, strict=True)
+        )
+        assert writes == away <= 100, (writes, away)
 
 
 async def test_spilled_users_still_meet_their_cache(
