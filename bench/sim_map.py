@@ -119,6 +119,11 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
         " router and rankers default to (default: the services' own, TriggerConfig's)",
     )  # fmt: skip
     p.add_argument(
+        "--relay-window-wait-factor", type=Bounded(float, Bound(low=0)), default=None,
+        help="the trigger's relay_window_wait_factor: a relay asks for this many times its"
+        " ranker's reported relay-wait tail, at most the relay window (default: TriggerConfig's)",
+    )  # fmt: skip
+    p.add_argument(
         "--observe-ms", type=int, default=100,
         help="how often the trigger and router read the rankers' Describe (room and queues)",
     )  # fmt: skip
@@ -183,6 +188,9 @@ def point_spec(
     )
     if args.relay_window_ms is not None:
         fleet = fleet.with_relay_window(args.relay_window_ms)
+    if args.relay_window_wait_factor is not None:
+        factor = args.relay_window_wait_factor
+        fleet = replace(fleet, trigger=replace(fleet.trigger, relay_window_wait_factor=factor))
     if args.chunk_tokens is not None:
         ranker = replace(
             fleet.ranker, prefill_chunk_tokens=args.chunk_tokens, prefill_chunk_fixed_share=1.0

@@ -30,6 +30,8 @@ class RoomReport:
     # their relay window ended with no Rank (a no-show, as far as the ranker can tell).
     relays_consumed: int = 0
     relays_unconsumed: int = 0
+    # The 99th percentile of its latest relays' waits for their Rank, ms (0: unknown).
+    relay_wait_p99_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class Relay:
     observed: bool = False  # a later observation of its ranker already counts its bytes
     prefill_observed: bool = False  # ... and its prefill (queued then, or done)
     due_at: float = math.inf  # when its Rank is expected (inf: unknown)
+    window_s: float | None = None  # the pin it asked for (None: the room's `window_s`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +223,7 @@ class RelayRoom:
         self._add(key, relay)
 
     def settle(self, key: Hashable, instance: str, nbytes: int, now: float) -> None:
-        """The relay's PreInfer came back: it is pinned on `instance` for a window from now.
+        """The relay's PreInfer came back: it is pinned on `instance` for its window from now.
         Its prefill, done, stays booked until an observation covers it (the queue figure
         reported before then may still count it)."""
         relay = self._remove(key)
@@ -228,11 +231,13 @@ class RelayRoom:
             return  # failed or swept meanwhile
         # Served elsewhere (the router fell back): that ranker ran the prefill, which is done.
         moved = relay.instance != instance
+        window_s = self.window_s if relay.window_s is None else relay.window_s
         self._add(
             key,
             Relay(
-                instance, nbytes, now + self.window_s, relay.prefill_ms, relay.admitted_at, now,
+                instance, nbytes, now + window_s, relay.prefill_ms, relay.admitted_at, now,
                 prefill_observed=relay.prefill_observed or moved, due_at=relay.due_at,
+                window_s=relay.window_s,
             ),
         )  # fmt: skip
 

@@ -75,6 +75,6 @@ class RoomPoller:
         hbm = info.hbm
         report = RoomReport(
             hbm.pinned_bytes, hbm.budget_bytes, info.queued_prefill_ms, info.queued_rank_ms,
-            info.relays_consumed, info.relays_expired_unconsumed,
+            info.relays_consumed, info.relays_expired_unconsumed, info.relay_wait_p99_ms,
         )  # fmt: skip
         self.room.observe(instance, report, sent_at)

@@ -54,6 +54,7 @@ from services.ranker.outcomes import CacheOutcome, Origin, PreInferOutcome, Work
 from services.ranker.plan import PRE_INFER_OUTCOME, RANK_OUTCOME, Held, Source, sooner
 from services.ranker.planner import PeerPlanner, Planner
 from services.ranker.queues import ComputeQueues, Job, Overloaded, Priority
+from services.ranker.relay_waits import RelayWaits
 
 _WORK = {Source.RELOAD: Work.RELOAD, Source.EXTEND: Work.EXTEND, Source.PREFILL: Work.PREFILL}
 
@@ -129,6 +130,7 @@ class RankerCore(Generic[KV]):
         # PreInfer is admitted only if its prefix fits beside the pinned and the reserved, so
         # no prefill is computed that could not be pinned.
         self._reserved_bytes = 0
+        self.relay_waits = RelayWaits()  # how long relays waited for their Rank
         self._requests: dict[RequestId, Pending] = {}
         self._owner: dict[Job, CacheKey | RequestId] = {}  # a job's flight key or Rank
         self._next_id = 0
@@ -175,6 +177,7 @@ class RankerCore(Generic[KV]):
             self._batch_rows,
             self._chunk_requests,
             self._chunk_rows,
+            self.relay_waits.p99_ms(),
         )
 
     def queued_rank_ms(self) -> float:
@@ -495,6 +498,9 @@ class RankerCore(Generic[KV]):
             self._score(r, FullForward(request), "full")
             return
         key = r.key = self.key(request.prefix)
+        waited = self.store.rank_arrived(key)
+        if waited is not None:
+            self.relay_waits.add(waited)
         kv = self.store.get(key, Tier.HBM)
         held = self.store.peek(key, Tier.HBM)
         r.relayed = held is not None and held.pinned

@@ -369,6 +369,8 @@ class CoreStats:
     chunk_batch_rows: BucketCounts = field(
         default_factory=lambda: BucketCounts.empty(BATCH_ROW_BOUNDS)
     )
+    # The 99th percentile of the latest relays' waits for their Rank, ms (0: too few yet).
+    relay_wait_p99_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

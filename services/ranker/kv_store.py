@@ -67,6 +67,9 @@ class Entry(Generic[KV]):
     nbytes: int
     stored_at: float
     pinned_until: float | None = None  # relay window end while awaiting its Rank
+    # When a relay last pinned it, until a Rank arrives for it (`rank_arrived`): kept past
+    # the pin's end, so a Rank that comes late is still timed.
+    relay_since: float | None = None
     # Opaque to the store: who produced or last relayed this prefix, as the engine's observer
     # sees it (a relay link's target). Kept when the entry is demoted to DRAM.
     origin: Origin | None = None
@@ -283,6 +286,7 @@ class KVStore(Generic[KV]):
         if existing is not None:
             if pin_for is not None:
                 hbm.pin(existing, max(existing.pinned_until or 0.0, now + pin_for))
+                existing.relay_since = now
             hbm.touch(existing, next(self._uses))
             if origin is not None:
                 existing.origin = origin
@@ -294,11 +298,23 @@ class KVStore(Generic[KV]):
             return False
         while hbm.used + nbytes > hbm.budget:
             self._demote(hbm.least_recent())
-        pinned_until = None if pin_for is None else now + pin_for
-        hbm.add(Entry(key, kv, nbytes, now, pinned_until, origin), next(self._uses))
+        if pin_for is None:
+            entry = Entry(key, kv, nbytes, now, origin=origin)
+        else:
+            entry = Entry(key, kv, nbytes, now, now + pin_for, relay_since=now, origin=origin)
+        hbm.add(entry, next(self._uses))
         self._index(key)
         self.stats.stored[Tier.HBM] += 1
         return True
+
+    def rank_arrived(self, key: CacheKey) -> float | None:
+        """A Rank arrived for the HBM entry under `key`: seconds since a relay last pinned it
+        (None: no relay awaits a Rank there). Once per relay: a second Rank is not timed."""
+        entry = self._tiers[Tier.HBM].entries.get(key)
+        if entry is None or entry.relay_since is None:
+            return None
+        since, entry.relay_since = entry.relay_since, None
+        return self._clock() - since
 
     def consume(self, key: CacheKey) -> None:
         """A Rank used the HBM entry: its relay is done; it becomes evictable."""
@@ -352,7 +368,7 @@ class KVStore(Generic[KV]):
         if hbm.used + nbytes - hbm.budget <= _idle_bytes(hbm, idle_before):
             while hbm.used + nbytes > hbm.budget:
                 self._demote(hbm.least_recent())
-            hbm.add(Entry(key, kv, nbytes, self._clock(), None, origin), next(self._uses))
+            hbm.add(Entry(key, kv, nbytes, self._clock(), origin=origin), next(self._uses))
             self._index(key)
             self.stats.stored[Tier.HBM] += 1
             return Tier.HBM

@@ -287,6 +287,7 @@ class RankerServicer(ranker_pb2_grpc.RankerServiceServicer):
             queued_rank_ms=core.queued_rank_ms,
             relays_consumed=core.kv.relays_consumed,
             relays_expired_unconsumed=core.kv.relays_expired_unconsumed,
+            relay_wait_p99_ms=core.relay_wait_p99_ms,
         )
 
     @staticmethod

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from relaygr.bounds import NON_NEGATIVE, POSITIVE, SHARE, Bound
+from relaygr.bounds import NON_NEGATIVE, POSITIVE, SHARE, Bound, non_negative
 from relaygr.config import check_bounds, helped
 from relaygr.errors import ConfigError
 from relaygr.service_options import ServiceOptions, listen_field
@@ -102,7 +102,22 @@ class TriggerConfig(ServiceOptions):
         ),
     )
     relay_window_ms: int = field(
-        default=2000, metadata=helped("how long a relay stays pinned awaiting its Rank", POSITIVE)
+        default=2000,
+        metadata=helped(
+            "how long a relay stays pinned awaiting its Rank (with relay_window_wait_factor: the"
+            " longest it asks for)",
+            POSITIVE,
+        ),
+    )
+    relay_window_wait_factor: float = field(
+        default=0.0,
+        metadata=helped(
+            "a relay asks for this many times its ranker's reported 99th-percentile wait of a"
+            " relay for its Rank (Describe: relay_wait_p99_ms), at most relay_window_ms, so"
+            " no-shows hold room no longer than the gap's tail needs; relay_window_ms while the"
+            " ranker has reported none",
+            non_negative("0: every relay asks for relay_window_ms"),
+        ),
     )
     refusal_cooldown_ms: int = field(
         default=1000,
@@ -157,5 +172,5 @@ class TriggerConfig(ServiceOptions):
 LIVE_FIELDS = (
     "mode", "slo_ms", "margin_ms", "expected_gap_ms", "no_show_prior", "prefill_share", "burst_s",
     "relay_budget_share", "relay_take_share", "relay_spare_share", "relay_window_ms",
-    "refusal_cooldown_ms",
+    "relay_window_wait_factor", "refusal_cooldown_ms",
 )  # fmt: skip

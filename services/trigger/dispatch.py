@@ -25,7 +25,7 @@ class Job:
 
     decision: Decision
     event: trigger_pb2.RetrievalEvent
-    relay_window_ms: int
+    timeout_ms: int  # how long its PreInfer may take: the trigger's longest relay window
     # The deciding request's trace context: the PreInfer is sent in it, so the relay's trace
     # continues from the decision (None: tracing off).
     trace_context: Context | None = None
@@ -44,7 +44,7 @@ class Job:
         request = common_pb2.PreInferRequest(
             request_id=e.request_id,
             user_id=e.user_id,
-            relay_window_ms=self.relay_window_ms,
+            relay_window_ms=self.decision.relay_window_ms,
             request_ts=e.request_ts,
             rank_expected_in_ms=due_in_ms,
             preferred_instance=self.preferred_instance,
@@ -150,9 +150,7 @@ class Dispatcher:
             self._in_flight += 1
             try:
                 with attached(job.trace_context):
-                    reply = await self._send(
-                        job.pre_infer(self._clock()), job.relay_window_ms / 1e3
-                    )
+                    reply = await self._send(job.pre_infer(self._clock()), job.timeout_ms / 1e3)
             except asyncio.CancelledError:
                 self.stats.cancelled += 1
                 raise

@@ -77,6 +77,7 @@ class Decision:
     prefill_ms: float = 0.0  # what prefilling the prefix costs there
     digest: str = ""  # the prefix's identity, when it was computed
     model_version: str = ""  # the version it was judged for (the event's)
+    relay_window_ms: int = 0  # admitted: the pin its PreInfer asks for (`relay_window_s`)
 
     @property
     def admitted(self) -> bool:
@@ -181,14 +182,30 @@ class AdmissionPolicy:
                 reason = placed.reason if at_risk else Reason.NOT_AT_RISK
                 return dataclasses.replace(decided, reason=reason)
             decided = placed if at_risk else dataclasses.replace(placed, reason=Reason.SPARE)
-        expires = now + cfg.relay_window_s  # in flight: until its dispatch deadline at most
+        window_s = self.relay_window_s(decided.target, now)
+        decided = dataclasses.replace(decided, relay_window_ms=round(window_s * 1e3))
+        expires = now + window_s  # in flight: until its dispatch deadline at most
         due = now + cfg.expected_gap_ms / 1e3
         booked = Relay(
             decided.target, decided.kv_bytes, expires, decided.prefill_ms, admitted_at=now,
-            due_at=due,
+            due_at=due, window_s=window_s,
         )  # fmt: skip
         self.room.start(key, booked)
         return decided
+
+    def relay_window_s(self, instance: str, now: float) -> float:
+        """The pin a relay to `instance` asks for: `relay_window_wait_factor` times the
+        99th-percentile wait of a relay for its Rank that the instance last reported, at most
+        `relay_window_ms`; `relay_window_ms` when the factor is 0 or the instance reported no
+        wait (too few Ranks yet, or no fresh report). A window that covers the gap's tail keeps
+        the relays whose Rank comes; one past it only lets no-shows hold room (docs/sizing.md,
+        "The relay window")."""
+        cfg = self.cfg
+        seen = self.room.report(instance, now) if cfg.relay_window_wait_factor else None
+        if seen is None or seen.relay_wait_p99_ms <= 0:
+            return cfg.relay_window_s
+        tail_s = cfg.relay_window_wait_factor * seen.relay_wait_p99_ms / 1e3
+        return min(cfg.relay_window_s, max(tail_s, 1e-3))
 
     def _place(
         self,
@@ -262,12 +279,11 @@ class AdmissionPolicy:
         arriving during its hold is then refused (and computed in full at its Rank)."""
         return self._fills_room(self.offered.held_above, event, order, now)
 
-    def hold_s(self) -> float:
+    def hold_s(self, window_s: float) -> float:
         """How long a relay holds its bytes, expected: until its Rank (the expected gap), or
-        for its window when its Rank never comes (the no-show share)."""
+        for its window (`window_s`) when its Rank never comes (the no-show share)."""
         share = self.no_show_share()
-        cfg = self.cfg
-        return (1 - share) * cfg.expected_gap_ms / 1e3 + share * cfg.relay_window_s
+        return (1 - share) * self.cfg.expected_gap_ms / 1e3 + share * window_s
 
     def _priced_out(self, event: Event, order: Sequence[RankerRecord], now: float) -> bool:
         """Would the at-risk relays of smaller size classes than this one, each held `hold_s`,
@@ -288,7 +304,7 @@ class AdmissionPolicy:
         does not bind, a few rankers of the order answer it, not all of them (over 1,000
         rankers, summing every budget made a decision 190 us against 28: docs/sizing.md)."""
         nbytes = event.prefix_tokens * order[0].kv_bytes_per_token
-        need = held(nbytes, self.hold_s(), now)
+        need = held(nbytes, self.hold_s(self.relay_window_s(order[0].instance_id, now)), now)
         share = self.cfg.relay_budget_share
         budget = 0
         for record in order:

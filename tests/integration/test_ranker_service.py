@@ -490,3 +490,21 @@ async def test_describe_reports_how_relays_ended_ranked_or_never(rng: np.random.
         await poll(expired)
         info = await r.stub.Describe(ranker_pb2.DescribeRequest())
         assert (info.relays_consumed, info.relays_expired_unconsumed) == (1, 1)
+
+
+async def test_describe_reports_the_tail_of_relays_waits_for_their_rank(
+    rng: np.random.Generator,
+) -> None:
+    # A trigger with relay_window_wait_factor sizes its relays' windows from this tail.
+    async with running_ranker() as r:
+        assert (await r.stub.Describe(ranker_pb2.DescribeRequest())).relay_wait_p99_ms == 0.0
+        longest = 0.0
+        for i in range(100):  # the fewest Ranks a tail is reported from
+            request = rank_input(rng, prefix(rng, 8, user_id=f"u{i}"), 2, 2)
+            sent = time.monotonic()  # before the pin: the ranker's wait is no longer
+            await r.stub.PreInfer(pre_infer_request_to_proto(request.prefix))
+            reply = await r.stub.Rank(rank_request_to_proto(request))
+            longest = max(longest, time.monotonic() - sent)
+            assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
+        tail_ms = (await r.stub.Describe(ranker_pb2.DescribeRequest())).relay_wait_p99_ms
+        assert 0.0 < tail_ms <= longest * 1e3

@@ -450,7 +450,7 @@ class Fleet:
 
     def _try_pre_infer(self, relay: _Relay, route: Route, deadline: float) -> None:
         due_in = max(relay.due_at - self.loop.now, 1e-3)
-        window_s = self.settings.trigger.relay_window_ms / 1e3
+        window_s = relay.decision.relay_window_ms / 1e3
         served: dict[str, PreInferReply] = {}
 
         def call(instance: str, answered: Answered) -> None:

@@ -285,6 +285,7 @@ class SimRanker:
         return RoomReport(
             usage.pinned_bytes, usage.budget_bytes, stats.queued_background_ms,
             stats.queued_rank_ms, stats.kv.relays_consumed, stats.kv.relays_expired_unconsumed,
+            stats.relay_wait_p99_ms,
         )  # fmt: skip
 
     def memory(self) -> MemoryUse:

@@ -540,3 +540,22 @@ def test_a_rank_waiting_for_a_background_prefill_lifts_it_into_its_own_place() -
     assert isinstance(first_rank_work.spec, Prefill | Extend), first_rank_work
     assert first_rank_work.spec.prefix == a  # before the later hit's scoring
     assert d.result(early).outcome is CacheOutcome.WAITED_INFLIGHT  # type: ignore[union-attr]
+
+
+def test_the_wait_tail_reported_is_that_of_the_ranks_that_met_their_relay() -> None:
+    core, d, clock = make(hbm_prefixes=4.0)
+    a = prefix("a")
+    for i in range(120):
+        d.pre_infer(a)  # already resident after the first: pinned again from now
+        d.run()
+        clock.now += 0.001 * (i % 100) if i < 100 else 0.05
+        d.rank(R(a))
+        d.run()
+        d.rank(R(a))  # a second Rank of the same relay is not timed
+        d.run()
+    # 120 waits: 100 of 0-99 ms, then 20 of 50 ms; the 119th of them in order is 98 ms.
+    assert core.stats().relay_wait_p99_ms == pytest.approx(98.0)
+    b = prefix("b")
+    d.rank(R(b))  # a miss: no relay to time
+    d.run()
+    assert len(core.relay_waits) == 120

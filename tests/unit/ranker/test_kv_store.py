@@ -1,6 +1,7 @@
 """KV store tiers: exact LRU order, pins, expiry, demotion and budgets under an injected clock."""
 
 import numpy as np
+import pytest
 import torch
 
 from relaygr.behaviours import UserId
@@ -186,3 +187,17 @@ def test_budgets_hold_under_random_operations(rng: np.random.Generator) -> None:
         for tier in Tier:  # every held prefix is indexed under its user
             for k in f.store._tiers[tier].entries:
                 assert k in f.store.user_keys(k.user_id, VERSION)
+
+
+def test_a_rank_times_its_relay_from_the_latest_pin_once_even_after_the_pin_ended() -> None:
+    f = Fixture()
+    assert f.store.put_device(key("a"), kv_of(10), pin_for=0.5)
+    assert f.store.put_device(key("b"), kv_of(10), pin_for=None)  # not a relay
+    f.clock.now += 0.2
+    assert f.store.put_device(key("a"), kv_of(10), pin_for=0.5)  # pinned again: from here
+    f.clock.now += 0.7  # past the pin's end: a late Rank is still timed
+    f.store.expire()
+    assert f.store.rank_arrived(key("a")) == pytest.approx(0.7)
+    assert f.store.rank_arrived(key("a")) is None  # the relay is timed once
+    assert f.store.rank_arrived(key("b")) is None
+    assert f.store.rank_arrived(key("c")) is None  # not held

@@ -25,6 +25,7 @@ PREFILL_MS = 17.5
 KV_BYTES_PER_TOKEN = 1000
 NBYTES = PREFIX * KV_BYTES_PER_TOKEN  # 96,000
 X = "ranker-0"
+WINDOW_MS = 2000  # the default relay window: what an admitted relay asks for here
 NOW = 1.0
 SOURCE = "etcd /relaygr/config/trigger"
 
@@ -84,7 +85,7 @@ def event(
 
 
 def admitted(digest: str = "digest-a", predicted: float = PREDICTED[AT_RISK]) -> Decision:
-    return Decision(Reason.ADMITTED, predicted, X, NBYTES, PREFILL_MS, digest)
+    return Decision(Reason.ADMITTED, predicted, X, NBYTES, PREFILL_MS, digest, "", WINDOW_MS)
 
 
 def relay(
@@ -199,7 +200,10 @@ def test_admission_reason(case: Case) -> None:
         assert decision == Decision(case.reason, predicted, X)
         assert digest.calls == 0
     else:
-        assert decision == Decision(case.reason, predicted, X, NBYTES, PREFILL_MS, case.digest)
+        window_ms = WINDOW_MS if decision.admitted else 0
+        assert decision == Decision(
+            case.reason, predicted, X, NBYTES, PREFILL_MS, case.digest, "", window_ms
+        )
         assert digest.calls == 1
     assert decision.admitted is (case.reason is Reason.ADMITTED)
 
@@ -221,7 +225,7 @@ def test_prediction_uses_prefix_plus_short_term_and_prefill_only_the_prefix() ->
     ev = event(prefix=100, short_term=28)
     decision = AdmissionPolicy(config()).decide(ev, [ranker(kv_bytes_per_token=3)], NOW)
     prefill = 1 + 100 / 8 + 100 * 100 / 2048
-    assert decision == Decision(Reason.ADMITTED, 45.625, X, 300, prefill, "digest-a")
+    assert decision == Decision(Reason.ADMITTED, 45.625, X, 300, prefill, "digest-a", "", WINDOW_MS)
 
 
 def test_already_cached_until_settle_plus_window_then_admitted_again() -> None:
@@ -554,8 +558,9 @@ def test_admission_walks_the_fallback_order(walk: Walk) -> None:
     for instance in walk.refused:
         policy.room.refuse(instance, NOW - 0.1)
     decision = policy.decide(event(), order, NOW)
+    window_ms = WINDOW_MS if decision.admitted else 0
     assert decision == Decision(
-        walk.reason, PREDICTED[AT_RISK], walk.target, NBYTES, PREFILL_MS, "digest-a"
+        walk.reason, PREDICTED[AT_RISK], walk.target, NBYTES, PREFILL_MS, "digest-a", "", window_ms
     )
     assert policy.room.held(walk.target, NOW) == (
         (NBYTES if decision.admitted else 0)
@@ -572,7 +577,9 @@ def test_each_ranker_is_judged_by_its_own_bytes_per_token_and_cost_model() -> No
     # prefill(96) there = 1 + 24 + 4.5 ms.
     owner = ranker(X, hbm_budget_bytes=NBYTES - 1)
     decision = policy.decide(event("b"), [owner, second], NOW)
-    assert decision == Decision(Reason.ADMITTED, PREDICTED[AT_RISK], Y, 960, 29.5, "digest-a")
+    assert decision == Decision(
+        Reason.ADMITTED, PREDICTED[AT_RISK], Y, 960, 29.5, "digest-a", "", WINDOW_MS
+    )
 
 
 def test_the_owner_predicts_whether_the_request_is_at_risk() -> None:
@@ -814,7 +821,7 @@ def test_the_room_a_flow_fills_is_every_ranker_s_of_the_order() -> None:
     later = NOW + 10.0
     policy = AdmissionPolicy(config(relay_budget_share=1.0))
     ask(policy, 40, PREFIX, NOW, per_s=10)
-    held = policy.demand.held_below(2 * NBYTES, policy.hold_s(), later)
+    held = policy.demand.held_below(2 * NBYTES, policy.hold_s(policy.cfg.relay_window_s), later)
     k = int(held // 200_000)
     assert k >= 2, held
 
@@ -848,7 +855,7 @@ def test_how_long_a_relay_holds_room_follows_the_no_show_share() -> None:
         policy = AdmissionPolicy(
             config(relay_budget_share=1.0, expected_gap_ms=100, no_show_prior=prior)
         )
-        assert policy.hold_s() == pytest.approx(2.0 if prior else 0.1)
+        assert policy.hold_s(policy.cfg.relay_window_s) == pytest.approx(2.0 if prior else 0.1)
         ask(policy, 40, PREFIX, NOW, per_s=10)
         assert policy.decide(long, [ranker(hbm_budget_bytes=250_000)], NOW + 10).admitted is (
             admitted
@@ -942,7 +949,10 @@ def test_where_the_room_binds_a_spare_relay_goes_to_the_longer_prefixes() -> Non
     assert decided(PREFIX, flow=0) is Reason.SPARE
     policy = AdmissionPolicy(config(relay_budget_share=1.0, relay_spare_share=1.0, slo_ms=1000))
     offer(policy, 4, 2 * PREFIX, NOW, per_s=1)  # 192,000 bytes a second at most, held 2 s
-    assert policy.hold_s() * policy.offered.rate_above(NBYTES, later) < 250_000
+    assert (
+        policy.hold_s(policy.cfg.relay_window_s) * policy.offered.rate_above(NBYTES, later)
+        < 250_000
+    )
     assert policy.decide(event("u"), [target], later).reason is Reason.SPARE
 
 
@@ -951,3 +961,56 @@ def test_spare_share_zero_relays_only_what_is_at_risk() -> None:
     assert policy.decide(event("a", candidates=SAFE), [ranker()], NOW).reason is (
         Reason.NOT_AT_RISK
     )
+
+
+def waits(p99_ms: float, budget: int = 10**9) -> RoomReport:
+    """A ranker's Describe with nothing pinned and `p99_ms` as its relays' wait tail."""
+    return RoomReport(0, budget, relay_wait_p99_ms=p99_ms)
+
+
+@pytest.mark.parametrize(
+    ("factor", "report", "window_ms"),
+    [
+        (3.0, waits(100.0), 300),  # three times the tail
+        (3.0, waits(1000.0), WINDOW_MS),  # at most relay_window_ms
+        (3.0, waits(0.0), WINDOW_MS),  # too few Ranks there yet to know
+        (3.0, None, WINDOW_MS),  # never reported
+        (0.0, waits(100.0), WINDOW_MS),  # off
+    ],
+)
+def test_a_relay_asks_for_a_window_of_its_ranker_s_wait_tail(
+    factor: float, report: RoomReport | None, window_ms: int
+) -> None:
+    policy = AdmissionPolicy(config(relay_window_wait_factor=factor))
+    if report is not None:
+        policy.room.observe(X, report, NOW - 0.1)
+    decision = policy.decide(event("a"), [ranker()], NOW)
+    assert decision.relay_window_ms == window_ms
+    # Booked for that window, in flight and once resident.
+    policy.room.settle(("a", "", "digest-a"), X, NBYTES, NOW + 0.05)
+    assert policy.room.live(("a", "", "digest-a"), NOW + 0.05 + window_ms / 1e3 - 1e-6)
+    assert policy.room.live(("a", "", "digest-a"), NOW + 0.05 + window_ms / 1e3) is None
+
+
+def test_a_stale_wait_tail_is_not_used() -> None:
+    policy = AdmissionPolicy(config(relay_window_wait_factor=3.0))
+    policy.room.observe(X, waits(100.0), NOW - 2.0)  # one relay window ago: says nothing now
+    assert policy.decide(event("a"), [ranker()], NOW).relay_window_ms == WINDOW_MS
+
+
+def test_no_shows_held_for_a_shorter_window_leave_room_for_a_longer_prefix() -> None:
+    # Every relay a no-show (prior 1): short relays at 10 a second, each held its 2 s window,
+    # fill the 250,000-byte room and price the long one out; held 300 ms (three times a 100 ms
+    # tail) they leave room for it.
+    long = event("long", prefix=2 * PREFIX)
+    target = ranker(hbm_budget_bytes=250_000)
+    for factor, admitted in ((0.0, False), (3.0, True)):
+        policy = AdmissionPolicy(
+            config(
+                relay_budget_share=1.0, expected_gap_ms=100, no_show_prior=1.0,
+                relay_window_wait_factor=factor,
+            )
+        )  # fmt: skip
+        ask(policy, 40, PREFIX, NOW, per_s=10)
+        policy.room.observe(X, waits(100.0, budget=250_000), NOW + 9.9)
+        assert policy.decide(long, [target], NOW + 10).admitted is admitted

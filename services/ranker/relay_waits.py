@@ -1,0 +1,43 @@
+"""How long relays waited for their Rank on this ranker: the tail a relay window must cover.
+
+Pure: waits are passed in, in seconds. The ranker reports the tail in Describe
+(`RankerInfo.relay_wait_p99_ms`); a trigger with `relay_window_wait_factor` set asks for
+relay windows that many times it (docs/architecture.md, "Relay windows").
+"""
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+# The waits kept: the latest this many, so the tail follows a gap that changes.
+KEPT = 1024
+# Fewer waits than this say nothing of a 99th percentile: none is reported.
+LEAST = 100
+
+
+@dataclass(slots=True)
+class RelayWaits:
+    """The waits of the latest `kept` relays whose Rank came: from the relay's pin to its Rank's
+    arrival, a Rank that came after the pin ended included (while its prefix was still held:
+    `KVStore.rank_arrived`)."""
+
+    kept: int = KEPT
+    least: int = LEAST
+    _waits: deque[float] = field(default_factory=deque)
+
+    def add(self, wait_s: float) -> None:
+        if len(self._waits) == self.kept:
+            self._waits.popleft()
+        self._waits.append(max(wait_s, 0.0))
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    def p99_ms(self) -> float:
+        """The 99th percentile of the waits kept, ms (nearest rank); 0 while fewer than
+        `least` are kept (unknown)."""
+        n = len(self._waits)
+        if n < self.least:
+            return 0.0
+        rank = math.ceil(0.99 * n)
+        return sorted(self._waits)[rank - 1] * 1e3
