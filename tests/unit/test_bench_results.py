@@ -7,7 +7,6 @@ nothing, the section that docs/benchmarks.md holds between `<!-- NAME:start -->`
 """
 
 import json
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,12 +15,13 @@ from typing import Any
 
 import pytest
 
+from tests.unit.rerender_results import script_of
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = sorted(
     p for p in (ROOT / "bench" / "results").glob("*.json") if not p.name.endswith(".quick.json")
 )
 DOCS = ROOT / "docs" / "benchmarks.md"
-SCRIPT = re.compile(r"\bbench/(\w+)\.py\b")
 MACHINE_FIELDS = ("date", "commit", "machine", "threads")
 
 Rendered = dict[Path, subprocess.CompletedProcess[str] | None]
@@ -29,11 +29,6 @@ Rendered = dict[Path, subprocess.CompletedProcess[str] | None]
 
 def load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
-
-
-def script_of(saved: dict[str, Any]) -> Path | None:
-    match = SCRIPT.search(saved.get("command", ""))
-    return ROOT / "bench" / f"{match.group(1)}.py" if match else None
 
 
 def docs_section(name: str) -> str | None:
@@ -45,21 +40,30 @@ def docs_section(name: str) -> str | None:
     return text[start + len(start_mark) : end] if start != -1 and end != -1 else None
 
 
-def rerender(path: Path) -> subprocess.CompletedProcess[str] | None:
-    script = script_of(load(path))
-    if script is None:
-        return None
-    return subprocess.run(
-        [sys.executable, str(script), "--from-json", str(path), "--no-docs"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+def rerender(paths: list[Path]) -> Rendered:
+    """Each of `paths` re-rendered by its script, all in one interpreter besides this one
+    (`tests.unit.rerender_results`: torch is imported once, not once per result)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.unit.rerender_results", *map(str, paths)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rendered: Rendered = {}
+    for line in done.stdout.splitlines():
+        r = json.loads(line)
+        path = Path(r["path"])
+        rendered[path] = None if r["script"] is None else subprocess.CompletedProcess(
+            [r["script"]], r["returncode"], r["stdout"], r["stderr"]
+        )  # fmt: skip
+    return rendered
 
 
 @pytest.fixture(scope="module")
 def rendered() -> Rendered:
-    """Every result re-rendered once, in parallel: each script's process imports torch."""
-    with ThreadPoolExecutor(max_workers=max(1, len(RESULTS))) as pool:
-        return dict(zip(RESULTS, pool.map(rerender, RESULTS), strict=True))
+    """Every result re-rendered once, in two interpreters side by side."""
+    halves = [RESULTS[0::2], RESULTS[1::2]]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return {path: r for half in pool.map(rerender, halves) for path, r in half.items()}
 
 
 def printed(rendered: Rendered, path: Path) -> str:

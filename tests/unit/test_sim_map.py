@@ -121,7 +121,7 @@ def test_a_map_s_rows_are_the_same_whatever_the_points_run_at_once() -> None:
         args = parse(
             ["--quick", "--seed", str(seed), "--no-docs", "--seeds", "1", "--jobs", str(jobs)]
         )
-        args.seeds, args.duration, args.rate_max, args.length_max = 2, 2.0, 20.0, 1024
+        args.seeds, args.duration, args.rate_max, args.length_max = 2, 2.0, 10.0, 512
         args.users = 10_000
         rows[jobs] = measure(args)["rows"]
     assert [(r["point"], r["seed"], r["variant"]) for r in rows[1]] == [

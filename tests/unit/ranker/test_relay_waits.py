@@ -26,3 +26,12 @@ def test_the_tail_is_the_nearest_rank_99th_percentile_of_the_latest_waits(
         waits.add(float(wait))
     assert len(waits) == 200
     assert waits.p99_ms() == pytest.approx(np.sort(drawn)[197] * 1e3)  # ceil(0.99 * 200) = 198th
+
+
+def test_below_100_waits_the_tail_is_the_longest_from_20_on() -> None:
+    waits = RelayWaits()
+    for i in range(19):
+        waits.add(i / 1000)
+    assert waits.p99_ms() == 0.0
+    waits.add(0.5)
+    assert waits.p99_ms() == pytest.approx(500.0)
