@@ -154,6 +154,7 @@ class RelayRoom:
     _expiries: list[tuple[float, int, Hashable]] = field(default_factory=list)
     _on: dict[str, dict[Hashable, None]] = field(default_factory=dict)  # instance -> its relays
     _pushes: int = 0  # tie-breaker: keys need not be ordered
+    _tail: tuple[float, float] = (0.0, -math.inf)  # the latest relay-wait tail reported, and when
 
     # -- the view -------------------------------------------------------------------------
 
@@ -163,6 +164,17 @@ class RelayRoom:
         if seen is None or now >= seen.at + self.window_s:
             return None
         return seen.report
+
+    def wait_tail_ms(self, instance: str, now: float) -> float:
+        """The 99th-percentile wait of a relay for its Rank on the instance, as last reported
+        while fresh; else the latest any ranker reported while fresh, since the gap is the
+        callers' and the same whichever ranker a relay lands on (a ranker that consumed too few
+        relays to time them borrows it); 0: none known."""
+        seen = self.report(instance, now)
+        if seen is not None and seen.relay_wait_p99_ms > 0:
+            return seen.relay_wait_p99_ms
+        tail_ms, at = self._tail
+        return tail_ms if now < at + self.window_s else 0.0
 
     def held(self, instance: str, now: float, ranked: float = 0.0) -> float:
         """Bytes pinned on the instance, as far as this process knows: `ranked` (the share of
@@ -269,6 +281,8 @@ class RelayRoom:
                 sent_at,
             )
         self.observed[instance] = _Observation(report, sent_at)
+        if report.relay_wait_p99_ms > 0 and sent_at >= self._tail[1]:
+            self._tail = (report.relay_wait_p99_ms, sent_at)
         refusal = self.refusals.get(instance)
         if refusal is not None and refusal.at < sent_at:
             del self.refusals[instance]

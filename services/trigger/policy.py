@@ -195,17 +195,17 @@ class AdmissionPolicy:
 
     def relay_window_s(self, instance: str, now: float) -> float:
         """The pin a relay to `instance` asks for: `relay_window_wait_factor` times the
-        99th-percentile wait of a relay for its Rank that the instance last reported, at most
-        `relay_window_ms`; `relay_window_ms` when the factor is 0 or the instance reported no
-        wait (too few Ranks yet, or no fresh report). A window that covers the gap's tail keeps
+        99th-percentile wait of a relay for its Rank that the instance last reported (or, where
+        it has too few timed, another ranker: `RelayRoom.wait_tail_ms`), at most
+        `relay_window_ms`; `relay_window_ms` when the factor is 0 or no ranker reported a wait
+        lately. A window that covers the gap's tail keeps
         the relays whose Rank comes; one past it only lets no-shows hold room (docs/sizing.md,
         "The relay window")."""
         cfg = self.cfg
-        seen = self.room.report(instance, now) if cfg.relay_window_wait_factor else None
-        if seen is None or seen.relay_wait_p99_ms <= 0:
+        tail_ms = self.room.wait_tail_ms(instance, now) if cfg.relay_window_wait_factor else 0.0
+        if tail_ms <= 0:
             return cfg.relay_window_s
-        tail_s = cfg.relay_window_wait_factor * seen.relay_wait_p99_ms / 1e3
-        return min(cfg.relay_window_s, max(tail_s, 1e-3))
+        return min(cfg.relay_window_s, max(cfg.relay_window_wait_factor * tail_ms / 1e3, 1e-3))
 
     def _place(
         self,

@@ -1014,3 +1014,16 @@ def test_no_shows_held_for_a_shorter_window_leave_room_for_a_longer_prefix() -> 
         ask(policy, 40, PREFIX, NOW, per_s=10)
         policy.room.observe(X, waits(100.0, budget=250_000), NOW + 9.9)
         assert policy.decide(long, [target], NOW + 10).admitted is admitted
+
+
+def test_a_ranker_that_timed_too_few_relays_borrows_the_latest_tail_another_reported() -> None:
+    policy = AdmissionPolicy(config(relay_window_wait_factor=2.0))
+    policy.room.observe("ranker-1", waits(100.0), NOW - 0.3)
+    policy.room.observe("ranker-2", waits(150.0), NOW - 0.2)  # the latest
+    policy.room.observe(X, waits(0.0), NOW - 0.1)  # too few timed there
+    assert policy.decide(event("a"), [ranker()], NOW).relay_window_ms == 300
+    policy.room.observe(X, waits(50.0), NOW)  # its own, once it has one
+    assert policy.decide(event("b"), [ranker()], NOW).relay_window_ms == 100
+    # Stale everywhere (a relay window on): the longest window again.
+    later = NOW + 2.0
+    assert policy.decide(event("c"), [ranker()], later).relay_window_ms == WINDOW_MS
