@@ -193,6 +193,14 @@ class RankerMetrics:
                 ("dropped",): stats.relays_dropped_unconsumed,
             },
         )
+        tail_ms = core.relay_wait_p99_ms
+        yield gauge(
+            "relaygr_ranker_relay_wait_p99_seconds",
+            "99th percentile of how long the latest relays (up to 1,024) waited from their pin "
+            "to their Rank's arrival: the relay window to cover; absent below 20 timed",
+            [],
+            {(): tail_ms / 1e3} if tail_ms > 0 else {},
+        )
         yield gauge(
             "relaygr_ranker_queue_depth",
             "Compute jobs waiting for the worker, by priority",

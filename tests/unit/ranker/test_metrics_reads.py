@@ -4,6 +4,7 @@ are released by the engine's tick, not by whoever reads."""
 import asyncio
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.ranker.handoff import HandoffStats
@@ -12,7 +13,7 @@ from services.ranker.kv_store import Tier
 from services.ranker.metrics import RankerMetrics
 from services.ranker.warm import Warm, Warming
 from tests.helm.test_monitoring import named_metrics
-from tests.unit.ranker.factories import prefix
+from tests.unit.ranker.factories import prefix, rank_input
 from tests.unit.ranker.test_engine import TOKENS, running_engine
 
 
@@ -58,3 +59,34 @@ def test_every_ranker_metric_the_dashboard_and_alerts_name_is_exported() -> None
         warming.ready(Warm(engine, "r", HandoffReceiving(HandoffStats(), max_streams=1)))
         exported = {sample.name for family in registry.collect() for sample in family.samples}
     assert named - exported == set()
+
+
+def _gauge(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_the_relay_wait_tail_is_exported_once_20_relays_were_timed(
+    rng: np.random.Generator,
+) -> None:
+    registry = CollectorRegistry()
+    warming = Warming()
+    RankerMetrics(registry, warming)
+    tail = "relaygr_ranker_relay_wait_p99_seconds"
+    with running_engine() as (engine, _):
+        warming.ready(Warm(engine, "r", HandoffReceiving(HandoffStats(), max_streams=1)))
+        clock = engine.core.clock
+
+        async def relay(user: str, wait_s: float) -> None:
+            request = rank_input(rng, prefix(rng, TOKENS, user_id=user), 2, 2)
+            await engine.pre_infer(request.prefix, 60.0, None)
+            clock.now += wait_s  # type: ignore[attr-defined]
+            await engine.rank(request, None)
+
+        for i in range(19):
+            asyncio.run(relay(f"u{i}", 0.01))
+        assert _gauge(generate_latest(registry).decode(), tail) is None  # too few to tell
+        asyncio.run(relay("u19", 0.25))
+        assert _gauge(generate_latest(registry).decode(), tail) == pytest.approx(0.25)  # longest
