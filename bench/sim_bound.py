@@ -30,6 +30,7 @@ from bench.sim_map import (
     AXES,
     CORNERS,
     MapPoint,
+    chosen,
     map_points,
     measure_point,
     parse,
@@ -78,12 +79,12 @@ def measure_bound_point(
     return rows
 
 
-def measure(args: argparse.Namespace, wanted: frozenset[str] | None = None) -> dict[str, Any]:
-    """Each profile x point (`bound_points`, or those labelled in `wanted`) x seed. The options
-    are the map's (`bench/sim_map.py --help`)."""
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Each profile x point (`bound_points`, or those of --points) x seed. The options are the
+    map's (`bench/sim_map.py --help`)."""
     stamp = machine_info(threads=1)
     seeds = [args.seed + i for i in range(args.seeds)]
-    points = [p for p in bound_points() if wanted is None or p.label in wanted]
+    points = chosen(args, bound_points())
     rows = [
         row
         for name in args.profiles

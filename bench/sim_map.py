@@ -141,6 +141,11 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     p.add_argument("--length-max", type=int, default=32768)
     p.add_argument("--axes", nargs="+", default=list(AXES), help=f"of: {', '.join(AXES)}")
     p.add_argument("--no-corners", action="store_true", help="leave the binding corners out")
+    p.add_argument(
+        "--points", nargs="+", default=None, metavar="LABEL",
+        help="only the points of these labels (as the results name them, e.g. 'tier=binding"
+        " no_show=0.3'; default: all)",
+    )  # fmt: skip
     p.add_argument("--seeds", type=int, default=5, help="seeds from --seed on")
     p.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny grid, one seed")
@@ -157,6 +162,16 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
         args.rate_step, args.rate_max, args.length_max = 10.0, 40.0, 2048
         args.users = 100_000
     return args
+
+
+def chosen(args: argparse.Namespace, points: list[MapPoint]) -> list[MapPoint]:
+    """`points` labelled in --points (all without it); a label none has is an error."""
+    if args.points is None:
+        return points
+    unknown = set(args.points) - {p.label for p in points}
+    if unknown:
+        raise SystemExit(f"no such point: {', '.join(sorted(unknown))}")
+    return [p for p in points if p.label in args.points]
 
 
 def point_profile(base: DeviceProfile, values: dict[str, Any], binding_mib: float) -> DeviceProfile:
@@ -332,7 +347,7 @@ def measure(
     stamp = machine_info(threads=1)  # the commit the run starts from
     seeds = [args.seed + i for i in range(args.seeds)]
     axes = {k: AXES[k] for k in args.axes}
-    points = map_points(axes, () if args.no_corners else CORNERS)
+    points = chosen(args, map_points(axes, () if args.no_corners else CORNERS))
     rows: list[dict[str, Any]] = []
     for name in args.profiles:
         rows += profile_rows(args, name, points, seeds)

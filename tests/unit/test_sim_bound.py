@@ -39,9 +39,12 @@ def test_ratios_are_per_seed_over_relay_all() -> None:
 def test_a_tiny_run_measures_every_system_and_renders() -> None:
     seed = random.SystemRandom().randrange(2**32)
     print(f"seed {seed}")
-    args = parse(["--quick", "--seed", str(seed), "--no-docs"])
+    args = parse(
+        ["--quick", "--seed", str(seed), "--no-docs", "--points", "tier=binding no_show=0.3"]
+    )
     args.duration, args.rate_max, args.length_max, args.users = 2.0, 20.0, 1024, 10_000
-    results = measure(args, frozenset({"tier=binding no_show=0.3"}))
+    results = measure(args)
+    assert results["points"] == ["tier=binding no_show=0.3"]
     variants = {r["variant"] for r in results["rows"]}
     assert variants == {"relay all", AWARE, f"relay all{TOLD}", f"{AWARE}{TOLD}", SIZED}
     for row in results["rows"]:

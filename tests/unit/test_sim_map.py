@@ -12,6 +12,7 @@ from bench.sim_map import (
     CENTRE,
     CORNERS,
     chart,
+    chosen,
     map_points,
     measure,
     parse,
@@ -128,3 +129,13 @@ def test_a_map_s_rows_are_the_same_whatever_the_points_run_at_once() -> None:
         (p, seed + i, v) for p in ("centre", "tier=binding") for i in (0, 1) for v in VARIANTS
     ]
     assert rows[2] == rows[1]
+
+
+def test_points_picks_the_labelled_points_and_refuses_a_label_no_point_has() -> None:
+    points = map_points(AXES, CORNERS)
+    wanted = ["tier=binding no_show=0.3", "centre"]
+    picked = chosen(parse(["--points", *wanted]), points)
+    assert [p.label for p in picked] == ["centre", "tier=binding no_show=0.3"]  # the map's order
+    assert chosen(parse([]), points) == points
+    with pytest.raises(SystemExit, match="no such point: tier=bind"):
+        chosen(parse(["--points", "tier=bind"]), points)
