@@ -120,6 +120,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
                         "relaygr.tokens.prefix": event.prefix_tokens,
                         "relaygr.kv.bytes": decision.kv_bytes,
                         "relaygr.admission.prefill_ms": decision.prefill_ms,
+                        "relaygr.relay.window_ms": decision.relay_window_ms,
                     }
                 )
         self.stats.decisions[decision.reason] += 1

@@ -130,6 +130,7 @@ async def test_a_relay_is_two_traces_linked_at_the_ranker(
     assert decide.attributes["relaygr.admission.reason"] == "admitted"
     assert decide.attributes["relaygr.admission.target"] == "r0"
     assert decide.attributes["relaygr.admission.predicted_full_ms"] > 0
+    assert decide.attributes["relaygr.relay.window_ms"] == 20_000  # the pin it asks for
     trigger_call = one(retrieval, service="relaygr-trigger", kind=CLIENT)
     assert trigger_call.parent_id == decide.span_id  # sent later, from the dispatch queue
     router_in = one(retrieval, service="relaygr-router", kind=SERVER)
@@ -147,6 +148,7 @@ async def test_a_relay_is_two_traces_linked_at_the_ranker(
     assert pre_infer.parent_id == router_out.span_id
     assert pre_infer.attributes["relaygr.pre_infer.outcome"] == "computed"
     assert pre_infer.attributes["relaygr.tokens.prefix"] == user.num_tokens
+    assert pre_infer.attributes["relaygr.relay.window_ms"] == 20_000  # pinned as the trigger asked
     prefill = one(retrieval, name="ranker.prefill")
     assert prefill.parent_id == pre_infer.span_id
     assert prefill.attributes["relaygr.tokens.computed"] == user.num_tokens

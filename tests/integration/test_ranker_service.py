@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from relaygr.behaviours import RankInput
+from relaygr.pool import RankerPool
+from relaygr.room import RelayRoom
+from relaygr.room_poll import RoomPoller
+from relaygr.tls_settings import PLAINTEXT
 from relaygr.v1 import common_pb2, ranker_pb2
 from relaygr.wire import pre_infer_request_to_proto, rank_request_to_proto
 from services.ranker.kv_store import Tier
@@ -23,6 +27,7 @@ from tests.integration.ranker_harness import (
     tiny_model,
 )
 from tests.unit.ranker.factories import longer, prefix, rank_input, rel_err
+from tests.unit.trigger.test_policy import ranker
 
 Outcome = common_pb2.CacheOutcome
 
@@ -506,5 +511,15 @@ async def test_describe_reports_the_tail_of_relays_waits_for_their_rank(
             reply = await r.stub.Rank(rank_request_to_proto(request))
             longest = max(longest, time.monotonic() - sent)
             assert reply.cache_outcome == Outcome.CACHE_OUTCOME_HBM_HIT
-        tail_ms = (await r.stub.Describe(ranker_pb2.DescribeRequest())).relay_wait_p99_ms
-        assert 0.0 < tail_ms <= longest * 1e3
+        info = await r.stub.Describe(ranker_pb2.DescribeRequest())
+        assert 0.0 < info.relay_wait_p99_ms <= longest * 1e3
+        # What the trigger's and the router's room poller books of it.
+        room, pool = RelayRoom(window_s=60.0), RankerPool([], PLAINTEXT)
+        try:
+            record = ranker("r", address=f"127.0.0.1:{r.server.port}")
+            await RoomPoller(room, pool, lambda: {"r": record}, 1.0).poll_once()
+        finally:
+            await pool.close()
+        seen = room.report("r", time.monotonic())
+        assert seen is not None
+        assert (seen.relays_consumed, seen.relay_wait_p99_ms) == (100, info.relay_wait_p99_ms)
