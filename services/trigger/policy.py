@@ -184,7 +184,7 @@ class AdmissionPolicy:
             decided = placed if at_risk else dataclasses.replace(placed, reason=Reason.SPARE)
         window_s = self.relay_window_s(decided.target, now)
         decided = dataclasses.replace(decided, relay_window_ms=round(window_s * 1e3))
-        expires = now + window_s  # in flight: until its dispatch deadline at most
+        expires = now + cfg.relay_window_s  # in flight: until its dispatch deadline at most
         due = now + cfg.expected_gap_ms / 1e3
         booked = Relay(
             decided.target, decided.kv_bytes, expires, decided.prefill_ms, admitted_at=now,
@@ -198,9 +198,8 @@ class AdmissionPolicy:
         99th-percentile wait of a relay for its Rank that the instance last reported (or, where
         it has too few timed, another ranker: `RelayRoom.wait_tail_ms`), at most
         `relay_window_ms`; `relay_window_ms` when the factor is 0 or no ranker reported a wait
-        lately. A window that covers the gap's tail keeps
-        the relays whose Rank comes; one past it only lets no-shows hold room (docs/sizing.md,
-        "The relay window")."""
+        lately. A window that covers the gap's tail keeps the relays whose Rank comes; one past
+        it only lets no-shows hold room (docs/sizing.md, "The relay window")."""
         cfg = self.cfg
         tail_ms = self.room.wait_tail_ms(instance, now) if cfg.relay_window_wait_factor else 0.0
         if tail_ms <= 0:

@@ -986,7 +986,8 @@ def test_a_relay_asks_for_a_window_of_its_ranker_s_wait_tail(
         policy.room.observe(X, report, NOW - 0.1)
     decision = policy.decide(event("a"), [ranker()], NOW)
     assert decision.relay_window_ms == window_ms
-    # Booked for that window, in flight and once resident.
+    # In flight until its dispatch deadline (the longest window), then booked for its own.
+    assert policy.room.live(("a", "", "digest-a"), NOW + WINDOW_MS / 1e3 - 1e-6)
     policy.room.settle(("a", "", "digest-a"), X, NBYTES, NOW + 0.05)
     assert policy.room.live(("a", "", "digest-a"), NOW + 0.05 + window_ms / 1e3 - 1e-6)
     assert policy.room.live(("a", "", "digest-a"), NOW + 0.05 + window_ms / 1e3) is None
