@@ -134,7 +134,7 @@ def parse(argv: list[str] | None = None, description: str | None = __doc__) -> a
     p.add_argument(
         "--rate-step", type=float, default=2.5, help="req/s per ranker: the rate search's grid"
     )
-    p.add_argument("--rate-max", type=float, default=80.0, help="req/s per ranker searched to")
+    p.add_argument("--rate-max", type=float, default=160.0, help="req/s per ranker searched to")
     p.add_argument(
         "--length-rate", type=float, default=5.0, help="req/s per ranker of the length search"
     )
