@@ -81,11 +81,18 @@ def map_points(
     return points
 
 
-def parse(argv: list[str] | None = None, description: str | None = __doc__) -> argparse.Namespace:
-    """The map's options; `description`: the --help text of a benchmark that shares them."""
+def parse(
+    argv: list[str] | None = None,
+    description: str | None = __doc__,
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The map's options; `description`: the --help text of a benchmark that shares them,
+    `options` adds that benchmark's own."""
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    if options is not None:
+        options(p)
     p.add_argument("--profiles", nargs="+", default=list(PROFILES), help="names under profiles/")
     p.add_argument("--rankers", type=int, default=2)
     p.add_argument("--duration", type=float, default=6.0, help="simulated seconds per point")
