@@ -36,6 +36,7 @@ from bench.sim_map import (
     parse,
     profile_rows,
     ratio,
+    search_words,
     spread,
 )
 from tooling.sim.profile import DeviceProfile
@@ -120,7 +121,8 @@ def render(saved: dict[str, Any]) -> str:
         f"- {run_stamp(saved['machine'])} (stamped at the run's start). The map's points where "
         f"the relay room binds or retrievals never rank (`bench/sim_map.py`: its workload, "
         f"{a['rankers']} rankers, compliant throughput searched on a {a['rate_step']:g} "
-        f"req/s-per-ranker grid, {a['duration']:g} simulated seconds a point, longer where "
+        f"req/s-per-ranker grid{search_words(a)}, {a['duration']:g} simulated seconds a point, "
+        f"longer where "
         f"that would count fewer than {a['min_ranks']} Ranks), seeds "
         f"{', '.join(str(s) for s in seeds)}.",
         f"- **Told the no-shows**: the trigger never sees a retrieval whose Rank will not come "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.report import RatePoint, max_compliant
-from tooling.local.search import grid_search
+from tooling.local.search import grid_search, scan_search
 
 __all__ = [
     "MIN_RANKS",
@@ -36,6 +36,7 @@ __all__ = [
     "p99_interval",
     "p99_verdict",
     "ranks_note",
+    "scan_search",
     "seeds_note",
     "verdict_word",
 ]

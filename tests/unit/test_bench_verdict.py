@@ -20,6 +20,7 @@ from bench.verdict import (
     p99_interval,
     p99_verdict,
     ranks_note,
+    scan_search,
     seeds_note,
     verdict_word,
 )
@@ -39,6 +40,14 @@ def test_grid_search_finds_the_largest_passing_multiple(limit: int) -> None:
     assert all(n % 512 == 0 for n in tried)
     assert len(tried) == len(set(tried))  # no length is measured twice
     assert len(tried) <= 8  # doubling then bisecting, not a scan of 23 lengths
+
+
+def test_scan_search_stops_below_the_first_miss_where_bisection_lands_above_it() -> None:
+    passing = {1, 2, 3, 4, 5, 6, 8, 9, 10}  # 7 misses, 8-10 pass again (a P99 at the SLO's edge)
+    assert scan_search(1, 16, 1, passing.__contains__) == (6, [1, 2, 3, 4, 5, 6, 7])
+    assert grid_search(1, 16, 1, passing.__contains__)[0] == 10  # a pass above the miss
+    assert scan_search(1, 16, 1, lambda n: False) == (0, [1])
+    assert scan_search(2, 8, 2, lambda n: True) == (8, [2, 4, 6, 8])
 
 
 def test_compliant_throughput_is_the_rate_below_the_first_miss_per_seed() -> None:

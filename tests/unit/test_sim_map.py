@@ -2,7 +2,9 @@
 
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,8 @@ from bench.sim_map import (
     point_spec,
     ratios,
     render,
+    search_variant,
+    search_words,
     spread,
 )
 from tooling.sim.profile import load_profile
@@ -139,3 +143,41 @@ def test_points_picks_the_labelled_points_and_refuses_a_label_no_point_has() -> 
     assert chosen(parse([]), points) == points
     with pytest.raises(SystemExit, match="no such point: tier=bind"):
         chosen(parse(["--points", "tier=bind"]), points)
+
+
+@dataclass
+class _Point:
+    p99_ms: float
+
+    def compliant(self, slo_ms: float) -> bool:
+        return self.p99_ms <= slo_ms
+
+
+@dataclass
+class _Done:
+    point: _Point
+
+    def summary(self, slo_ms: float) -> dict[str, Any]:
+        return {
+            "p99_ms": self.point.p99_ms, "fleet": {"relays_refused": 0}, "reasons": {},
+            "relayed_ratio": 0.0, "cached_ratio": 0.0, "hit_ratio": 0.0,
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize(("search", "found"), [("bisect", 20.0), ("scan", 5.0)])
+def test_a_scan_reports_the_rate_below_the_first_failure_where_bisection_lands_above_it(
+    monkeypatch: pytest.MonkeyPatch, search: str, found: float
+) -> None:
+    """A P99 that fails at 7.5 req/s per ranker and passes above it (noise at the SLO's edge):
+    bisection stops at a pass above the failure, the scan below it."""
+    args = parse(["--seed", "1", "--no-docs", "--search", search])
+    args.rate_max, args.length_max, args.users = 20.0, 1024, 10_000
+    spec = point_spec(args, load_profile(ROOT / "profiles" / "nvidia-h100.toml"), CENTRE, 1)
+
+    def run_point(spec: Any, variant: str, rate: float, *rest: Any) -> _Done:
+        return _Done(_Point(100.0 if rate / args.rankers == 7.5 else 1.0))
+
+    monkeypatch.setattr("bench.sim_map.run_point", run_point)
+    row = search_variant(args, spec, "relay all", 1, lambda rate: [], lambda text: None)
+    assert row["compliant_per_ranker"] == found
+    assert ("scanned" in search_words(vars(args))) is (search == "scan")

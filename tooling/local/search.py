@@ -1,5 +1,7 @@
-"""A bounded search for the largest value that passes, assuming passing is monotone: the relay
-benchmark's longest sequence, the simulator's, and `relaygr loadgen`'s highest valid QPS."""
+"""A bounded search for the largest value that passes: by doubling and bisecting, assuming
+passing is monotone (the relay benchmark's longest sequence, the simulator's, and `relaygr
+loadgen`'s highest valid QPS), or by a scan up to the first miss (the simulated map's rates,
+with `--search scan`)."""
 
 from collections.abc import Callable
 
@@ -48,4 +50,21 @@ def grid_search(
             good = mid
         else:
             bad = mid
+    return good, tried
+
+
+def scan_search(
+    lo: int, hi: int, step: int, passes: Callable[[int], bool]
+) -> tuple[int, list[int]]:
+    """The largest multiple of `step` in [lo, hi] below which every value tried passes: `lo`,
+    then each next multiple up to the first miss, which assumes nothing of the values above or
+    below it (a P99 near the SLO is not monotone in the rate). Returns the last pass before
+    the first miss (0 if `lo` misses) and the values tried, in order."""
+    tried: list[int] = []
+    good = 0
+    for value in range(lo, hi + 1, step):
+        tried.append(value)
+        if not passes(value):
+            break
+        good = value
     return good, tried
