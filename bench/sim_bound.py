@@ -122,8 +122,7 @@ def render(saved: dict[str, Any]) -> str:
         f"the relay room binds or retrievals never rank (`bench/sim_map.py`: its workload, "
         f"{a['rankers']} rankers, compliant throughput searched on a {a['rate_step']:g} "
         f"req/s-per-ranker grid{search_words(a)}, {a['duration']:g} simulated seconds a point, "
-        f"longer where "
-        f"that would count fewer than {a['min_ranks']} Ranks), seeds "
+        f"longer where that would count fewer than {a['min_ranks']} Ranks), seeds "
         f"{', '.join(str(s) for s in seeds)}.",
         f"- **Told the no-shows**: the trigger never sees a retrieval whose Rank will not come "
         f"(`FleetSettings.no_show_oracle`), which no trigger can do. The better told relay over "
