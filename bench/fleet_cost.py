@@ -25,7 +25,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.pipeline import ROOT, save_results
-from bench.report import add_run_arguments, machine_info, parse_run, publish, run_stamp
+from bench.report import (
+    add_run_arguments,
+    machine_info,
+    parse_run,
+    publish,
+    reproduce_lines,
+    run_stamp,
+)
 from relaygr.cluster import RankerRecord
 from relaygr.placement import ranking
 from services.trigger.config import Mode, TriggerConfig
@@ -116,9 +123,7 @@ def render(saved: dict[str, Any]) -> str:
     sizes = a["sizes"]
     lines = [
         "## Fleet-wide cost of a request: placement and the trigger's decision",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. One core, garbage collection off; {a['users']:,} "
         f"calls of each kind per repeat, {a['repeats']} repeats, the fleet sizes side by side. "
         "Microseconds per call, median [range] over repeats.",

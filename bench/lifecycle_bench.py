@@ -38,7 +38,7 @@ import torch
 
 from bench.chaos import ChaosSettings, Traffic, wrong_scores
 from bench.pipeline import ROOT, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_render_arguments, machine_info, publish, reproduce_lines, run_stamp
 from bench.verdict import p99_ci, ranks_note
 from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
@@ -461,9 +461,7 @@ def render(saved: dict) -> str:
     s = Settings(**saved["settings"])
     lines = [
         f"## Fleet changes: hand-off on drain and peer fetch{_subset(runs)}",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Local mesh per run: etcd, 3 rankers (CPU, the tiny "
         f"model, one thread each, device tier {s.hbm_mb} MiB, host tier {s.dram_mb} MiB), a "
         "router, a trigger in mode `off` (cache only: every hit is a prefix an earlier visit "

@@ -21,7 +21,7 @@ import tokenize
 from dataclasses import dataclass
 
 from bench.pipeline import ROOT, result_name, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_render_arguments, machine_info, publish, reproduce_lines, run_stamp
 from tooling.local.run_stamp import git_output
 
 # The tree issue 25 names ("engine.py (652 lines) ... relaygr/sim/ranker.py (552 lines)"): the
@@ -152,9 +152,7 @@ def render(saved: dict) -> str:
     lines = [
         f"## Lines per behaviour: the issue's tree against one core, two drivers at "
         f"{saved['revision'][:7]}",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Counted at {saved['issue_tree'][:7]} (the tree issue "
         f"25 was filed against) and at {saved['revision'][:7]}. Logical lines hold code: no "
         "blank line, comment or docstring.",

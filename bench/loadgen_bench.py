@@ -16,7 +16,13 @@ import tempfile
 from typing import Any
 
 from bench.pipeline import ROOT
-from bench.report import add_render_arguments, publish, reproduce_command, run_stamp
+from bench.report import (
+    add_render_arguments,
+    publish,
+    reproduce_command,
+    reproduce_lines,
+    run_stamp,
+)
 from relaygr.cli_help import HelpFormatter
 from tooling.local import loadgen
 from tooling.local.drive import HIT_OUTCOMES
@@ -108,9 +114,7 @@ def render(saved: dict[str, Any]) -> str:
     threads = saved.get("ranker_threads", saved["machine"]["threads"])
     return "\n".join([
         "## MLPerf LoadGen: the highest valid QPS of each system (Server scenario)",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Target: {saved['target']} ({s['rankers']} "
         f"`relaygr ranker` processes, model `{s['model']}` on CPU, {threads} intra-op "
         "thread(s) each; router; trigger; etcd), one mesh for the caching systems and one "

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.pipeline import ROOT
-from bench.report import add_render_arguments, dumps_result, publish, run_stamp
+from bench.report import add_render_arguments, dumps_result, publish, reproduce_lines, run_stamp
 from relaygr.cli_help import HelpFormatter
 from tooling.sim.plan_cli import main as plan_main
 
@@ -90,9 +90,7 @@ def render(saved: dict) -> str:
     )
     return "\n".join([
         f"## relaygr plan: {plan['profile']}, {plan['qps']:g} req/s within {plan['slo_ms']:g} ms",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Simulated, not measured: `relaygr plan`'s search "
         f"(variant `{plan['variant']}`); answer: **{found}**; slice checked against the whole "
         f"fleet: {checked}.{took}",

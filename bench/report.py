@@ -19,6 +19,11 @@ DOC_TITLE = (
 )
 
 
+def reproduce_lines(saved: dict[str, Any]) -> list[str]:
+    """The lines under a section's title: the command that reproduces its run, set apart."""
+    return ["", f"Reproduce: `{saved['command']}`.", ""]
+
+
 def run_stamp(info: dict[str, Any]) -> str:
     """When, at which commit and where a run was made: the head of a section's first bullet."""
     return f"Date: {info['date']}; commit: {info['commit']}; machine: {info['machine']}"

@@ -34,6 +34,7 @@ from bench.report import (
     machine_info,
     publish,
     reproduce_command,
+    reproduce_lines,
     run_stamp,
 )
 from relaygr.authz import Role, mesh_policy
@@ -286,9 +287,7 @@ def render_authz(saved: dict[str, Any]) -> str:
     low, high = saved["router_p99_added_ms_ci95"]
     return "\n".join([
         "## Router: what per-method authorization costs",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Two stacks side by side over mutual TLS, each one "
         "ranker and one router with their own identities (one etcd, separate prefixes): "
         "`--authz` on one, `--no-authz` on the other; the client holds the client identity. "
@@ -385,9 +384,7 @@ def render(saved: dict[str, Any]) -> str:
     ]
     return "\n".join([
         "## Router: latency of the hop and etcd writes",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. One etcd, one ranker, one router "
         "and one bare proxy (`bench/bare_proxy.py`: a Python gRPC process that only forwards "
         f"bytes, the floor of any Python hop) on loopback; {args.users} users pre-inferred once, "

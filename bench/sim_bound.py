@@ -25,7 +25,7 @@ import statistics
 from typing import Any
 
 from bench.pipeline import ROOT, result_name, save_results
-from bench.report import machine_info, publish, run_stamp
+from bench.report import machine_info, publish, reproduce_lines, run_stamp
 from bench.sim_map import (
     AXES,
     CORNERS,
@@ -115,9 +115,7 @@ def render(saved: dict[str, Any]) -> str:
     lines = [
         "## How far the trigger could go over relay all where the room or no-shows bind "
         "(simulated)",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])} (stamped at the run's start). The map's points where "
         f"the relay room binds or retrievals never rank (`bench/sim_map.py`: its workload, "
         f"{a['rankers']} rankers, compliant throughput searched on a {a['rate_step']:g} "

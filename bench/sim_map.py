@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.pipeline import ROOT, result_name, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_render_arguments, machine_info, publish, reproduce_lines, run_stamp
 from bench.verdict import grid_search, scan_search
 from relaygr.bounds import AT_LEAST_ONE, Bound, Bounded
 from tooling.local.workload import WorkloadSpec
@@ -473,9 +473,7 @@ def render(saved: dict) -> str:
     seeds = saved["seeds"]
     lines = [
         "## The map: where the relay pays (simulated)",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])} (stamped at the run's start). Simulated "
         "(`tooling.sim`), not measured: profiles of cited figures and labelled assumptions "
         "(profiles/README.md).",

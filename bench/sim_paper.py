@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.pipeline import ROOT, result_name, save_results
-from bench.report import add_render_arguments, machine_info, publish, run_stamp
+from bench.report import add_render_arguments, machine_info, publish, reproduce_lines, run_stamp
 from bench.verdict import (
     MIN_SIM_SEEDS,
     add_seeds_rule,
@@ -198,9 +198,7 @@ def render(saved: dict) -> str:
     profile = saved["profile"]
     lines = [
         "## Simulated at the paper's scale: accelerator rankers",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Simulated (`tooling.sim`), not measured: profile "
         f"`{profile['name']}` ({profile['kind']}: cited figures and labelled assumptions, "
         f"profiles/README.md), device tier {profile['device_tier_mib']:,.0f} MiB per ranker, "

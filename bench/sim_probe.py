@@ -16,7 +16,7 @@ import argparse
 from typing import Any
 
 from bench.pipeline import ROOT, result_name, save_results
-from bench.report import machine_info, publish, run_stamp
+from bench.report import machine_info, publish, reproduce_lines, run_stamp
 from bench.sim_map import AXES, CORNERS, map_points, parse, point_span, point_spec
 from bench.verdict import p99_interval
 from tooling.sim.profile import load_profile
@@ -92,9 +92,7 @@ def render(saved: dict) -> str:
     rows = saved["rows"]
     lines = [
         "## P99 at every rate near a map row's edge (simulated)",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. The map's points (`bench/sim_map.py`, its options "
         "and visits), every rate listed run, each variant on the same visits. A cell: P99 ms "
         "[bootstrap 95% interval], ok or -- against the SLO (and no failure), Ranks counted.",

@@ -18,7 +18,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.pipeline import ROOT, save_results
-from bench.report import add_run_arguments, machine_info, parse_run, publish, run_stamp
+from bench.report import (
+    add_run_arguments,
+    machine_info,
+    parse_run,
+    publish,
+    reproduce_lines,
+    run_stamp,
+)
 from bench.verdict import seeds_note
 from relaygr.cluster import PlacementRecord
 from relaygr.etcd.client import EtcdClient
@@ -161,9 +168,7 @@ def render(saved: dict) -> str:
     peak = f.get("peak_memory_per_ranker", {})
     lines = [
         f"## Sizing: simulated fleet of {n:,} rankers, {a['users']:,} users",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Simulated: profile `{Path(a['profile']).stem}`, "
         f"{a['per_ranker']:g} req/s per ranker ({a['per_ranker'] * n:,.0f} req/s over the fleet), "
         f"variant `{a['variant']}`, SLO {a['slo_ms']:g} ms, gap {a['gap_ms']:g} ms; a slice of "

@@ -15,7 +15,14 @@ import time
 from pathlib import Path
 
 from bench.pipeline import ROOT, save_results
-from bench.report import add_run_arguments, machine_info, parse_run, publish, run_stamp
+from bench.report import (
+    add_run_arguments,
+    machine_info,
+    parse_run,
+    publish,
+    reproduce_lines,
+    run_stamp,
+)
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.profile import load_profile
@@ -72,9 +79,7 @@ def render(saved: dict) -> str:
     a = saved["args"]
     lines = [
         "## Simulator speed",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. {a['rankers']} simulated rankers at "
         f"{a['per_ranker']:g} req/s each ({a['per_ranker'] * a['rankers']:,.0f} req/s), "
         f"{a['users']:,} users, {a['duration']:g} simulated s per run, {a['repeats']} repeats; "

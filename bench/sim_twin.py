@@ -30,7 +30,7 @@ from bench.pipeline import (
     save_results,
 )
 from bench.relay_bench import VARIANTS, add_mesh_arguments, mesh_spec, workload
-from bench.report import load_result, machine_info, publish, run_stamp
+from bench.report import load_result, machine_info, publish, reproduce_lines, run_stamp
 from bench.sim_validate import fleet_settings
 from relaygr.cost import CostModel
 from tooling.local.drive import Point
@@ -125,9 +125,7 @@ def render(saved: dict[str, Any]) -> str:
     tag = f" ({a['tag']})" if a["tag"] else ""
     lines = [
         f"## The mesh point's simulated twin{tag}",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(saved['machine'])}. Simulated (`tooling.sim`), not measured: the relay "
         f"benchmark's trace and configuration, {a['no_show']:.0%} of retrievals never ranked, "
         f"a {a['hbm_mb']} MiB device tier, gap {a['gap_ms']:g} ms, SLO {a['slo_ms']:g} ms, "

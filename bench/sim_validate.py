@@ -54,7 +54,14 @@ from bench.relay_bench import (
     mesh_spec,
     workload,
 )
-from bench.report import load_result, machine_info, max_compliant, run_stamp, write_section
+from bench.report import (
+    load_result,
+    machine_info,
+    max_compliant,
+    reproduce_lines,
+    run_stamp,
+    write_section,
+)
 from bench.verdict import labelled, ranks_note
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
@@ -450,9 +457,7 @@ def render(saved: dict) -> str:
     return "\n".join([
         "## Simulator validation: the same trace through the real mesh and the simulator"
         + (f" ({args.tag})" if args.tag else ""),
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(info)}; {len(per_seed)} seed(s) ({', '.join(per_seed)}). Real side: per "
         f"seed, fresh local meshes as `bench/relay_bench.py` starts them (etcd, two `relaygr "
         f"ranker` processes on CPU with {saved['ranker_threads']} intra-op thread(s) each, "

@@ -36,6 +36,7 @@ from bench.report import (
     machine_info,
     publish,
     reproduce_command,
+    reproduce_lines,
     run_stamp,
 )
 from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
@@ -203,9 +204,7 @@ def render(saved: dict[str, Any]) -> str:
     load = f"{args.load_before:.2f} at the start, {saved['load_after']:.2f} at the end"
     return "\n".join([
         "## Tracing: what it costs a Rank",
-        "",
-        f"Reproduce: `{saved['command']}`.",
-        "",
+        *reproduce_lines(saved),
         f"- {run_stamp(info)}; torch {info['torch']}, "
         f"Python {info['python']}. 1-minute load average: {load}.",
         f"- Three `relaygr ranker` processes (CPU, {BENCH_MODEL.num_layers} layers, d_model "
