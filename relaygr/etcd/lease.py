@@ -100,13 +100,22 @@ class KeptLease:
                 self.connected = False
                 await backoff.sleep()
                 delay = 0.0
+            except Exception:
+                # Whatever a client library raises, the keeper goes on: a keeper that died would
+                # leave the lease to lapse while `connected` still read True.
+                log.exception("etcd lease keepalive failed unexpectedly, retrying")
+                self.connected = False
+                await backoff.sleep()
+                delay = 0.0
 
     async def _replace(self) -> None:
         lease = await self._etcd.grant_lease(self._ttl_s)
         try:
             await self._on_new_lease(lease)
-        except Unavailable:
-            raise  # etcd failed again mid re-registration: grant another once it answers
+        except RelayGRError:
+            # etcd failed again mid re-registration, or refused the owner's put under this
+            # lease (it lapsed already): grant another once it answers.
+            raise
         except Exception:
             # The owner's bug; keep the lease rather than re-grant in a loop that leaks leases.
             log.exception("on_new_lease failed for etcd lease %d", lease.id)

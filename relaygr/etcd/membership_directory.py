@@ -12,11 +12,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from relaygr.aio import cancel_and_wait
 from relaygr.cluster import PlacementRecord, RankerRecord
-from relaygr.errors import InvalidInput
+from relaygr.errors import InvalidInput, RelayGRError
 from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.lease import KeptLease, Lease
+from relaygr.etcd.retry import Backoff
 from relaygr.etcd.watch import EventKind, Watch, WatchEvent
 from relaygr.json_object import json_object
 
@@ -59,7 +61,9 @@ class EtcdMembershipDirectory:
     the local view as soon as etcd acknowledges). Malformed values are logged and treated as
     absent. While etcd is down the views stay as last seen and every method that writes raises
     `Unavailable` (except `deregister`, whose lease then lapses within its TTL); watches and kept
-    leases resume by themselves. `writes` counts etcd write requests that succeeded: "put",
+    leases resume by themselves. Once started, the rankers watch also guards the records
+    registered here: one seen deleted, or under a lease granted here but no longer kept, is put
+    back under the kept lease (`_owned_record_seen`). `writes` counts etcd write requests that succeeded: "put",
     "delete", "lease_grant", "lease_revoke".
     """
 
@@ -83,6 +87,10 @@ class EtcdMembershipDirectory:
         self._owned: dict[str, tuple[RankerRecord, KeptLease | None]] = {}
         # One per owned instance: its record's puts go one at a time (see `register`).
         self._puts: dict[str, asyncio.Lock] = {}
+        # Leases granted here, by owned instance; and the puts restoring an owned record the
+        # watch saw gone or under one of them no longer kept (see `_owned_record_seen`).
+        self._granted: dict[str, set[int]] = {}
+        self._restoring: dict[str, asyncio.Task[None]] = {}
         self._watches: list[Watch] = []
         self.writes: Counter[str] = Counter()
         # When a ranker last joined or left the view (`clock` seconds); its start counts.
@@ -108,6 +116,7 @@ class EtcdMembershipDirectory:
         watches, self._watches = self._watches, []
         for watch in watches:
             await watch.cancel()
+        await cancel_and_wait(*self._restoring.values())
 
     # Membership
 
@@ -121,23 +130,7 @@ class EtcdMembershipDirectory:
         instance_id = record.instance_id
         if instance_id in self._owned:
             self._owned[instance_id] = (record, self._owned[instance_id][1])
-            # After any put of the record still on its way (a new lease's), and under the lease
-            # kept once it landed: a put sent under a lease the keeper has since replaced would
-            # land after the new lease's put and tie the record to the old lease, which etcd
-            # lets lapse (after an outage it restores the old lease for one more TTL), taking
-            # the record, and the ranker, out of every view until its next put.
-            async with self._puts[instance_id]:
-                kept = self._owned[instance_id][1] if instance_id in self._owned else None
-                lease = None if kept is None else kept.lease
-                if kept is None or lease is None:
-                    return  # the coming replacement lease puts the newest record
-                try:
-                    await self._put_ranker(self._owned[instance_id][0], lease)
-                except EtcdRejected:
-                    if kept.lease is lease:
-                        raise
-                    # The lease lapsed while the put was on its way, and the keeper replaced it:
-                    # the new lease's put carries this record.
+            await self._put_owned(instance_id)
             return
 
         # This registration's lock: a deregister (a drain begun during start-up) drops it, and
@@ -149,6 +142,8 @@ class EtcdMembershipDirectory:
 
         async def on_new_lease(lease: Lease) -> None:
             self.writes["lease_grant"] += 1
+            if current():
+                self._granted.setdefault(instance_id, set()).add(lease.id)
             async with puts:
                 if current():
                     await self._put_ranker(self._owned[instance_id][0], lease)
@@ -174,9 +169,83 @@ class EtcdMembershipDirectory:
         """
         record_and_kept = self._owned.pop(instance_id, None)
         self._puts.pop(instance_id, None)  # a put waiting on it finds the instance gone
+        self._granted.pop(instance_id, None)
+        await cancel_and_wait(self._restoring.pop(instance_id, None))
         if record_and_kept is None or record_and_kept[1] is None:
             return
         await self._revoke(record_and_kept[1])
+
+    async def _put_owned(self, instance_id: str) -> None:
+        """Put the newest record of an instance registered here under the lease kept now.
+
+        After any put of the record still on its way (a new lease's), and under the lease kept
+        once it landed: a put sent under a lease the keeper has since replaced would land after
+        the new lease's put and tie the record to the old lease, which etcd lets lapse (after an
+        outage it restores the old lease for one more TTL), taking the record, and the ranker,
+        out of every view until its next put. Nothing to do while no lease is kept (the coming
+        replacement puts the newest record) or once the instance is deregistered.
+        """
+        puts = self._puts.get(instance_id)
+        if puts is None:
+            return
+        async with puts:
+            kept = self._owned[instance_id][1] if instance_id in self._owned else None
+            lease = None if kept is None else kept.lease
+            if kept is None or lease is None:
+                return
+            try:
+                await self._put_ranker(self._owned[instance_id][0], lease)
+            except EtcdRejected:
+                if kept.lease is lease:
+                    raise
+                # The lease lapsed while the put was on its way, and the keeper replaced it:
+                # the new lease's put carries this record.
+
+    def _owned_record_seen(self, instance_id: str, lease_id: int | None) -> None:
+        """The watch saw the record of an instance registered here put under `lease_id` (None:
+        deleted). If it is gone, or under a lease granted here but no longer kept, put it back
+        under the lease kept now: whatever took it (a put that raced a lease replacement, a
+        lapsed lease, an operator's delete), a ranker that serves stays in every view without
+        waiting for its next put. A lease granted elsewhere is another process registering the
+        same instance id: a misconfiguration reported, never fought over."""
+        kept = self._owned[instance_id][1] if instance_id in self._owned else None
+        lease = None if kept is None else kept.lease
+        if lease is None or lease.id == lease_id or instance_id in self._restoring:
+            return
+        if lease_id is not None and lease_id not in self._granted.get(instance_id, ()):
+            log.error(
+                "instance id %s is registered by another process too (lease %d, not ours):"
+                " give each ranker its own instance id",
+                instance_id,
+                lease_id,
+            )
+            return
+        log.warning(
+            "the record of %s is %s in etcd: putting it back under lease %d",
+            instance_id,
+            "gone" if lease_id is None else f"under lapsing lease {lease_id}",
+            lease.id,
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._restore(instance_id), name=f"etcd-restore-{instance_id}"
+        )
+        self._restoring[instance_id] = task
+
+        def done(finished: asyncio.Task[None]) -> None:
+            if self._restoring.get(instance_id) is finished:
+                del self._restoring[instance_id]
+
+        task.add_done_callback(done)
+
+    async def _restore(self, instance_id: str) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                await self._put_owned(instance_id)
+                return
+            except RelayGRError as err:  # etcd down, or the lease lapsed: its keeper replaces it
+                log.info("putting back the record of %s failed, retrying: %s", instance_id, err)
+            await backoff.sleep()
 
     async def _revoke(self, kept: KeptLease) -> None:
         if kept.lease is not None:
@@ -265,6 +334,8 @@ class EtcdMembershipDirectory:
         instance_id = event.key.removeprefix(self._rankers_prefix)
         if event.kind is EventKind.DELETE or event.value is None:
             self._drop_ranker(instance_id)
+            if instance_id in self._owned:
+                self._owned_record_seen(instance_id, None)
             return
         try:
             raw = json_object(event.value, RankerRecord.__name__, InvalidInput)
@@ -283,6 +354,8 @@ class EtcdMembershipDirectory:
         self._rankers = {**self._rankers, instance_id: record}
         self._view = types.MappingProxyType(self._rankers)
         self._leases[instance_id] = lease_id
+        if instance_id in self._owned:
+            self._owned_record_seen(instance_id, lease_id)
 
     def _drop_ranker(self, instance_id: str) -> None:
         if instance_id not in self._rankers:

@@ -139,6 +139,12 @@ class Watch:
                     await self._etcd.drop(client)
                 else:
                     log.warning("etcd watch %r failed, re-creating: %s", self.prefix, err)
+            except Exception:
+                # Whatever a client library raises, the watch goes on from its last revision: a
+                # watch that died would freeze its view while `connected` still read True.
+                log.exception("etcd watch %r failed unexpectedly, re-creating", self.prefix)
+                if client is not None:
+                    await self._etcd.drop(client)
             if self.connected:
                 log.warning(
                     "etcd watch %r lost at revision %d, re-creating",

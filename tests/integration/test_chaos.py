@@ -179,4 +179,13 @@ def mesh_state(mesh: LocalMesh) -> str:
                 lines.append(f"{entry.name} {sample.name}{sample.labels} {sample.value:g}")
     entries = asyncio.run(etcd_records(mesh, "/relaygr/directory/"))
     lines.append(f"directory entries by instance: {Counter(e['instance_id'] for e in entries)}")
+    rankers = asyncio.run(etcd_records(mesh, "/relaygr/rankers/"))
+    lines.append(
+        f"ranker records (instance: lease): {[(r['instance_id'], r['lease']) for r in rankers]}"
+    )
+    for name in ("ranker-0", "ranker-1"):  # each one's etcd story, this life's log
+        story = [
+            line for line in mesh.service(name).tail(200_000).splitlines() if "relaygr.etcd" in line
+        ]
+        lines.extend(f"{name}: {line}" for line in story[-12:])
     return "\n".join(lines)

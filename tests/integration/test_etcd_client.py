@@ -7,11 +7,13 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from relaygr.errors import ConfigError, Unavailable
 from relaygr.etcd.client import EtcdClient
+from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.lease import Lease
 from relaygr.etcd.watch import EventKind, WatchEvent
 from tests.integration.etcd_server import EtcdServer
@@ -150,6 +152,113 @@ async def test_watch_from_a_compacted_revision_resyncs(etcd_server: EtcdServer) 
         await eventually(live, "a live event after the resync", timeout_s=5)
         assert (events[1].kind, events[1].key) == (EventKind.PUT, "/t/dir/new")
         await watch.cancel()
+    finally:
+        await client.close()
+
+
+class Flaky(EtcdClient):
+    """A real etcd client whose next keepalive, when asked, first refreshes the lease for real
+    and then fails: `forget` answers "lease unknown" (etcd expired it), `raise_` raises it."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.forget_next = False
+        self.raise_next: BaseException | None = None
+        self.refreshed = 0
+
+    async def refresh_lease(self, lease: Lease) -> bool:
+        alive = await super().refresh_lease(lease)
+        self.refreshed += 1
+        if self.raise_next is not None:
+            err, self.raise_next = self.raise_next, None
+            raise err
+        if self.forget_next:
+            self.forget_next = False
+            return False
+        return alive
+
+
+async def test_a_lease_whose_re_registration_etcd_refuses_is_replaced_again(
+    etcd_server: EtcdServer,
+) -> None:
+    """etcd refuses the owner's put under a replacement lease (it lapsed already): the keeper
+    grants another and re-registers under it, rather than keep a lease that holds nothing."""
+    client = Flaky([etcd_server.endpoint])
+    leases: list[Lease] = []
+
+    async def register(lease: Lease) -> None:
+        leases.append(lease)
+        if len(leases) == 2:
+            raise EtcdRejected("etcd put: requested lease not found")
+        await client.put("/t/rankers/r4", b"addr", lease)
+
+    try:
+        kept = await client.keep_lease(TTL_S, register)
+        client.forget_next = True
+
+        async def re_registered() -> bool:
+            values, _ = await client.get_prefix("/t/rankers/")
+            return len(leases) >= 3 and "/t/rankers/r4" in values and kept.lease is not None
+
+        await eventually(re_registered, "a third lease carries the key", timeout_s=10)
+        assert kept.lease_id == leases[2].id
+    finally:
+        await client.close()
+
+
+async def test_a_keepalive_failing_unexpectedly_does_not_stop_the_keeper(
+    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever the client library raises in a keepalive, the keeper goes on refreshing: the key
+    outlives the lease's TTL, and the failure is logged."""
+    client = Flaky([etcd_server.endpoint])
+    try:
+        await client.keep_lease(TTL_S, lambda lease: client.put("/t/rankers/r5", b"a", lease))
+        client.raise_next = RuntimeError("a client library's bug")
+        await eventually(lambda: client.raise_next is None, "the keepalive raised", timeout_s=5)
+        raised_at = client.refreshed
+        # Refreshed again past the TTL after the failure: the keeper lives.
+        await eventually(
+            lambda: client.refreshed >= raised_at + 4, "the keeper refreshes again", timeout_s=10
+        )
+        assert await client.get("/t/rankers/r5") == b"a"
+        assert "keepalive failed unexpectedly" in caplog.text
+    finally:
+        await client.close()
+
+
+class BrokenWatchOnce(EtcdClient):
+    """A real etcd client whose next watch stream fails with an error no client library
+    documents (a bug of its own), once."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.broken = True
+
+    def current(self) -> Any:
+        if not self.broken:
+            return super().current()
+        self.broken = False
+
+        class Broken:
+            async def watch_prefix(self, *args: object, **kwargs: object) -> None:
+                raise RuntimeError("a client library's bug")
+
+        return Broken()
+
+
+async def test_a_watch_failing_unexpectedly_is_re_created(
+    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever the client library raises, a watch goes on from its last revision: the change
+    made after the failure is delivered, and the failure is logged."""
+    client = BrokenWatchOnce([etcd_server.endpoint])
+    events: list[WatchEvent] = []
+    try:
+        await client.watch_prefix("/t/watched/", events.append, start_revision=1)
+        await eventually(lambda: "failed unexpectedly" in caplog.text, "the failure logged")
+        await client.put("/t/watched/a", b"1")
+        await eventually(lambda: [e.key for e in events] == ["/t/watched/a"], "the put seen")
     finally:
         await client.close()
 

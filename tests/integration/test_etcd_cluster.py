@@ -296,6 +296,123 @@ async def test_a_record_put_while_its_lease_is_replaced_stays_registered(
         await router_client.close()
 
 
+async def test_a_rankers_record_deleted_behind_its_back_is_put_back(
+    etcd_server: EtcdServer,
+) -> None:
+    """An operator's delete (or anything else) takes a serving ranker's record out of etcd: the
+    ranker sees it through its watch and puts it back under the lease it keeps."""
+    async with two_processes(etcd_server) as p:
+        ranker_side, router_side, router_client = p.ranker, p.router, p.router_client
+        await ranker_side.start()
+        await router_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        key = "/relaygr/rankers/r0"
+        lease = json.loads(await router_client.get(key) or b"{}")["lease"]
+        assert await router_client.delete(key)
+
+        async def back_under_its_lease() -> bool:
+            value = await router_client.get(key)
+            return value is not None and json.loads(value)["lease"] == lease
+
+        await eventually(back_under_its_lease, "the record put back under the kept lease")
+        await eventually(lambda: router_side.view().get("r0") == ranker("r0"), "r0 seen again")
+        await ranker_side.deregister("r0")
+        await eventually(lambda: "r0" not in router_side.view(), "a deregistration stays")
+        assert await router_client.get(key) is None
+
+
+class Forgetful(EtcdClient):
+    """A real etcd client whose next keepalive, when asked, refreshes the lease for real and
+    then reports it unknown: its keeper replaces a lease that etcd still holds for a TTL."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.forget_next = False
+
+    async def refresh_lease(self, lease: Lease) -> bool:
+        alive = await super().refresh_lease(lease)
+        if self.forget_next:
+            self.forget_next = False
+            return False
+        return alive
+
+
+async def test_a_record_left_under_a_replaced_lease_moves_to_the_kept_one(
+    etcd_server: EtcdServer,
+) -> None:
+    """A put of the ranker's record lands under a lease its keeper has just replaced (the old
+    lease still lives for a TTL, as after an etcd restart): the ranker sees it through its
+    watch and moves the record to the kept lease, so it outlives the old one."""
+    endpoints = [etcd_server.endpoint]
+    ranker_client, router_client = Forgetful(endpoints), EtcdClient(endpoints)
+    ranker_side = EtcdMembershipDirectory(ranker_client)
+    router_side = EtcdMembershipDirectory(router_client)
+    key = "/relaygr/rankers/r0"
+
+    async def lease_in_etcd() -> int | None:
+        value = await router_client.get(key)
+        return None if value is None else int(json.loads(value)["lease"])
+
+    try:
+        await ranker_side.start()
+        await router_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        old = await lease_in_etcd()
+        assert old is not None
+        ranker_client.forget_next = True
+
+        async def replaced() -> bool:
+            return await lease_in_etcd() not in (None, old)
+
+        await eventually(replaced, "the keeper's new lease carries the record")
+        new = await lease_in_etcd()
+        # The late put under the old lease, which etcd holds for up to a TTL more.
+        stale = _with_lease(ranker("r0"), old)
+        await router_client.put(key, stale, Lease(id=old, ttl_s=0))
+
+        async def old_lease_lapsed() -> bool:
+            try:
+                await router_client.put("/relaygr/probe", b"", Lease(id=old, ttl_s=0))
+            except EtcdRejected:  # lease not found
+                return True
+            return False
+
+        await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=TTL_S + 3)
+        assert await lease_in_etcd() == new
+        assert "r0" in router_side.view()
+    finally:
+        await ranker_side.stop()
+        await router_side.stop()
+        await ranker_client.close()
+        await router_client.close()
+
+
+async def test_another_process_registering_the_same_instance_id_is_reported_not_fought(
+    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes given one instance id: the first sees its record put under a lease it never
+    held, logs the misconfiguration, and leaves the record alone (no put war)."""
+    async with two_processes(etcd_server) as p:
+        ranker_side, router_client = p.ranker, p.router_client
+        await ranker_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        puts = ranker_side.writes["put"]
+        theirs = await router_client.grant_lease(60)
+        key = "/relaygr/rankers/r0"
+        await router_client.put(key, _with_lease(ranker("r0"), theirs.id), theirs)
+        await eventually(
+            lambda: "registered by another process too" in caplog.text, "the clash reported"
+        )
+        assert ranker_side.writes["put"] == puts
+        assert json.loads(await router_client.get(key) or b"{}")["lease"] == theirs.id
+        await router_client.revoke_lease(theirs)
+
+
+def _with_lease(record: RankerRecord, lease_id: int) -> bytes:
+    """`record` as a ranker puts it in etcd, under `lease_id`."""
+    return json.dumps({**json.loads(record.to_json()), "lease": lease_id}).encode()
+
+
 async def test_a_ranker_deregistered_while_registering_is_not_left_registered(
     etcd_server: EtcdServer,
 ) -> None:
