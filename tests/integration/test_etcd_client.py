@@ -16,6 +16,7 @@ from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.lease import Lease
 from relaygr.etcd.watch import EventKind, WatchEvent
+from tests.integration.etcd_faults import Flaky
 from tests.integration.etcd_server import EtcdServer
 from tests.polling import eventually
 
@@ -154,28 +155,6 @@ async def test_watch_from_a_compacted_revision_resyncs(etcd_server: EtcdServer) 
         await watch.cancel()
     finally:
         await client.close()
-
-
-class Flaky(EtcdClient):
-    """A real etcd client whose next keepalive, when asked, first refreshes the lease for real
-    and then fails: `forget` answers "lease unknown" (etcd expired it), `raise_` raises it."""
-
-    def __init__(self, endpoints: list[str]) -> None:
-        super().__init__(endpoints)
-        self.forget_next = False
-        self.raise_next: BaseException | None = None
-        self.refreshed = 0
-
-    async def refresh_lease(self, lease: Lease) -> bool:
-        alive = await super().refresh_lease(lease)
-        self.refreshed += 1
-        if self.raise_next is not None:
-            err, self.raise_next = self.raise_next, None
-            raise err
-        if self.forget_next:
-            self.forget_next = False
-            return False
-        return alive
 
 
 async def test_a_lease_whose_re_registration_etcd_refuses_is_replaced_again(

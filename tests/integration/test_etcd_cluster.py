@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -18,6 +18,7 @@ from relaygr.etcd.client import EtcdClient
 from relaygr.etcd.errors import EtcdRejected
 from relaygr.etcd.lease import Lease
 from relaygr.etcd.membership_directory import EtcdMembershipDirectory
+from tests.integration.etcd_faults import Flaky
 from tests.integration.etcd_server import EtcdServer
 from tests.polling import eventually
 
@@ -237,14 +238,10 @@ async def test_a_record_put_while_its_lease_is_replaced_stays_registered(
     router_side = EtcdMembershipDirectory(router_client)
     key = "/relaygr/rankers/r0"
 
-    async def lease_of_r0() -> int | None:
-        values, _ = await router_client.get_prefix("/relaygr/rankers/")
-        return json.loads(values[key])["lease"] if key in values else None
-
     try:
         await router_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
-        old = await lease_of_r0()
+        old = await lease_of(router_client, "r0")
         assert old is not None
         held.held_lease = old
         refitted = replace(ranker("r0"), fixed_ms=3.0)
@@ -263,14 +260,8 @@ async def test_a_record_put_while_its_lease_is_replaced_stays_registered(
             held.other_landed.clear()
             await asyncio.wait_for(held.other_landed.wait(), timeout=10)
 
-        async def old_lease_lapsed() -> bool:
-            try:
-                await router_client.put("/relaygr/probe", b"", Lease(id=old, ttl_s=0))
-            except EtcdRejected:  # lease not found
-                return True
-            except Unavailable:  # the client's channels may lag the restart briefly
-                return False
-            return False
+        def old_lease_lapsed() -> Awaitable[bool]:
+            return lapsed(router_client, old)
 
         if lands == "after the old lease lapsed":
             await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=15)
@@ -307,34 +298,17 @@ async def test_a_rankers_record_deleted_behind_its_back_is_put_back(
         await router_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
         key = "/relaygr/rankers/r0"
-        lease = json.loads(await router_client.get(key) or b"{}")["lease"]
-        assert await router_client.delete(key)
+        lease = await lease_of(router_client, "r0")
+        assert lease is not None and await router_client.delete(key)
 
         async def back_under_its_lease() -> bool:
-            value = await router_client.get(key)
-            return value is not None and json.loads(value)["lease"] == lease
+            return await lease_of(router_client, "r0") == lease
 
         await eventually(back_under_its_lease, "the record put back under the kept lease")
         await eventually(lambda: router_side.view().get("r0") == ranker("r0"), "r0 seen again")
         await ranker_side.deregister("r0")
         await eventually(lambda: "r0" not in router_side.view(), "a deregistration stays")
         assert await router_client.get(key) is None
-
-
-class Forgetful(EtcdClient):
-    """A real etcd client whose next keepalive, when asked, refreshes the lease for real and
-    then reports it unknown: its keeper replaces a lease that etcd still holds for a TTL."""
-
-    def __init__(self, endpoints: list[str]) -> None:
-        super().__init__(endpoints)
-        self.forget_next = False
-
-    async def refresh_lease(self, lease: Lease) -> bool:
-        alive = await super().refresh_lease(lease)
-        if self.forget_next:
-            self.forget_next = False
-            return False
-        return alive
 
 
 async def test_a_record_left_under_a_replaced_lease_moves_to_the_kept_one(
@@ -344,41 +318,32 @@ async def test_a_record_left_under_a_replaced_lease_moves_to_the_kept_one(
     lease still lives for a TTL, as after an etcd restart): the ranker sees it through its
     watch and moves the record to the kept lease, so it outlives the old one."""
     endpoints = [etcd_server.endpoint]
-    ranker_client, router_client = Forgetful(endpoints), EtcdClient(endpoints)
+    ranker_client, router_client = Flaky(endpoints), EtcdClient(endpoints)
     ranker_side = EtcdMembershipDirectory(ranker_client)
     router_side = EtcdMembershipDirectory(router_client)
     key = "/relaygr/rankers/r0"
-
-    async def lease_in_etcd() -> int | None:
-        value = await router_client.get(key)
-        return None if value is None else int(json.loads(value)["lease"])
 
     try:
         await ranker_side.start()
         await router_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
-        old = await lease_in_etcd()
+        old = await lease_of(router_client, "r0")
         assert old is not None
         ranker_client.forget_next = True
 
         async def replaced() -> bool:
-            return await lease_in_etcd() not in (None, old)
+            return await lease_of(router_client, "r0") not in (None, old)
 
         await eventually(replaced, "the keeper's new lease carries the record")
-        new = await lease_in_etcd()
+        new = await lease_of(router_client, "r0")
         # The late put under the old lease, which etcd holds for up to a TTL more.
         stale = _with_lease(ranker("r0"), old)
         await router_client.put(key, stale, Lease(id=old, ttl_s=0))
 
-        async def old_lease_lapsed() -> bool:
-            try:
-                await router_client.put("/relaygr/probe", b"", Lease(id=old, ttl_s=0))
-            except EtcdRejected:  # lease not found
-                return True
-            return False
-
-        await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=TTL_S + 3)
-        assert await lease_in_etcd() == new
+        await eventually(
+            lambda: lapsed(router_client, old), "the old lease lapsed", timeout_s=TTL_S + 3
+        )
+        assert await lease_of(router_client, "r0") == new
         assert "r0" in router_side.view()
     finally:
         await ranker_side.stop()
@@ -404,8 +369,25 @@ async def test_another_process_registering_the_same_instance_id_is_reported_not_
             lambda: "registered by another process too" in caplog.text, "the clash reported"
         )
         assert ranker_side.writes["put"] == puts
-        assert json.loads(await router_client.get(key) or b"{}")["lease"] == theirs.id
+        assert await lease_of(router_client, "r0") == theirs.id
         await router_client.revoke_lease(theirs)
+
+
+async def lease_of(client: EtcdClient, instance_id: str) -> int | None:
+    """The lease `instance_id`'s record is put under in etcd (None: no record)."""
+    value = await client.get(f"/relaygr/rankers/{instance_id}")
+    return None if value is None else int(json.loads(value)["lease"])
+
+
+async def lapsed(client: EtcdClient, lease_id: int) -> bool:
+    """Whether etcd no longer knows `lease_id` (a put under it is refused)."""
+    try:
+        await client.put("/relaygr/probe", b"", Lease(id=lease_id, ttl_s=0))
+    except EtcdRejected:  # lease not found
+        return True
+    except Unavailable:  # the client's channels may lag a restart briefly
+        return False
+    return False
 
 
 def _with_lease(record: RankerRecord, lease_id: int) -> bytes:
