@@ -63,8 +63,8 @@ class EtcdMembershipDirectory:
     `Unavailable` (except `deregister`, whose lease then lapses within its TTL); watches and kept
     leases resume by themselves. Once started, the rankers watch also guards the records
     registered here: one seen deleted, or under a lease granted here but no longer kept, is put
-    back under the kept lease (`_owned_record_seen`). `writes` counts etcd write requests that succeeded: "put",
-    "delete", "lease_grant", "lease_revoke".
+    back under the kept lease (`_owned_record_seen`). `writes` counts etcd write requests that
+    succeeded: "put", "delete", "lease_grant", "lease_revoke".
     """
 
     def __init__(

@@ -64,11 +64,15 @@ class Processes(NamedTuple):
 
 @contextlib.asynccontextmanager
 async def two_processes(
-    etcd_server: EtcdServer, clock: Callable[[], float] = time.time
+    etcd_server: EtcdServer,
+    clock: Callable[[], float] = time.time,
+    ranker_client: EtcdClient | None = None,
 ) -> AsyncIterator[Processes]:
-    """A ranker's and a router's directory on `etcd_server`, stopped and disconnected after."""
+    """A ranker's and a router's directory on `etcd_server` (the ranker's over `ranker_client`,
+    if given), stopped and disconnected after."""
     endpoints = [etcd_server.endpoint]
-    ranker_client, router_client = EtcdClient(endpoints), EtcdClient(endpoints)
+    ranker_client = ranker_client or EtcdClient(endpoints)
+    router_client = EtcdClient(endpoints)
     ranker_side = EtcdMembershipDirectory(ranker_client, clock=clock)
     router_side = EtcdMembershipDirectory(router_client, clock=clock)
     try:
@@ -232,59 +236,55 @@ async def test_a_record_put_while_its_lease_is_replaced_stays_registered(
     were sent in, the record ends up under the kept lease, with the newest values: it outlives
     the old lease, which etcd restored at its restart and then lets lapse. A republish that
     reaches etcd once the old lease is gone is no error: the new lease's put carries it."""
-    endpoints = [etcd_server.endpoint]
-    held, router_client = HeldPut(endpoints), EtcdClient(endpoints)
-    ranker_side = EtcdMembershipDirectory(held)
-    router_side = EtcdMembershipDirectory(router_client)
+    held = HeldPut([etcd_server.endpoint])
     key = "/relaygr/rankers/r0"
+    async with two_processes(etcd_server, ranker_client=held) as p:
+        ranker_side, router_side, router_client = p.ranker, p.router, p.router_client
+        try:
+            await router_side.start()
+            await ranker_side.register(ranker("r0"), TTL_S)
+            old = await lease_of(router_client, "r0")
+            assert old is not None
+            held.held_lease = old
+            refitted = replace(ranker("r0"), fixed_ms=3.0)
+            republish = asyncio.create_task(ranker_side.register(refitted, TTL_S))
+            await asyncio.wait_for(held.held.wait(), timeout=10)  # sent under the old lease
 
-    try:
-        await router_side.start()
-        await ranker_side.register(ranker("r0"), TTL_S)
-        old = await lease_of(router_client, "r0")
-        assert old is not None
-        held.held_lease = old
-        refitted = replace(ranker("r0"), fixed_ms=3.0)
-        republish = asyncio.create_task(ranker_side.register(refitted, TTL_S))
-        await asyncio.wait_for(held.held.wait(), timeout=10)  # sent under the old lease
+            await asyncio.to_thread(etcd_server.stop)
+            held.granted.clear()
+            # The outage itself is under test: it outlasts the TTL, so the lease counts as lost.
+            await asyncio.sleep(TTL_S + 1.0)
+            await asyncio.to_thread(etcd_server.start)
+            await asyncio.wait_for(held.granted.wait(), timeout=15)  # the keeper's new lease
+            # A put the new lease sent at once (in the step that granted it) lands first; then the
+            # held one goes on.
+            if held.others_on_their_way:
+                held.other_landed.clear()
+                await asyncio.wait_for(held.other_landed.wait(), timeout=10)
 
-        await asyncio.to_thread(etcd_server.stop)
-        held.granted.clear()
-        # The outage itself is under test: it outlasts the TTL, so the lease counts as lost.
-        await asyncio.sleep(TTL_S + 1.0)
-        await asyncio.to_thread(etcd_server.start)
-        await asyncio.wait_for(held.granted.wait(), timeout=15)  # the keeper's new lease
-        # A put the new lease sent at once (in the step that granted it) lands first; then the
-        # held one goes on.
-        if held.others_on_their_way:
-            held.other_landed.clear()
-            await asyncio.wait_for(held.other_landed.wait(), timeout=10)
+            def old_lease_lapsed() -> Awaitable[bool]:
+                return lapsed(router_client, old)
 
-        def old_lease_lapsed() -> Awaitable[bool]:
-            return lapsed(router_client, old)
-
-        if lands == "after the old lease lapsed":
+            if lands == "after the old lease lapsed":
+                await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=15)
+            held.release.set()
+            await asyncio.wait_for(republish, timeout=10)  # raises what the republish raised
             await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=15)
-        held.release.set()
-        await asyncio.wait_for(republish, timeout=10)  # raises what the republish raised
-        await eventually(old_lease_lapsed, "the old lease lapsed", timeout_s=15)
 
-        async def newest_record_under_another_lease() -> bool:
-            values, _ = await router_client.get_prefix("/relaygr/rankers/")
-            stored = json.loads(values[key]) if key in values else {}
-            return stored.get("lease") not in (None, old) and stored.get("fixed_ms") == 3.0
+            async def newest_record_under_another_lease() -> bool:
+                values, _ = await router_client.get_prefix("/relaygr/rankers/")
+                stored = json.loads(values[key]) if key in values else {}
+                return stored.get("lease") not in (None, old) and stored.get("fixed_ms") == 3.0
 
-        # Gone for good if it went with the old lease: its keeper renews the new one only.
-        await eventually(newest_record_under_another_lease, "the newest record under a kept lease")
-        await eventually(
-            lambda: router_side.view().get("r0") == refitted, "the newest record in the view"
-        )
-    finally:
-        held.release.set()
-        await ranker_side.stop()
-        await router_side.stop()
-        await held.close()
-        await router_client.close()
+            # Gone for good if it went with the old lease: its keeper renews the new one only.
+            await eventually(
+                newest_record_under_another_lease, "the newest record under a kept lease"
+            )
+            await eventually(
+                lambda: router_side.view().get("r0") == refitted, "the newest record in the view"
+            )
+        finally:
+            held.release.set()  # a held put must not outlive the test
 
 
 async def test_a_rankers_record_deleted_behind_its_back_is_put_back(
@@ -317,19 +317,16 @@ async def test_a_record_left_under_a_replaced_lease_moves_to_the_kept_one(
     """A put of the ranker's record lands under a lease its keeper has just replaced (the old
     lease still lives for a TTL, as after an etcd restart): the ranker sees it through its
     watch and moves the record to the kept lease, so it outlives the old one."""
-    endpoints = [etcd_server.endpoint]
-    ranker_client, router_client = Flaky(endpoints), EtcdClient(endpoints)
-    ranker_side = EtcdMembershipDirectory(ranker_client)
-    router_side = EtcdMembershipDirectory(router_client)
     key = "/relaygr/rankers/r0"
-
-    try:
+    flaky = Flaky([etcd_server.endpoint])
+    async with two_processes(etcd_server, ranker_client=flaky) as p:
+        ranker_side, router_side, router_client = p.ranker, p.router, p.router_client
         await ranker_side.start()
         await router_side.start()
         await ranker_side.register(ranker("r0"), TTL_S)
         old = await lease_of(router_client, "r0")
         assert old is not None
-        ranker_client.forget_next = True
+        flaky.forget_next = True
 
         async def replaced() -> bool:
             return await lease_of(router_client, "r0") not in (None, old)
@@ -345,11 +342,6 @@ async def test_a_record_left_under_a_replaced_lease_moves_to_the_kept_one(
         )
         assert await lease_of(router_client, "r0") == new
         assert "r0" in router_side.view()
-    finally:
-        await ranker_side.stop()
-        await router_side.stop()
-        await ranker_client.close()
-        await router_client.close()
 
 
 async def test_another_process_registering_the_same_instance_id_is_reported_not_fought(
