@@ -32,6 +32,7 @@ from relaygr.wire import rank_request_to_proto
 from services.ranker.checkpoint import load_checkpoint, save_checkpoint
 from services.ranker.model import RankingModel
 from tests.integration.ranker_harness import reply_scores
+from tests.polling import eventually
 from tests.unit.ranker.factories import prefix, rank_input, rel_err
 from tooling.local.etcd_server import find_etcd_binary
 from tooling.local.mesh import LocalMesh
@@ -139,6 +140,42 @@ def test_faults_under_load_lose_nothing_and_the_mesh_recovers(
         f"{reports[-1].served_by}\n{mesh_state(mesh)}"
     )
     assert asyncio.run(registered(mesh)) == {s.name: s.address for s in mesh.rankers}
+
+
+def test_a_rankers_record_deleted_from_etcd_comes_back_by_itself(
+    mesh_and_model: tuple[LocalMesh, RankingModel],
+) -> None:
+    """An operator (or a race) deletes a serving ranker's record from etcd: the ranker process
+    puts it back by itself, and every router sees both rankers again."""
+    mesh, _ = mesh_and_model
+    key = "/relaygr/rankers/ranker-1"
+
+    async def delete_and_wait() -> None:
+        client = EtcdClient([mesh.etcd_endpoint], security=mesh.etcd_security)
+        try:
+            await eventually(lambda: present(client), "ranker-1 registered", timeout_s=30)
+            assert await client.delete(key)
+            await eventually(lambda: present(client), "ranker-1 put back", timeout_s=10)
+        finally:
+            await client.close()
+
+    async def present(client: EtcdClient) -> bool:
+        return await client.get(key) is not None
+
+    asyncio.run(delete_and_wait())
+    assert asyncio.run(registered(mesh)) == {s.name: s.address for s in mesh.rankers}
+
+    def every_router_sees_both() -> bool:
+        views = [
+            sample.value
+            for entry in mesh.processes()
+            if entry.role == "router" and entry.metrics is not None
+            for sample in scrape(entry.metrics)
+            if sample.name == "relaygr_cluster_rankers"
+        ]
+        return len(views) == 2 and all(view == 2 for view in views)
+
+    asyncio.run(eventually(every_router_sees_both, "both routers see both rankers", timeout_s=10))
 
 
 async def registered(mesh: LocalMesh) -> dict[str, str]:
