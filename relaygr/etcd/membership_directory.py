@@ -91,6 +91,7 @@ class EtcdMembershipDirectory:
         # watch saw gone or under one of them no longer kept (see `_owned_record_seen`).
         self._granted: dict[str, set[int]] = {}
         self._restoring: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()  # seen wrong again while their restoring put was on its way
         self._watches: list[Watch] = []
         self.writes: Counter[str] = Counter()
         # When a ranker last joined or left the view (`clock` seconds); its start counts.
@@ -171,6 +172,7 @@ class EtcdMembershipDirectory:
         self._puts.pop(instance_id, None)  # a put waiting on it finds the instance gone
         self._granted.pop(instance_id, None)
         await cancel_and_wait(self._restoring.pop(instance_id, None))
+        self._again.discard(instance_id)
         if record_and_kept is None or record_and_kept[1] is None:
             return
         await self._revoke(record_and_kept[1])
@@ -210,7 +212,11 @@ class EtcdMembershipDirectory:
         same instance id: a misconfiguration reported, never fought over."""
         kept = self._owned[instance_id][1] if instance_id in self._owned else None
         lease = None if kept is None else kept.lease
-        if lease is None or lease.id == lease_id or instance_id in self._restoring:
+        if lease is None or lease.id == lease_id:
+            return
+        running = self._restoring.get(instance_id)
+        if running is not None and not running.done():
+            self._again.add(instance_id)  # its put may have landed before this change
             return
         if lease_id is not None and lease_id not in self._granted.get(instance_id, ()):
             log.error(
@@ -240,9 +246,12 @@ class EtcdMembershipDirectory:
     async def _restore(self, instance_id: str) -> None:
         backoff = Backoff()
         while True:
+            self._again.discard(instance_id)
             try:
                 await self._put_owned(instance_id)
-                return
+                if instance_id not in self._again:
+                    return
+                continue  # the record changed again while this put was on its way
             except RelayGRError as err:  # etcd down, or the lease lapsed: its keeper replaces it
                 log.info("putting back the record of %s failed, retrying: %s", instance_id, err)
             await backoff.sleep()

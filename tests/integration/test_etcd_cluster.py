@@ -344,6 +344,27 @@ async def test_a_record_left_under_a_replaced_lease_moves_to_the_kept_one(
         assert "r0" in router_side.view()
 
 
+async def test_a_record_deleted_again_as_it_is_put_back_is_put_back_again(
+    etcd_server: EtcdServer,
+) -> None:
+    """The record is deleted again right after each of the ranker's puts that restore it lands
+    (before the put returns): the ranker goes on putting it back until one stays."""
+    key = "/relaygr/rankers/r0"
+    flaky = Flaky([etcd_server.endpoint])
+    async with two_processes(etcd_server, ranker_client=flaky) as p:
+        ranker_side, router_client = p.ranker, p.router_client
+        await ranker_side.start()
+        await ranker_side.register(ranker("r0"), TTL_S)
+        lease = await lease_of(router_client, "r0")
+        flaky.delete_after_put = (key, 3)
+        assert await router_client.delete(key)
+
+        async def back_for_good() -> bool:
+            return flaky.deleted_after_put == 3 and await lease_of(router_client, "r0") == lease
+
+        await eventually(back_for_good, "the record put back after three deletes")
+
+
 async def test_another_process_registering_the_same_instance_id_is_reported_not_fought(
     etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
 ) -> None:
