@@ -29,7 +29,7 @@ import math
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,6 +63,7 @@ from bench.report import (
     write_section,
 )
 from bench.verdict import labelled, ranks_note
+from relaygr.behaviours import RankInput
 from relaygr.cli_help import HelpFormatter
 from relaygr.config import add_config_arguments, load_config
 from relaygr.cost import CostModel
@@ -148,16 +149,43 @@ def miss_slowdown(
     of their time in the ranker over their predicted compute (one full inference: the call
     the ranker serves a miss as), and how many there were. Time in the ranker: the real
     `server_ms` (`outside` None), or the simulated latency less the overhead `outside`."""
+
+    def full_inference(request: RankInput) -> float:
+        history = request.prefix.num_tokens + len(request.short_term)
+        return cost.full_ms(history, len(request.candidates))
+
+    return slowdown(point, records, ("miss", "bypass"), full_inference, outside)
+
+
+def hit_slowdown(
+    point: Ran, records: Sequence[RequestRecord], cost: CostModel, outside: float | None
+) -> list[float]:
+    """As `miss_slowdown`, over the Ranks served on a prefix held in the device tier
+    (`hbm_hit`), against one Rank on the cached prefix (`CostModel.rank_ms`)."""
+
+    def cached_rank(request: RankInput) -> float:
+        short_term, candidates = len(request.short_term), len(request.candidates)
+        return cost.rank_ms(request.prefix.num_tokens, short_term, candidates)
+
+    return slowdown(point, records, ("hbm_hit",), cached_rank, outside)
+
+
+def slowdown(
+    point: Ran,
+    records: Sequence[RequestRecord],
+    outcomes: tuple[str, ...],
+    predict: Callable[[RankInput], float],
+    outside: float | None,
+) -> list[float]:
+    """Over the point's counted Ranks answered with one of `outcomes`: the median of their time
+    in the ranker over `predict`ed compute, and how many there were."""
     ratios = []
     for r in records:
         arrival = point.arrivals[r.index]
-        if arrival.at < point.warmup_s or r.status != OK or r.outcome not in ("miss", "bypass"):
+        if arrival.at < point.warmup_s or r.status != OK or r.outcome not in outcomes:
             continue
-        request = arrival.request
-        history = request.prefix.num_tokens + len(request.short_term)
-        compute = cost.full_ms(history, len(request.candidates))
         spent = r.server_ms if outside is None else r.latency_s * 1e3 - outside
-        ratios.append(spent / compute)
+        ratios.append(spent / predict(arrival.request))
     return [statistics.median(ratios), len(ratios)] if ratios else []
 
 
@@ -187,6 +215,8 @@ def compare_variant(
             "real_server_ms": percentiles(server),
             "real_miss_slowdown": miss_slowdown(point, point.records, profile.cost, None),
             "sim_miss_slowdown": miss_slowdown(point, records, profile.cost, overhead),
+            "real_hit_slowdown": hit_slowdown(point, point.records, profile.cost, None),
+            "sim_hit_slowdown": hit_slowdown(point, records, profile.cost, overhead),
         })  # fmt: skip
         print(
             f"{label:>20} {point.rate:5g}/s  P50 {real.p50_ms:6.0f} / {twin.p50_ms:6.0f}  "
@@ -427,6 +457,8 @@ def render(saved: dict) -> str:
                     f"| {' / '.join(f'{v:.0f}' for v in server) or '-'} "
                     f"| {slowdown_text(raw['real_miss_slowdown'])} "
                     f"| {slowdown_text(raw['sim_miss_slowdown'])} "
+                    f"| {slowdown_text(raw.get('real_hit_slowdown', []))} "
+                    f"| {slowdown_text(raw.get('sim_hit_slowdown', []))} "
                     f"| {outcomes_text(real)} | {outcomes_text(sim)} "
                     f"| {reasons_text(real)} | {reasons_text(sim)} |"
                 )
@@ -514,12 +546,16 @@ def render(saved: dict) -> str:
         "profile predicts for them (one full inference; a result saved before the cached-rank "
         "terms existed priced a prefill, then a rank on it: one call's fixed cost more), and "
         "how many there were: "
-        "above 1 is queueing, or compute slower than the cost model.",
+        "above 1 is queueing, or compute slower than the cost model. Cached rank in the "
+        "ranker: the same over the Ranks served on a prefix held in the device tier (`hbm_hit`), "
+        "against one Rank on the cached prefix (the cached-rank terms; a result saved before "
+        "this column: -).",
         "",
         "| seed | variant | rate | real outside the ranker P50 / P99 ms | real ranker server_ms "
-        "P50 / P99 | full inference in the ranker / predicted, real | simulated | outcomes real "
+        "P50 / P99 | full inference in the ranker / predicted, real | simulated "
+        "| cached rank in the ranker / predicted, real | simulated | outcomes real "
         "| outcomes sim | decisions real | decisions sim |",
-        "|---:|---|---:|---|---|---|---|---|---|---|---|",
+        "|---:|---|---:|---|---|---|---|---|---|---|---|---|---|",
         *detail,
         "",
         "</details>",

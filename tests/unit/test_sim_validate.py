@@ -4,10 +4,15 @@ point judged against two real runs of the same trace."""
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
-from bench.sim_validate import fidelity, fidelity_section
-from tooling.local.drive import Point
+from bench.pipeline import Ran
+from bench.sim_validate import fidelity, fidelity_section, hit_slowdown, miss_slowdown
+from relaygr.cost import CostModel
+from tests.unit.ranker.factories import prefix, rank_input
+from tooling.local.drive import OK, Point, RequestRecord
+from tooling.local.workload import Arrival
 
 
 @pytest.mark.parametrize(
@@ -59,3 +64,40 @@ def test_the_section_counts_each_quantile_over_points_with_a_second_run() -> Non
 def test_a_run_without_second_sweeps_has_no_fidelity_section() -> None:
     variant = {"points": [{"real": point([1.0]), "sim": point([1.0])}]}
     assert fidelity_section({"7": {"relay": variant}}) == []
+
+
+def test_time_in_the_ranker_is_read_against_the_call_each_outcome_is_served_as(
+    rng: np.random.Generator,
+) -> None:
+    """Hits (device tier) are priced as one Rank on the cached prefix, misses as one full
+    inference; warm-up Ranks, failures and other outcomes are left out; the simulated side's
+    time in the ranker is its latency less the overhead given."""
+    cost = CostModel(
+        fixed_ms=5.0, per_token_ms=0.01, per_pair_ms=1e-5, per_candidate_key_ms=1e-4,
+        reload_ms_per_mb=0.1, cached_fixed_ms=2.0, cached_per_row_ms=0.03,
+        cached_per_row_key_ms=2e-5,
+    )  # fmt: skip
+    request = rank_input(rng, prefix(rng, 512), 16, 32)
+    tokens = request.prefix.num_tokens
+    hit = cost.rank_ms(tokens, 16, 32)
+    full = cost.full_ms(tokens + 16, 32)
+    assert hit < full / 2  # the two calls priced apart
+    arrivals = [Arrival(at=0.1 if i == 0 else 1.0 + i, request=request) for i in range(5)]
+
+    def record(i: int, outcome: str, ms: float, status: str = OK) -> RequestRecord:
+        return RequestRecord(i, 0.0, ms / 1e3 + 0.004, status, outcome, server_ms=ms)
+
+    records = [
+        record(0, "hbm_hit", 100 * hit),  # in the warm-up: left out
+        record(1, "hbm_hit", 2 * hit),
+        record(2, "hbm_hit", 4 * hit),
+        record(3, "miss", 3 * full),
+        record(4, "dram_hit", 50 * hit),  # another outcome
+        record(4, "hbm_hit", 100 * hit, status="DEADLINE_EXCEEDED"),
+    ]
+    ran = Ran("x", 1.0, arrivals, ([0.1] * 5, [True] * 5), 0.0, warmup_s=0.5)
+    assert hit_slowdown(ran, records, cost, None) == [pytest.approx(3.0), 2]
+    assert miss_slowdown(ran, records, cost, None) == [pytest.approx(3.0), 1]
+    # Simulated: latency less the overhead (4 ms here) is the time in the ranker.
+    assert hit_slowdown(ran, records, cost, 4.0) == [pytest.approx(3.0), 2]
+    assert hit_slowdown(ran, records[3:4], cost, None) == []
