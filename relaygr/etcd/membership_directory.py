@@ -191,8 +191,7 @@ class EtcdMembershipDirectory:
         if puts is None:
             return
         async with puts:
-            kept = self._owned[instance_id][1] if instance_id in self._owned else None
-            lease = None if kept is None else kept.lease
+            kept, lease = self._kept(instance_id)
             if kept is None or lease is None:
                 return
             try:
@@ -203,6 +202,12 @@ class EtcdMembershipDirectory:
                 # The lease lapsed while the put was on its way, and the keeper replaced it:
                 # the new lease's put carries this record.
 
+    def _kept(self, instance_id: str) -> tuple[KeptLease | None, Lease | None]:
+        """The lease keeper of an instance registered here, and the lease it keeps now (None:
+        not registered, still registering, or a lost lease awaiting replacement)."""
+        kept = self._owned[instance_id][1] if instance_id in self._owned else None
+        return kept, None if kept is None else kept.lease
+
     def _owned_record_seen(self, instance_id: str, lease_id: int | None) -> None:
         """The watch saw the record of an instance registered here put under `lease_id` (None:
         deleted). If it is gone, or under a lease granted here but no longer kept, put it back
@@ -210,8 +215,7 @@ class EtcdMembershipDirectory:
         lapsed lease, an operator's delete), a ranker that serves stays in every view without
         waiting for its next put. A lease granted elsewhere is another process registering the
         same instance id: a misconfiguration reported, never fought over."""
-        kept = self._owned[instance_id][1] if instance_id in self._owned else None
-        lease = None if kept is None else kept.lease
+        _, lease = self._kept(instance_id)
         if lease is None or lease.id == lease_id:
             return
         running = self._restoring.get(instance_id)
