@@ -198,19 +198,32 @@ def compare_variant(
     seed: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One variant's real points, their simulated twins and what the simulator was given."""
+    """One variant's real points, their simulated twins and what the simulator was given.
+
+    Each point has two twins: `sim`, given the profile calibrated before any traffic, and
+    `sim_served`, given the same profile with the cost model the rankers had refitted to the
+    work they served by the sweep's end (`after`): compute as this host ran it under the
+    mesh's load, which the calibration on an idle host does not see. The second changes
+    nothing but the compute prices, so the two twins apart are what the calibration's error
+    costs the simulator; the queueing and every decision are predicted alike."""
     overhead = statistics.median(outside_ms(ran[0].records) or [0.0])
     profile = dataclasses.replace(profile, request_overhead_ms=overhead)
-    simulated = replay(profile, fleet_settings(spec, VARIANTS[label][1], args), ran, seed)
+    settings = fleet_settings(spec, VARIANTS[label][1], args)
+    simulated = replay(profile, settings, ran, seed)
+    served = replay(dataclasses.replace(profile, cost=after.cost), settings, ran, seed)
     points = []
-    for point, records in zip(ran, simulated, strict=True):
+    for point, records, served_records in zip(ran, simulated, served, strict=True):
         real = Point(**real_summary(point))
         twin = Point.of(point.label, point.rate, point.arrivals, records, point.warmup_s)
+        served_twin = Point.of(
+            point.label, point.rate, point.arrivals, served_records, point.warmup_s
+        )
         counted = [r for r in point.records if point.arrivals[r.index].at >= point.warmup_s]
         server = [r.server_ms for r in counted if r.status == OK]
         points.append({
             "real": real.summary(),
             "sim": twin.summary(),
+            "sim_served": served_twin.summary(),
             "real_outside_ms": percentiles(outside_ms(counted)),
             "real_server_ms": percentiles(server),
             "real_miss_slowdown": miss_slowdown(point, point.records, profile.cost, None),
@@ -219,10 +232,11 @@ def compare_variant(
             "sim_hit_slowdown": hit_slowdown(point, records, profile.cost, overhead),
         })  # fmt: skip
         print(
-            f"{label:>20} {point.rate:5g}/s  P50 {real.p50_ms:6.0f} / {twin.p50_ms:6.0f}  "
-            f"P99 {real.p99_ms:6.0f} / {twin.p99_ms:6.0f} ms  hit {real.hit_ratio:.0%} / "
-            f"{twin.hit_ratio:.0%}  relayed {real.relayed_ratio:.0%} / {twin.relayed_ratio:.0%}"
-            "  (real / simulated)",
+            f"{label:>20} {point.rate:5g}/s  P50 {real.p50_ms:6.0f} / {twin.p50_ms:6.0f} / "
+            f"{served_twin.p50_ms:6.0f}  P99 {real.p99_ms:6.0f} / {twin.p99_ms:6.0f} / "
+            f"{served_twin.p99_ms:6.0f} ms  hit {real.hit_ratio:.0%} / {twin.hit_ratio:.0%}  "
+            f"relayed {real.relayed_ratio:.0%} / {twin.relayed_ratio:.0%}"
+            "  (real / simulated / simulated at the served cost)",
             flush=True,
         )
     return {
@@ -342,9 +356,12 @@ def quantile_ms(point: Point, q: float) -> float:
     return float(np.percentile(point.latencies_ms, q)) if point.latencies_ms else math.inf
 
 
-def fidelity_section(per_seed: dict[str, dict[str, Any]]) -> list[str]:
-    """The fidelity verdict over every point that has later real runs (--mesh-runs 2 or more);
-    none: no lines."""
+def fidelity_section(
+    per_seed: dict[str, dict[str, Any]], twin: str = "sim", given: str = ""
+) -> list[str]:
+    """The fidelity verdict of the simulated twin `twin` (`sim`, or `sim_served`: see
+    `compare_variant`) over every point that has later real runs (--mesh-runs 2 or more) and
+    that twin; none: no lines. `given`: what that twin was given, for the heading."""
     rows: list[str] = []
     within = {q: 0 for q in FIDELITY_QUANTILES}
     spreads: dict[int, list[float]] = {q: [] for q in FIDELITY_QUANTILES}
@@ -353,10 +370,10 @@ def fidelity_section(per_seed: dict[str, dict[str, Any]]) -> list[str]:
         for label, out in variants.items():
             for i, raw in enumerate(out["points"]):
                 later = [Point(**run[i]) for run in out.get("again", []) if i < len(run)]
-                if not later:
+                if not later or twin not in raw:
                     continue
                 real = [Point(**raw["real"]), *later]
-                sim = Point(**raw["sim"])
+                sim = Point(**raw[twin])
                 cells = []
                 for q in FIDELITY_QUANTILES:
                     runs = [quantile_ms(r, q) for r in real]
@@ -383,7 +400,8 @@ def fidelity_section(per_seed: dict[str, dict[str, Any]]) -> list[str]:
         for q in FIDELITY_QUANTILES
     )
     return [
-        "**Fidelity: the same trace through the mesh twice and the simulator once.** Target: "
+        "**Fidelity: the same trace through the mesh twice and the simulator once"
+        f"{given}.** Target: "
         "the simulator's P50, P90 and P99 within the range of the real runs, or within "
         f"{LATENCY_TARGET:.0%} of their mean, whichever is wider (`sim_validate.fidelity`). "
         "Spread: the real runs' highest over their lowest, less 1; error: simulated over the "
@@ -521,7 +539,14 @@ def render(saved: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---|---|",
         *rows,
         "",
-        *fidelity_section(per_seed),
+        *fidelity_section(per_seed, "sim", ", given the start-up calibration"),
+        *fidelity_section(
+            per_seed,
+            "sim_served",
+            ", given the cost the rankers learnt serving (the same profile, with the cost model "
+            "they had refitted to their served work by the first real run's end; "
+            "`compare_variant`)",
+        ),
         f"**SLO-compliant throughput at {args.slo_ms:.0f} ms, req/s:**",
         "",
         "| seed | variant | real | simulated | grid steps apart (within one) |",

@@ -61,6 +61,22 @@ def test_the_section_counts_each_quantile_over_points_with_a_second_run() -> Non
     assert "+90% (no)" in text  # twice the first run, against the runs' mean 1.05
 
 
+def test_each_twin_is_judged_on_its_own_and_a_result_without_it_has_no_section() -> None:
+    """The twin given the served cost is judged against the same real runs as the calibrated
+    one; a result saved before it existed renders only the calibrated verdict."""
+    first = [float(v) for v in range(1, 101)]
+    again = [[point([v * 1.1 for v in first])]]
+    raw = {"real": point(first), "sim": point([v * 2 for v in first])}
+    served = {**raw, "sim_served": point(first)}
+    calibrated = "\n".join(fidelity_section({"7": {"relay": {"points": [served], "again": again}}}))
+    learnt = "\n".join(
+        fidelity_section({"7": {"relay": {"points": [served], "again": again}}}, "sim_served")
+    )
+    assert "P50 0 of 1" in calibrated and "P50 1 of 1" in learnt
+    old = {"7": {"relay": {"points": [raw], "again": again}}}
+    assert fidelity_section(old, "sim_served") == [] and fidelity_section(old) != []
+
+
 def test_a_run_without_second_sweeps_has_no_fidelity_section() -> None:
     variant = {"points": [{"real": point([1.0]), "sim": point([1.0])}]}
     assert fidelity_section({"7": {"relay": variant}}) == []
