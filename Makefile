@@ -55,7 +55,7 @@ test: setup
 lint: setup contract
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy -p relaygr -p services -p tooling
+	$(PY) -m mypy -p relaygr -p services -p tooling -p bench
 
 # The contract: buf lint on buf.yaml's rule set, then no breaking change since the last release.
 contract: $(BUF_STAMP)

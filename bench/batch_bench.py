@@ -41,7 +41,7 @@ from bench.model_bench import (
     seconds,
 )
 from bench.report import add_render_arguments, load_result, machine_info, run_stamp, write_section
-from relaygr.behaviours import Prefix
+from relaygr.behaviours import Prefix, UserId
 from relaygr.bounds import AT_LEAST_ONE, Bounded
 from relaygr.cli_help import HelpFormatter
 from relaygr.device import select_device
@@ -130,7 +130,7 @@ CUT_TS = REQUEST_TS - 3_600  # long-term behaviours end here, short-term ones st
 
 def _prefix(cfg: ModelConfig, rng: np.random.Generator, user: int, long_term: int) -> Prefix:
     return Prefix(
-        user_id=f"bench-user-{user}",
+        user_id=UserId(f"bench-user-{user}"),
         user_features=rng.integers(0, 1 << 20, size=USER_FEATURES),
         long_term=random_behaviours(cfg, rng, long_term, REQUEST_TS - 2 * 365 * 86_400, CUT_TS),
     )
@@ -256,7 +256,8 @@ def layout_times(
         scores = torch.matmul(torch.stack(qs), k_all.transpose(2, 3)).add_(b_all)
         torch.matmul(F.silu(scores, inplace=True), v_all)
 
-    jagged(), padded()
+    jagged()  # warm both
+    padded()
     sync = device_sync(device)
     times: dict[str, list[float]] = {"jagged_ms": [], "padded_ms": []}
     for _ in range(repeats):

@@ -98,11 +98,19 @@ def one_repeat(size: int, users: list[str], rng: random.Random) -> dict[str, flo
         for i, user in enumerate(users):
             order = [records[name] for name in ranking(user, names)]
             prefix = rng.choice((512, 2048, 8192))
-            asks.append((Event(user, prefix, 64, 256, lambda i=i: f"d{i}", VERSION), order, i))
-        times[kind] = per_call_us(
-            lambda ask, p=policy: p.decide(ask[0], ask[1], ask[2] * 1e-3), asks
-        )
+            asks.append((Event(user, prefix, 64, 256, digest_of(i), VERSION), order, i))
+        times[kind] = per_call_us(deciding(policy), asks)
     return times
+
+
+def digest_of(i: int) -> Callable[[], str]:
+    """The i-th event's prefix digest, computed on demand as the trigger's events are."""
+    return lambda: f"d{i}"
+
+
+def deciding(policy: AdmissionPolicy) -> Callable[[Any], object]:
+    """One decision by `policy` on an (event, placement order, index) ask."""
+    return lambda ask: policy.decide(ask[0], ask[1], ask[2] * 1e-3)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -448,11 +448,21 @@ def _row(r: ChangeRun) -> str:
 def _load(saved: dict) -> list[ChangeRun]:
     runs = []
     for raw in saved["runs"]:
-        windows = {name: Window(**raw.pop(name)) for name in ("steady", "during", "after")}
+        steady, during, after = (Window(**raw.pop(name)) for name in ("steady", "during", "after"))
         slowest = [Slow(**x) for x in raw.pop("slowest", [])]
         steps = [Step(**x) for x in raw.pop("steps", [])]
         missed = [Missed(**x) for x in raw.pop("missed", [])]
-        runs.append(ChangeRun(**raw, **windows, slowest=slowest, steps=steps, missed=missed))
+        runs.append(
+            ChangeRun(
+                **raw,
+                steady=steady,
+                during=during,
+                after=after,
+                slowest=slowest,
+                steps=steps,
+                missed=missed,
+            )
+        )
     return runs
 
 

@@ -79,8 +79,8 @@ def render(saved: dict[str, Any]) -> str:
     ]
     for label, found in modes.items():
         bound = any(r["qps"] >= s["qps_max"] and r["valid"] for r in found["runs"])
-        best = f"{found['highest_valid_qps']:g}" + (" (the bound: at least)" if bound else "")
-        rows.append(f"| {label} | {best} | {'; '.join(_cell(r) for r in found['runs'])} |")
+        highest = f"{found['highest_valid_qps']:g}" + (" (the bound: at least)" if bound else "")
+        rows.append(f"| {label} | {highest} | {'; '.join(_cell(r) for r in found['runs'])} |")
     best = {label: found["highest_valid_qps"] for label, found in modes.items()}
     relay = max((best[m.label] for m in (RELAY_ALL, RELAY_AWARE) if m.label in best), default=None)
     base = max((best[m.label] for m in (NO_CACHE, CACHE_ONLY) if m.label in best), default=None)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bench.report import add_render_arguments, load_result, machine_info, write_section
-from relaygr.behaviours import Behaviours, Prefix, RankInput
+from relaygr.behaviours import Behaviours, Prefix, RankInput, UserId
 from relaygr.bounds import AT_LEAST_ONE, Bounded
 from relaygr.cli_help import HelpFormatter
 from services.ranker import synthetic
@@ -155,7 +155,7 @@ def random_request(cfg: ModelConfig, rng: np.random.Generator, long_term: int) -
     """A request with `long_term` old behaviours, SHORT_TERM recent ones and CANDIDATES items."""
     cut = REQUEST_TS - 3_600
     prefix = Prefix(
-        user_id="bench-user",
+        user_id=UserId("bench-user"),
         user_features=rng.integers(0, 1 << 20, size=USER_FEATURES),
         long_term=random_behaviours(cfg, rng, long_term, REQUEST_TS - 2 * 365 * 86_400, cut),
     )

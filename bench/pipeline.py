@@ -4,7 +4,7 @@ import argparse
 import copy
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -226,7 +226,7 @@ def ranker_args(model_path: Path, hbm_mb: int) -> tuple[str, ...]:
 def save_results(
     name: str,
     args: argparse.Namespace,
-    results: dict[str, object],
+    results: Mapping[str, object],
     started: dict[str, Any],
     threads: int | None = None,
 ) -> dict:

@@ -93,7 +93,7 @@ async def measure(ports: dict[str, int], args: argparse.Namespace) -> dict[str, 
         grpc.aio.insecure_channel(f"127.0.0.1:{ports['router']}") as router_channel,
     ):
         router = router_pb2_grpc.RouterServiceStub(router_channel)
-        paths = {
+        paths: dict[str, ranker_pb2_grpc.RankerServiceStub | router_pb2_grpc.RouterServiceStub] = {
             "direct": ranker_pb2_grpc.RankerServiceStub(direct_channel),
             "bare proxy": ranker_pb2_grpc.RankerServiceStub(proxy_channel),
             "router": router,

@@ -75,7 +75,7 @@ from tooling.local.mesh import LocalMesh, MeshSpec
 from tooling.sim.fleet import FleetSettings, run_visits
 from tooling.sim.measured import mean_profile, read_profile
 from tooling.sim.profile import DeviceProfile
-from tooling.sim.workload import visits_of
+from tooling.sim.workload import Visit, visits_of
 
 NAME = "sim_validate"
 CHECKED = (CACHE_ONLY, RELAY_AWARE)
@@ -124,7 +124,8 @@ def replay(
 ) -> list[list[RequestRecord]]:
     """A variant's points through one simulated fleet, each point's arrivals shifted by its
     real start after the first point's: each point's records, indexed and timed as its own."""
-    visits, spans = [], []
+    visits: list[Visit] = []
+    spans = []
     for point in ran:
         offset = point.began - ran[0].began
         own = visits_of(point.arrivals, point.follow)
@@ -294,7 +295,7 @@ def run_seed(seed: int, model_path: Path, args: argparse.Namespace) -> tuple[dic
     return variants_out, threads
 
 
-def real_summary(point: Ran) -> dict[str, object]:
+def real_summary(point: Ran) -> dict[str, Any]:
     """The point's sums and latencies, as a result file keeps them."""
     real = Point.of(point.label, point.rate, point.arrivals, point.records, point.warmup_s)
     return real.summary()
@@ -437,7 +438,7 @@ def cost_text(cost: CostModel | dict[str, float]) -> str:
     )
 
 
-def full_ms(cost: dict[str, float], tokens: int, candidates: int) -> float:
+def full_ms(cost: dict[str, Any], tokens: int, candidates: int) -> float:
     return CostModel(**cost).full_ms(tokens, candidates)
 
 

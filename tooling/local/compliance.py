@@ -5,9 +5,14 @@ from typing import Protocol
 
 
 class RatePoint(Protocol):
-    rate: float
-    p99_ms: float
-    errors: dict[str, int]
+    """A measured point, read only (a frozen dataclass is one)."""
+
+    @property
+    def rate(self) -> float: ...
+    @property
+    def p99_ms(self) -> float: ...
+    @property
+    def errors(self) -> dict[str, int]: ...
 
 
 def max_compliant(points: Iterable[RatePoint], slo_ms: float) -> float:
