@@ -16,7 +16,9 @@ share of answered Ranks (within 3 points); per variant, SLO-compliant throughput
 
 With --mesh-runs 2, the real sweep runs twice per seed, each time on fresh meshes over the same
 trace, and the simulator replays the first: the fidelity verdict (`fidelity`) sets the
-simulator's P50, P90 and P99 beside the spread between the two real runs.
+simulator's P50, P90 and P99 beside the spread between the two real runs. Each point is
+simulated twice: given the start-up calibration, and given the cost model the rankers refitted
+to their served work (`compare_variant`); each twin gets its own verdict.
 
     .venv/bin/python bench/sim_validate.py            # about 10 minutes on 2 cores
     .venv/bin/python bench/sim_validate.py --quick    # smoke run, results not recorded in docs
