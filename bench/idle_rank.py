@@ -25,6 +25,7 @@ from bench.report import (
     parse_run,
     publish,
     reproduce_lines,
+    rotated,
     run_stamp,
 )
 from relaygr.behaviours import Prefix, RankInput, UserId
@@ -85,8 +86,7 @@ def run(args: argparse.Namespace) -> dict:
         for length in args.lengths:
             r = request(rng, length)
             kv = model.prefill(r.prefix)
-            order = gaps[round_ % len(gaps) :] + gaps[: round_ % len(gaps)]
-            for gap in order:
+            for gap in rotated(gaps, round_):
                 ms = timed_run(model, r, kv, gap / 1e3, args.calls)
                 rows.append({"round": round_, "length": length, "gap_ms": gap, "ms": ms})
                 print(

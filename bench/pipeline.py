@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import add_render_arguments, dumps_result, reproduce_command
+from bench.report import add_render_arguments, dumps_result, reproduce_command, rotated
 from services.ranker.model_config import PRESETS, ModelPreset
 from tooling.local.drive import Point, RequestRecord, drive_mesh
 from tooling.local.mesh import LocalMesh
@@ -152,8 +152,7 @@ def sweep(
     points: list[Point] = []
     saturated: set[str] = set()
     for i, rate in enumerate(args.rates):
-        k = i % len(variants)
-        for variant in [*variants[k:], *variants[:k]]:
+        for variant in rotated(variants, i):
             if variant.label in saturated:
                 continue
             point = run_point(variant, pops[variant.label], rate, args, ran)

@@ -6,17 +6,26 @@ import random
 import re
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tooling.local.compliance import RatePoint, highest_compliant, max_compliant
 from tooling.local.run_stamp import cpu_model, git_commit, machine_info
+
+T = TypeVar("T")
 
 DOC_TITLE = (
     "# Benchmarks\n\n"
     "Measured performance of RelayGR components; each section holds its latest run.\n"
 )
+
+
+def rotated(items: Sequence[T], k: int) -> list[T]:
+    """`items` starting from the k-th (modulo their count): who goes first rotates from one
+    round to the next, so the host's drift falls on each alike."""
+    k %= len(items) or 1
+    return [*items[k:], *items[:k]]
 
 
 def reproduce_lines(saved: dict[str, Any]) -> list[str]:

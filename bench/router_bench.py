@@ -35,6 +35,7 @@ from bench.report import (
     publish,
     reproduce_command,
     reproduce_lines,
+    rotated,
     run_stamp,
 )
 from relaygr.authz import Role, mesh_policy
@@ -108,7 +109,7 @@ async def measure(ports: dict[str, int], args: argparse.Namespace) -> dict[str, 
         names = list(paths)
         for i in range(args.ranks):
             proto = protos[i % len(protos)]
-            for name in names[i % 3 :] + names[: i % 3]:  # rotate who goes first
+            for name in rotated(names, i):
                 start = time.perf_counter()
                 await paths[name].Rank(proto, timeout=30)
                 times[name].append((time.perf_counter() - start) * 1e3)
@@ -144,8 +145,7 @@ async def measure_authz(
         names = list(paths)
         for i in range(args.ranks):
             proto = protos[i % len(protos)]
-            k = i % len(names)
-            for name in names[k:] + names[:k]:  # rotate who goes first
+            for name in rotated(names, i):
                 start = time.perf_counter()
                 await paths[name].Rank(proto, timeout=30)
                 times[name].append((time.perf_counter() - start) * 1e3)

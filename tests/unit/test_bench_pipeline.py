@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import bench.pipeline as pipeline
+from bench.report import rotated
 from tooling.local.drive import Point
 from tooling.local.workload import Arrival, WorkloadSpec, poisson_arrivals
 from tooling.sim.workload import visits_of
@@ -91,3 +92,12 @@ def test_the_simulators_replay_keeps_each_arrivals_gap_and_no_show(
     assert all(v.ranked and v.gap_s is None for v in plain)  # the fleet's gap, all ranked
     with pytest.raises(ValueError, match="gaps"):
         visits_of(arrivals, (gaps[1:], ranked[1:]))
+
+
+def test_each_round_starts_with_the_next_variant_and_keeps_them_all() -> None:
+    """The sweep's order at each rate: every variant once, the first moving on by one a round,
+    so the host's drift falls on each alike."""
+    variants = ["a", "b", "c"]
+    orders = [rotated(variants, i) for i in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert rotated([], 5) == []
