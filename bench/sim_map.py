@@ -132,6 +132,11 @@ def parse(
         " ranker's reported relay-wait tail, at most the relay window (default: TriggerConfig's)",
     )  # fmt: skip
     p.add_argument(
+        "--relay-spare-share", type=Bounded(float, Bound(low=0, high=1)), default=None,
+        help="the trigger's relay_spare_share: a relay not at risk goes while its ranker's room"
+        " is less than this full (0: relay only what is at risk; default: TriggerConfig's)",
+    )  # fmt: skip
+    p.add_argument(
         "--observe-ms", type=int, default=100,
         help="how often the trigger and router read the rankers' Describe (room and queues)",
     )  # fmt: skip
@@ -220,6 +225,9 @@ def point_spec(
     if args.relay_window_wait_factor is not None:
         factor = args.relay_window_wait_factor
         fleet = replace(fleet, trigger=replace(fleet.trigger, relay_window_wait_factor=factor))
+    if args.relay_spare_share is not None:
+        spare = args.relay_spare_share
+        fleet = replace(fleet, trigger=replace(fleet.trigger, relay_spare_share=spare))
     if args.chunk_tokens is not None:
         ranker = replace(
             fleet.ranker, prefill_chunk_tokens=args.chunk_tokens, prefill_chunk_fixed_share=1.0

@@ -68,14 +68,24 @@ def test_the_relay_window_is_the_services_default_unless_set_and_then_everyone_s
     assert (*windows, fleet.ranker.relay_window_ms) == (500, 500, 500)
 
 
-def test_the_trigger_s_no_show_prior_is_its_default_unless_set() -> None:
+@pytest.mark.parametrize(
+    ("flag", "knob", "default", "given", "out_of_range"),
+    [
+        ("--no-show-prior", "no_show_prior", 1.0, "0", "1.5"),
+        ("--relay-spare-share", "relay_spare_share", 1.0, "0", "1.5"),
+        ("--relay-window-wait-factor", "relay_window_wait_factor", 0.0, "2", "-1"),
+    ],
+)
+def test_each_trigger_knob_is_its_default_unless_set(
+    flag: str, knob: str, default: float, given: str, out_of_range: str
+) -> None:
     base = load_profile(ROOT / "profiles" / "nvidia-h100.toml")
-    default = parse(["--seed", "1", "--no-docs"])
-    assert point_spec(default, base, CENTRE, 1).fleet.trigger.no_show_prior == 1.0
-    told = parse(["--seed", "1", "--no-docs", "--no-show-prior", "0"])
-    assert point_spec(told, base, CENTRE, 1).fleet.trigger.no_show_prior == 0.0
+    plain = point_spec(parse(["--seed", "1", "--no-docs"]), base, CENTRE, 1).fleet.trigger
+    assert getattr(plain, knob) == default
+    told = point_spec(parse(["--seed", "1", "--no-docs", flag, given]), base, CENTRE, 1)
+    assert getattr(told.fleet.trigger, knob) == float(given)
     with pytest.raises(SystemExit):
-        parse(["--seed", "1", "--no-show-prior", "1.5"])
+        parse(["--seed", "1", flag, out_of_range])
 
 
 def test_ratios_are_per_seed_over_the_best_baseline_and_infinite_when_it_never_complies() -> None:
