@@ -3,10 +3,12 @@
 At 100 and at 1,000 rankers (one model version, every ranker registered with the same device
 tier), on one core with garbage collection off, microseconds per call:
 
-- ranking: `relaygr.placement.ranking` of a user not seen before (rendezvous over every ranker);
+- ranking: `relaygr.placement.ranking` of a user not seen before (rendezvous over every ranker),
+  over the version's ids as the services pass them (`VersionIndex.serving_ids`: one set a view);
 - kept ranking: the same users again (their orders kept, `placement._Orders`);
-- decision, room to spare: `AdmissionPolicy.decide` (sequence-aware) of a retrieval whose order
-  is given, with 40 GiB tiers: the room does not bind;
+- decision, room to spare: what the trigger does for a retrieval, its fallback order
+  (`services.trigger.policy.fallback_order`, the user's kept ranking) and
+  `AdmissionPolicy.decide` (sequence-aware), with 40 GiB tiers: the room does not bind;
 - decision, room binds: the same with 1 MiB tiers, where every relay is larger than the room
   and the relay room is judged over the whole order.
 
@@ -33,10 +35,11 @@ from bench.report import (
     reproduce_lines,
     run_stamp,
 )
-from relaygr.cluster import RankerRecord
+from relaygr.cluster import MemoryCluster, RankerRecord
 from relaygr.placement import ranking
+from relaygr.versions import VersionIndex
 from services.trigger.config import Mode, TriggerConfig
-from services.trigger.policy import AdmissionPolicy, Event
+from services.trigger.policy import AdmissionPolicy, Event, fallback_order
 
 KINDS = ("ranking", "kept ranking", "decision, room to spare", "decision, room binds")
 SPARE_TIER, BINDING_TIER = 40 * 2**30, 2**20
@@ -81,25 +84,24 @@ def per_call_us(call: Callable[[Any], object], arguments: Sequence[Any]) -> floa
 
 def one_repeat(size: int, users: list[str], rng: random.Random) -> dict[str, float]:
     """Microseconds per call of each kind over a fleet of `size`, for these (fresh) users."""
-    names = list(fleet(size, SPARE_TIER))
+    ids = VersionIndex.of(fleet(size, SPARE_TIER)).serving_ids(VERSION)
     times = {
-        "ranking": per_call_us(lambda user: ranking(user, names), users),
-        "kept ranking": per_call_us(lambda user: ranking(user, names), users),
+        "ranking": per_call_us(lambda user: ranking(user, ids), users),
+        "kept ranking": per_call_us(lambda user: ranking(user, ids), users),
     }
     for kind, tier in (
         ("decision, room to spare", SPARE_TIER),
         ("decision, room binds", BINDING_TIER),
     ):
-        records = fleet(size, tier)
+        index = VersionIndex.of(fleet(size, tier))
         policy = AdmissionPolicy(
             TriggerConfig(plaintext=True, mode=Mode.SEQUENCE_AWARE, slo_ms=40.0, margin_ms=5.0)
         )
         asks = []
         for i, user in enumerate(users):
-            order = [records[name] for name in ranking(user, names)]
             prefix = rng.choice((512, 2048, 8192))
-            asks.append((Event(user, prefix, 64, 256, digest_of(i), VERSION), order, i))
-        times[kind] = per_call_us(deciding(policy), asks)
+            asks.append((Event(user, prefix, 64, 256, digest_of(i), VERSION), i))
+        times[kind] = per_call_us(deciding(policy, index), asks)
     return times
 
 
@@ -108,9 +110,13 @@ def digest_of(i: int) -> Callable[[], str]:
     return lambda: f"d{i}"
 
 
-def deciding(policy: AdmissionPolicy) -> Callable[[Any], object]:
-    """One decision by `policy` on an (event, placement order, index) ask."""
-    return lambda ask: policy.decide(ask[0], ask[1], ask[2] * 1e-3)
+def deciding(policy: AdmissionPolicy, index: VersionIndex) -> Callable[[Any], object]:
+    """One decision by `policy` on an (event, index) ask: the event's fallback order over
+    `index` (no directory entries), then the decision, as the trigger makes them."""
+    directory = MemoryCluster()
+    return lambda ask: policy.decide(
+        ask[0], fallback_order(ask[0].user_id, VERSION, index, directory), ask[1] * 1e-3
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def ranking(user: str, instances: Iterable[str]) -> list[str]:
     order of `instances`. A user's order is kept for its next requests (a bounded LRU): a
     request is routed more than once within seconds (trigger, PreInfer, Rank).
     """
-    members = _MEMBERS.get(frozenset(instances))
-    if not members.names:
+    members = _MEMBERS.get(frozenset(instances))  # a frozenset is itself, its hash kept
+    if not len(members.names):
         return []
     key = (user, members.number)
     order = _ORDERS.get(key)
@@ -64,8 +64,7 @@ def ranking(user: str, instances: Iterable[str]) -> list[str]:
         # Descending weight; a stable sort keeps equal weights in ascending id order.
         order = np.argsort(~weights, kind="stable").astype(_index_type(len(members.names)))
         _ORDERS.put(key, order)
-    names = members.names
-    return [names[i] for i in order.tolist()]
+    return members.names[order].tolist()
 
 
 class _Orders:
@@ -127,7 +126,7 @@ def _h64(name: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Set:
-    names: list[str]  # ascending
+    names: np.ndarray  # the ids, ascending, as objects: an order's indices gather them at once
     hashes: np.ndarray
     number: int  # never reused: orders cached for it can never be mistaken for another set's
 
@@ -142,13 +141,16 @@ class _Members:
         self._numbers = itertools.count()
 
     def get(self, live: frozenset[str]) -> _Set:
-        held = self._sets.get(live)
+        held = self._sets.pop(live, None)
         if held is not None:
-            self._sets.move_to_end(live)
+            # Kept under this set object from now (and last used): a caller that passes the
+            # same object again (`VersionIndex.serving_ids`) is found by identity, not by
+            # comparing every id with an equal set's.
+            self._sets[live] = held
             return held
         names = sorted(live)
         hashes = np.array([_h64(n) for n in names], dtype=np.uint64)
-        held = _Set(names, hashes, next(self._numbers))
+        held = _Set(np.array(names, dtype=object), hashes, next(self._numbers))
         self._sets[live] = held
         while len(self._sets) > self._keep:
             self._sets.popitem(last=False)
@@ -170,7 +172,7 @@ def load_bound(
     loads, some instance always fits: the loads sum to less than n * bound before the user is
     added.
     """
-    live = set(instances)
+    live = instances if isinstance(instances, (set, frozenset)) else set(instances)
     if not live:
         return 0
     mean = (sum(map(loads.get, live, itertools.repeat(0.0))) + 1) / len(live)
@@ -197,7 +199,8 @@ def place(
     if not order:
         return None
     owner = order[0]
-    bound = load_bound(loads, order, epsilon, floor)
+    live = instances if isinstance(instances, frozenset) else order
+    bound = load_bound(loads, live, epsilon, floor)
     recorded = directory.get(user)
     if recorded is not None and recorded in order and loads.get(recorded, 0.0) + 1 <= bound:
         return _placement(recorded, Reason.DIRECTORY, order, owner)

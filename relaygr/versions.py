@@ -137,6 +137,9 @@ class VersionIndex:
     view: Mapping[str, RankerRecord]
     live: Mapping[str, int]  # `live_versions(view)`
     rankers: Mapping[str, Mapping[str, RankerRecord]]  # version -> `serving(view, version)`
+    # version -> the ids of `rankers[version]`: one set object per view, so placement's
+    # rendezvous order (`relaygr.placement.ranking`) finds its member set without copying ids
+    ids: Mapping[str, frozenset[str]]
 
     @classmethod
     def of(cls, view: Mapping[str, RankerRecord]) -> "VersionIndex":
@@ -145,11 +148,16 @@ class VersionIndex:
             split.setdefault(record.model_version, {})[instance] = record
         rankers = {version: MappingProxyType(mine) for version, mine in split.items()}
         live = Counter({version: len(mine) for version, mine in split.items()})
-        return cls(view, live, rankers)
+        ids = {version: frozenset(mine) for version, mine in split.items()}
+        return cls(view, live, rankers, ids)
 
     def serving(self, version: str) -> Mapping[str, RankerRecord]:
         """The rankers that serve `version` (none: empty)."""
         return self.rankers.get(version, _NONE)
+
+    def serving_ids(self, version: str) -> frozenset[str]:
+        """The ids of `serving(version)`."""
+        return self.ids.get(version, frozenset())
 
 
 _NONE: Mapping[str, RankerRecord] = MappingProxyType({})

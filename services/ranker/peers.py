@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from relaygr.cluster import RankerRecord
 from relaygr.placement import ranking
+from relaygr.versions import VersionIndexer
 
 
 def successor(
@@ -20,8 +21,12 @@ def successor(
     """
     # A rendezvous order without `self_id` is the whole version's order with it left out: rank
     # over the version's rankers (one member set for every ranker, kept by `ranking`).
-    mine = [instance for instance, record in view.items() if record.model_version == model_version]
+    mine = _index(view).serving_ids(model_version)
     return next((instance for instance in ranking(user, mine) if instance != self_id), None)
+
+
+# Views are snapshots (`VersionIndex`): the last one's split serves each ask until it changes.
+_index = VersionIndexer()
 
 
 class PeerAsk(NamedTuple):

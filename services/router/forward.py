@@ -205,16 +205,17 @@ class Forwarder:
         if self.settings.random_placement:
             drawn = tuple(shuffled(view, self._draw))
             return Route(method, user, drawn, view, None, model_version=version)
+        ids = index.serving_ids(version)
         if method is Method.RANK:
             instance = self._directory.lookup(user, version)
-            order = route_rank(user, view, {} if instance is None else {user: instance})
+            order = route_rank(user, ids, {} if instance is None else {user: instance})
             reason = RankRoute.DIRECTORY if order and order[0] == instance else RankRoute.HASH
             self.stats.rank_routes[reason] += 1
             return Route(method, user, tuple(order), view, reason, model_version=version)
         entry = self._directory.entry(user, version)
         recorded = {} if entry is None else {user: entry.instance_id}
         s = self.settings
-        placement = place(user, view, self.load.loads(), s.load_epsilon, recorded, s.load_floor)
+        placement = place(user, ids, self.load.loads(), s.load_epsilon, recorded, s.load_floor)
         if placement is None:
             return Refused(Status.UNAVAILABLE, NO_RANKER)
         hint = hint or RelayHint()

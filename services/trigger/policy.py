@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from relaygr.cluster import Directory, RankerRecord
 from relaygr.placement import route_rank
 from relaygr.room import Relay, RelayRoom
+from relaygr.versions import VersionIndex
 from services.trigger.config import Mode, TriggerConfig
 from services.trigger.demand import RelayDemand
 
@@ -420,11 +421,12 @@ class AdmissionPolicy:
 
 
 def fallback_order(
-    user_id: str, model_version: str, mine: Mapping[str, RankerRecord], directory: Directory
+    user_id: str, model_version: str, index: VersionIndex, directory: Directory
 ) -> list[RankerRecord]:
-    """The rankers of `model_version` (`mine`: the rankers that serve it) the router would try
-    for the user's PreInfer, in its order: the directory's live entry for the user under that
-    version, then the user's rendezvous order over those rankers."""
+    """The rankers of `model_version` (as `index` splits the view) the router would try for the
+    user's PreInfer, in its order: the directory's live entry for the user under that version,
+    then the user's rendezvous order over those rankers."""
     recorded = directory.lookup(user_id, model_version)
     placed = {} if recorded is None else {user_id: recorded}
-    return [mine[i] for i in route_rank(user_id, mine, placed)]
+    mine = index.serving(model_version)
+    return [mine[i] for i in route_rank(user_id, index.serving_ids(model_version), placed)]

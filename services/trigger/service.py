@@ -102,8 +102,7 @@ class TriggerServicer(trigger_pb2_grpc.TriggerServiceServicer):
         with child_span(self._tracer, "trigger.decide") as span:
             now = self._clock()
             # No live ranker of the version: an empty order (NO_RANKER).
-            mine = {} if version is None else index.serving(version)
-            order = [] if version is None else fallback_order(user, version, mine, self._directory)
+            order = [] if version is None else fallback_order(user, version, index, self._directory)
             decision = self.policy.decide(event, order, now)
             if decision.admitted and not self._dispatch(request, decision, now):
                 self.stats.dispatch_dropped += 1

@@ -167,6 +167,7 @@ def test_the_version_index_splits_a_view_and_is_kept_until_the_view_changes() ->
     index = indexer(view)
     assert index.live == live_versions(view)
     assert dict(index.serving("v1")) == serving(view, "v1") and dict(index.serving("v3")) == {}
+    assert index.serving_ids("v1") == {"a", "c"} and index.serving_ids("v3") == frozenset()
     assert indexer(view) is index  # the same view object: the same index
     changed = {**view, "d": ranker("d", "v2")}  # membership changes by a new snapshot
     assert indexer(changed) is not index

@@ -399,8 +399,7 @@ class Fleet:
         # One model version here: the trigger's choice, as the service makes it.
         split = self._index(view)
         version = choose_version(visit.user, "", self.forwarder.versions, split.live)
-        mine = {} if version is None else split.serving(version)
-        order = [] if version is None else fallback_order(visit.user, version, mine, self.cluster)
+        order = [] if version is None else fallback_order(visit.user, version, split, self.cluster)
         event = Event(
             visit.user,
             visit.prefix_tokens,

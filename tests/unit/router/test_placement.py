@@ -67,6 +67,9 @@ def test_ranking_is_deterministic_and_ignores_instance_order() -> None:
         assert ranking(user, reversed(INSTANCES)) == first
         assert ranking(user, shuffled) == first
         assert ranking(user, [*INSTANCES, INSTANCES[0]]) == first  # duplicates collapse
+        # A set of the ids (as `VersionIndex.serving_ids` keeps them), and an equal one.
+        assert ranking(user, frozenset(INSTANCES)) == first
+        assert ranking(user, frozenset(shuffled)) == first
 
 
 def test_orders_kept_stay_within_their_index_budget_whatever_the_fleet_size() -> None:

@@ -6,12 +6,14 @@ from typing import Any
 
 import pytest
 
-from relaygr.cluster import RankerRecord
+from relaygr.cluster import MemoryCluster, PlacementRecord, RankerRecord
 from relaygr.config import override_config
 from relaygr.errors import ConfigError
+from relaygr.placement import ranking
 from relaygr.room import RoomReport
+from relaygr.versions import VersionIndex
 from services.trigger.config import LIVE_FIELDS, Mode, TriggerConfig
-from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason
+from services.trigger.policy import AdmissionPolicy, Decision, Event, Reason, fallback_order
 
 # A cost model of powers of two, so every prediction below is exact in binary:
 #   full(t, c) = 1 + t/8 + c/8 + t^2/2048 + c*t/256      prefill(t) = 1 + t/8 + t^2/2048
@@ -1028,3 +1030,22 @@ def test_a_ranker_that_timed_too_few_relays_borrows_the_latest_tail_another_repo
     # Stale everywhere (a relay window on): the longest window again.
     later = NOW + 2.0
     assert policy.decide(event("c"), [ranker()], later).relay_window_ms == WINDOW_MS
+
+
+def test_the_fallback_order_is_the_directory_s_entry_then_the_version_s_ranking() -> None:
+    mine = [ranker(f"ranker-{i}", model_version="v1") for i in range(6)]
+    other = ranker("ranker-9", model_version="v2")
+    cluster = MemoryCluster(clock=lambda: NOW)
+    for record in [*mine, other]:
+        cluster.join(record, ttl_s=10.0)
+    index = VersionIndex.of(cluster.view())
+    hashed = ranking("user-a", [r.instance_id for r in mine])
+    plain = fallback_order("user-a", "v1", index, cluster)
+    assert [r.instance_id for r in plain] == hashed  # only v1's rankers, in the user's order
+    assert plain == [next(r for r in mine if r.instance_id == i) for i in hashed]
+    # The user's live entry under v1 goes first; an entry under v2 does not count for v1.
+    cluster.put(PlacementRecord("user-a", hashed[-1], NOW + 5, "v1"), hashed[-1])
+    cluster.put(PlacementRecord("user-a", other.instance_id, NOW + 5, "v2"), other.instance_id)
+    placed = fallback_order("user-a", "v1", index, cluster)
+    assert [r.instance_id for r in placed] == [hashed[-1], *hashed[:-1]]
+    assert fallback_order("user-a", "v3", index, cluster) == []  # no ranker serves it
