@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,20 +100,30 @@ async def measure(ports: dict[str, int], args: argparse.Namespace) -> dict[str, 
             "bare proxy": ranker_pb2_grpc.RankerServiceStub(proxy_channel),
             "router": router,
         }
-        for q in users:
-            await router.PreInfer(pre_infer_request_to_proto(q.prefix), timeout=30)
-        protos = [rank_request_to_proto(q) for q in users]
-        for proto in protos[:50]:  # warm every path
-            for stub in paths.values():
-                await stub.Rank(proto)
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        names = list(paths)
-        for i in range(args.ranks):
-            proto = protos[i % len(protos)]
-            for name in rotated(names, i):
-                start = time.perf_counter()
-                await paths[name].Rank(proto, timeout=30)
-                times[name].append((time.perf_counter() - start) * 1e3)
+        return await rank_times(paths, [router], users, args.ranks)
+
+
+async def rank_times(
+    paths: Mapping[str, Any], routers: Sequence[Any], users: Sequence[RankInput], ranks: int
+) -> dict[str, np.ndarray]:
+    """Rank latency, ms, per path (name -> stub): each user's prefix pre-inferred through
+    every stub of `routers`, every path warmed, then `ranks` Ranks down each path, the paths in
+    rotating order (`rotated`) so that none always goes first."""
+    for q in users:
+        for stub in routers:
+            await stub.PreInfer(pre_infer_request_to_proto(q.prefix), timeout=30)
+    protos = [rank_request_to_proto(q) for q in users]
+    for proto in protos[:50]:  # warm every path
+        for stub in paths.values():
+            await stub.Rank(proto)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for i in range(ranks):
+        proto = protos[i % len(protos)]
+        for name in rotated(names, i):
+            start = time.perf_counter()
+            await paths[name].Rank(proto, timeout=30)
+            times[name].append((time.perf_counter() - start) * 1e3)
     return {k: np.array(v) for k, v in times.items()}
 
 
@@ -134,25 +145,10 @@ async def measure_authz(
             for name, channel in channels.items()
         }  # fmt: skip
         routers = [paths[name] for name in paths if name.startswith("router")]
-        for q in users:
-            for stub in routers:
-                await stub.PreInfer(pre_infer_request_to_proto(q.prefix), timeout=30)
-        protos = [rank_request_to_proto(q) for q in users]
-        for proto in protos[:50]:  # warm every path
-            for stub in paths.values():
-                await stub.Rank(proto)
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        names = list(paths)
-        for i in range(args.ranks):
-            proto = protos[i % len(protos)]
-            for name in rotated(names, i):
-                start = time.perf_counter()
-                await paths[name].Rank(proto, timeout=30)
-                times[name].append((time.perf_counter() - start) * 1e3)
+        return await rank_times(paths, routers, users, args.ranks)
     finally:
         for channel in channels.values():
             await channel.close()
-    return {k: np.array(v) for k, v in times.items()}
 
 
 CHECKS_PER_CALL = 2000
