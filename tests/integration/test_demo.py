@@ -38,6 +38,13 @@ def test_quick_demo_runs_the_mesh_and_reports_both_phases(tmp_path: Path) -> Non
     saved = json.loads((tmp_path / "relay_demo.json").read_text())
     assert [p["label"] for p in saved["points"]] == ["cache only", "relay", "no cache"]
     assert "every process it started has exited" in result.stdout
+    # Not a terminal: progress is a plain line at each quarter of a phase, never a redraw.
+    assert "\r" not in result.stderr
+    for label in ("cache only", "relay", "no cache"):
+        lines = [line for line in result.stderr.splitlines() if line.startswith(f"  {label} ")]
+        assert 1 <= len(lines) <= 4, result.stderr
+        done, total = lines[-1].split()[-1].split("/")
+        assert done == total, result.stderr
 
 
 def test_a_chart_with_no_answered_rank_is_not_drawn(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -56,14 +57,24 @@ def _profile(quick: bool) -> tuple[ModelPreset, WorkloadSpec, dict[str, float]]:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """Progress on stderr: in a terminal a one-line bar redrawn in place; elsewhere (a log, CI)
+    a plain line at each quarter, so a log holds four lines a phase rather than every redraw."""
 
-    def __init__(self, total: int, label: str) -> None:
+    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
         self.total, self.done, self.label = total, 0, label
+        self._stream = sys.stderr if stream is None else stream
+        self._tty = self._stream.isatty()
         self._last = 0.0
+        self._quarter = 0
 
     def step(self) -> None:
         self.done += 1
+        if not self._tty:
+            quarter = 4 * self.done // max(self.total, 1)
+            if quarter > self._quarter:
+                self._quarter = quarter
+                print(f"  {self.label:<10} {self.done}/{self.total}", file=self._stream, flush=True)
+            return
         now = time.monotonic()
         if now - self._last > 0.2 or self.done == self.total:
             self._last = now
@@ -73,7 +84,7 @@ class Progress:
             print(
                 f"\r  {self.label:<10} [{bar}] {self.done}/{self.total}",
                 end=end,
-                file=sys.stderr,
+                file=self._stream,
                 flush=True,
             )
 
