@@ -17,7 +17,9 @@ def successor(
     Draining, it is who the user's requests go to next (its hand-off target). Missing after a
     placement move, it is who owned the user before `self_id` took it over (its fetch peer):
     rendezvous hashing moves a user only onto a joining ranker, so the rest of the order keeps
-    the previous owner first. None when no other ranker serves the version.
+    the previous owner first. None when no other ranker serves the version. `view`: a
+    membership snapshot (`Membership.view`), never changed in place: its split by version is
+    kept while the same object is passed.
     """
     # A rendezvous order without `self_id` is the whole version's order with it left out: rank
     # over the version's rankers (one member set for every ranker, kept by `ranking`).
