@@ -214,20 +214,19 @@ def point_spec(
     slo = values["slo_ms"]
     margin = min(args.margin_ms, slo / 4)
     fleet = FleetSettings.serving(args.rankers, slo, margin, values["gap_ms"])
-    prior = fleet.trigger.no_show_prior if args.no_show_prior is None else args.no_show_prior
+    knobs = {  # the trigger's knobs a run may set; unset (None): TriggerConfig's own
+        "no_show_prior": args.no_show_prior,
+        "relay_window_wait_factor": args.relay_window_wait_factor,
+        "relay_spare_share": args.relay_spare_share,
+    }
+    set_knobs = {name: value for name, value in knobs.items() if value is not None}
     fleet = replace(
         fleet,
-        trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms, no_show_prior=prior),
+        trigger=replace(fleet.trigger, observe_interval_ms=args.observe_ms, **set_knobs),
         router=replace(fleet.router, observe_interval_ms=args.observe_ms),
     )
     if args.relay_window_ms is not None:
         fleet = fleet.with_relay_window(args.relay_window_ms)
-    if args.relay_window_wait_factor is not None:
-        factor = args.relay_window_wait_factor
-        fleet = replace(fleet, trigger=replace(fleet.trigger, relay_window_wait_factor=factor))
-    if args.relay_spare_share is not None:
-        spare = args.relay_spare_share
-        fleet = replace(fleet, trigger=replace(fleet.trigger, relay_spare_share=spare))
     if args.chunk_tokens is not None:
         ranker = replace(
             fleet.ranker, prefill_chunk_tokens=args.chunk_tokens, prefill_chunk_fixed_share=1.0

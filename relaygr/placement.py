@@ -172,7 +172,7 @@ def load_bound(
     loads, some instance always fits: the loads sum to less than n * bound before the user is
     added.
     """
-    live = instances if isinstance(instances, (set, frozenset)) else set(instances)
+    live = frozenset(instances)  # a frozenset is itself: no copy
     if not live:
         return 0
     mean = (sum(map(loads.get, live, itertools.repeat(0.0))) + 1) / len(live)
@@ -195,11 +195,11 @@ def place(
     integer loads no instance ever passes the bound, hot users included; if none fits (possible
     only with fractional loads), the least-loaded does, earliest in the ranking among equals.
     """
-    order = ranking(user, instances)
+    live = frozenset(instances)  # once, for the ranking and the bound
+    order = ranking(user, live)
     if not order:
         return None
     owner = order[0]
-    live = instances if isinstance(instances, frozenset) else order
     bound = load_bound(loads, live, epsilon, floor)
     recorded = directory.get(user)
     if recorded is not None and recorded in order and loads.get(recorded, 0.0) + 1 <= bound:

@@ -20,7 +20,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
 
 import numpy as np
 
@@ -60,10 +59,9 @@ class Progress:
     """Progress on stderr: in a terminal a one-line bar redrawn in place; elsewhere (a log, CI)
     a plain line at each quarter, so a log holds four lines a phase rather than every redraw."""
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, label: str) -> None:
         self.total, self.done, self.label = total, 0, label
-        self._stream = sys.stderr if stream is None else stream
-        self._tty = self._stream.isatty()
+        self._tty = sys.stderr.isatty()
         self._last = 0.0
         self._quarter = 0
 
@@ -73,7 +71,7 @@ class Progress:
             quarter = 4 * self.done // max(self.total, 1)
             if quarter > self._quarter:
                 self._quarter = quarter
-                print(f"  {self.label:<10} {self.done}/{self.total}", file=self._stream, flush=True)
+                print(f"  {self.label:<10} {self.done}/{self.total}", file=sys.stderr, flush=True)
             return
         now = time.monotonic()
         if now - self._last > 0.2 or self.done == self.total:
@@ -84,7 +82,7 @@ class Progress:
             print(
                 f"\r  {self.label:<10} [{bar}] {self.done}/{self.total}",
                 end=end,
-                file=self._stream,
+                file=sys.stderr,
                 flush=True,
             )
 
