@@ -5,6 +5,12 @@ each variant, over repeats (median [range]; the machine is shared), and the proc
 resident memory after them. Target: >= 10,000 simulated requests per second with 100 rankers;
 memory bounded by the users who visit, not by the population.
 
+Then each variant once more, over `--split-duration` simulated seconds under cProfile: the share
+of its time in the services' own code (the ranker core, the router's forwarder, the trigger's
+policy and what they share, which the simulator runs as they are) against the simulator's
+drivers (`bench.time_split`). The services' share of a request's unprofiled time bounds how fast
+any driver can run it.
+
     .venv/bin/python bench/sim_speed.py
 """
 
@@ -12,6 +18,7 @@ import argparse
 import resource
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.pipeline import ROOT, save_results
@@ -23,6 +30,7 @@ from bench.report import (
     reproduce_lines,
     run_stamp,
 )
+from bench.time_split import DRIVER, LIBRARY, SERVICES, profiled
 from tooling.local.workload import WorkloadSpec
 from tooling.sim.fleet import FleetSettings
 from tooling.sim.profile import load_profile
@@ -40,10 +48,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=20.0, help="simulated seconds")
     p.add_argument("--users", type=int, default=100_000_000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--split-duration", type=float, default=5.0, help="simulated s of each profiled run"
+    )
     add_run_arguments(p)
     args = parse_run(p, argv)
     if args.quick:
-        args.duration, args.repeats = 2.0, 1
+        args.duration, args.repeats, args.split_duration = 2.0, 1, 1.0
     return args
 
 
@@ -72,7 +83,14 @@ def run(args: argparse.Namespace) -> dict:
             )
             print(f"{variant:>22}: {len(visits) / done.wall_s:8,.0f} req/s", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return save_results("sim_speed", args, {"rows": rows, "max_rss_mib": rss}, stamp, threads=1)
+    visits = light_visits(workload, rate, args.split_duration, args.seed)
+    splits: list[dict] = []
+    for variant in VARIANTS:
+        run = partial(run_point, spec, variant, rate, args.seed, visits, args.split_duration)
+        _, seconds, calls = profiled(run)
+        splits.append({"variant": variant, "requests": len(visits), "calls": calls, **seconds})
+    results = {"rows": rows, "max_rss_mib": rss, "splits": splits}
+    return save_results("sim_speed", args, results, stamp, threads=1)
 
 
 def render(saved: dict) -> str:
@@ -96,8 +114,38 @@ def render(saved: dict) -> str:
     lines += [
         "",
         f"Drawing the visits (burn-in included): {statistics.median(draws):,.0f} per s.",
+        *render_splits(saved),
     ]
     return "\n".join(lines) + "\n"
+
+
+def render_splits(saved: dict) -> list[str]:
+    """Where each variant's time goes, and the fastest any driver could run it: a request's
+    median unprofiled time, of which the services' own code takes its profiled share."""
+    lines = [
+        "",
+        f"Where the time goes: each variant once more, {saved['args']['split_duration']:g} "
+        "simulated s under cProfile (`bench.time_split`; a library function's time counted "
+        "for its caller). The services' own code is what the simulator must run as it is: "
+        "without any driver cost, a request still takes that.",
+        "",
+        "| variant | us a request (timed runs' median) | calls a request | services' own "
+        "code | drivers | libraries | services' code: us a request | fastest, with drivers "
+        "that cost nothing: req/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for split in saved["splits"]:
+        variant = split["variant"]
+        speed = statistics.median(r["per_s"] for r in saved["rows"] if r["variant"] == variant)
+        total = split[SERVICES] + split[DRIVER] + split[LIBRARY]
+        share = {floor: split[floor] / total for floor in (SERVICES, DRIVER, LIBRARY)}
+        us = 1e6 / speed
+        lines.append(
+            f"| {variant} | {us:,.0f} | {split['calls'] / split['requests']:,.0f} | "
+            f"{share[SERVICES]:.0%} | {share[DRIVER]:.0%} | {share[LIBRARY]:.0%} | "
+            f"{us * share[SERVICES]:,.0f} | {speed / share[SERVICES]:,.0f} |"
+        )
+    return lines
 
 
 def main() -> int:
