@@ -419,6 +419,54 @@ def fidelity_section(
     ]
 
 
+def paired(first: Point, second: Point) -> tuple[float, float] | None:
+    """Two runs of one trace Rank by Rank: the median of `second`'s latency over `first`'s
+    for each Rank, and the correlation of their latencies; None unless both answered every
+    Rank they sent (only then is the i-th latency of each the same arrival's)."""
+    a, b = first.latencies_ms, second.latencies_ms
+    if not a or len(a) != len(b) or first.ok != first.sent or second.ok != second.sent:
+        return None
+    ratio = statistics.median(y / x for x, y in zip(a, b, strict=True) if x > 0)
+    return ratio, float(np.corrcoef(a, b)[0, 1])
+
+
+def paired_section(per_seed: dict[str, dict[str, Any]]) -> list[str]:
+    """Each point with a second real run, Rank by Rank: how the second real run follows the
+    first, and how each twin follows each real run; none: no lines."""
+    rows: list[str] = []
+    for seed, variants in per_seed.items():
+        for label, out in variants.items():
+            for i, raw in enumerate(out["points"]):
+                later = [Point(**run[i]) for run in out.get("again", []) if i < len(run)]
+                if not later:
+                    continue
+                first, second = Point(**raw["real"]), later[0]
+                pairs = [(first, second)] + [
+                    (real, Point(**raw[twin]))
+                    for twin in ("sim", "sim_served") if twin in raw
+                    for real in (first, second)
+                ]  # fmt: skip
+                cells = []
+                for a, b in pairs:
+                    got = paired(a, b)
+                    cells.append("-" if got is None else f"{got[0]:.2f}x, r {got[1]:.2f}")
+                rows.append(f"| {seed} | {label} | {first.rate:g} | {' | '.join(cells)} |")
+    if not rows:
+        return []
+    return [
+        "**Rank by Rank** (each Rank's latency in one run over the same arrival's in another, "
+        "median over the Ranks, and the correlation r of their latencies; `paired`): how "
+        "closely the simulator follows each real run, beside how closely the real runs follow "
+        "each other.",
+        "",
+        "| seed | variant | rate req/s | second real run / first | calibrated twin / first "
+        "| calibrated twin / second | served twin / first | served twin / second |",
+        "|---:|---|---:|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def grid_steps(real: float, sim: float, rates: Sequence[float]) -> int:
     """How many steps of the rate grid (0, then the rates swept) lie between two figures."""
     grid = [0.0, *sorted(rates)]
@@ -550,6 +598,7 @@ def render(saved: dict) -> str:
             "they had refitted to their served work by the first real run's end; "
             "`compare_variant`)",
         ),
+        *paired_section(per_seed),
         f"**SLO-compliant throughput at {args.slo_ms:.0f} ms, req/s:**",
         "",
         "| seed | variant | real | simulated | grid steps apart (within one) |",

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from bench.pipeline import Ran
-from bench.sim_validate import fidelity, fidelity_section, hit_slowdown, miss_slowdown
+from bench.sim_validate import (
+    fidelity,
+    fidelity_section,
+    hit_slowdown,
+    miss_slowdown,
+    paired,
+    paired_section,
+)
 from relaygr.cost import CostModel
 from tests.unit.ranker.factories import prefix, rank_input
 from tooling.local.drive import OK, Point, RequestRecord
@@ -80,6 +87,44 @@ def test_each_twin_is_judged_on_its_own_and_a_result_without_it_has_no_section()
 def test_a_run_without_second_sweeps_has_no_fidelity_section() -> None:
     variant = {"points": [{"real": point([1.0]), "sim": point([1.0])}]}
     assert fidelity_section({"7": {"relay": variant}}) == []
+
+
+def answered(latencies: list[float], sent: int | None = None) -> Point:
+    n = len(latencies)
+    return Point("x", 0.5, sent=n if sent is None else sent, ok=n, latencies_ms=latencies)
+
+
+def test_two_runs_are_paired_rank_by_rank_only_when_every_rank_was_answered() -> None:
+    """Each Rank's latency against the same arrival's: a twin twice as slow on every Rank is
+    2x however the two runs' quantiles compare; a run with a Rank lost is not paired, as its
+    i-th latency is no longer the i-th arrival's."""
+    first = [10.0, 40.0, 20.0, 80.0, 30.0]
+    ratio, r = paired(answered(first), answered([2 * v for v in first])) or (0.0, 0.0)
+    assert ratio == pytest.approx(2.0) and r == pytest.approx(1.0)
+    shuffled = [40.0, 10.0, 80.0, 20.0, 30.0]  # the same quantiles, other Ranks
+    ratio, r = paired(answered(first), answered(shuffled)) or (0.0, 0.0)
+    assert ratio == pytest.approx(1.0) and r < 0.0
+    assert paired(answered(first), answered(first[:4], sent=5)) is None
+    assert paired(answered(first), answered(first[:4])) is None
+
+
+def test_the_rank_by_rank_table_pairs_each_twin_with_each_real_run() -> None:
+    first = [float(v) for v in range(1, 101)]
+    as_dict = dataclasses.asdict
+    variant = {
+        "points": [
+            {"real": as_dict(answered(first)), "sim": as_dict(answered([v * 2 for v in first])),
+             "sim_served": as_dict(answered([v * 1.1 for v in first]))},
+            {"real": as_dict(answered(first)), "sim": as_dict(answered(first))},
+        ],
+        "again": [[as_dict(answered([v * 1.1 for v in first]))]],  # the first point's only
+    }  # fmt: skip
+    text = "\n".join(paired_section({"7": {"relay": variant}}))
+    assert text.count("| 7 | relay |") == 1
+    assert (
+        "| 1.10x, r 1.00 | 2.00x, r 1.00 | 1.82x, r 1.00 | 1.10x, r 1.00 | 1.00x, r 1.00 |" in text
+    )
+    assert paired_section({"7": {"relay": {"points": variant["points"]}}}) == []
 
 
 def test_time_in_the_ranker_is_read_against_the_call_each_outcome_is_served_as(
