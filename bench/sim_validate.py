@@ -31,7 +31,7 @@ import math
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
@@ -359,6 +359,19 @@ def quantile_ms(point: Point, q: float) -> float:
     return float(np.percentile(point.latencies_ms, q)) if point.latencies_ms else math.inf
 
 
+def rerun_points(
+    per_seed: dict[str, dict[str, Any]],
+) -> Iterator[tuple[str, str, dict[str, Any], list[Point]]]:
+    """Each point that has later real runs (--mesh-runs 2 or more): its seed, variant, saved
+    record, and its real runs, the first sweep's first."""
+    for seed, variants in per_seed.items():
+        for label, out in variants.items():
+            for i, raw in enumerate(out["points"]):
+                later = [Point(**run[i]) for run in out.get("again", []) if i < len(run)]
+                if later:
+                    yield seed, label, raw, [Point(**raw["real"]), *later]
+
+
 def fidelity_section(
     per_seed: dict[str, dict[str, Any]], twin: str = "sim", given: str = ""
 ) -> list[str]:
@@ -369,27 +382,23 @@ def fidelity_section(
     within = {q: 0 for q in FIDELITY_QUANTILES}
     spreads: dict[int, list[float]] = {q: [] for q in FIDELITY_QUANTILES}
     errors: dict[int, list[float]] = {q: [] for q in FIDELITY_QUANTILES}
-    for seed, variants in per_seed.items():
-        for label, out in variants.items():
-            for i, raw in enumerate(out["points"]):
-                later = [Point(**run[i]) for run in out.get("again", []) if i < len(run)]
-                if not later or twin not in raw:
-                    continue
-                real = [Point(**raw["real"]), *later]
-                sim = Point(**raw[twin])
-                cells = []
-                for q in FIDELITY_QUANTILES:
-                    runs = [quantile_ms(r, q) for r in real]
-                    spread, error, ok = fidelity(runs, quantile_ms(sim, q))
-                    within[q] += ok
-                    spreads[q].append(spread)
-                    errors[q].append(abs(error))
-                    cells.append(
-                        f"{' / '.join(f'{v:.0f}' for v in runs)} | {quantile_ms(sim, q):.0f} "
-                        f"| {spread:.0%} | {error:+.0%} ({'yes' if ok else 'no'})"
-                    )
-                ns = " / ".join(str(r.ok) for r in [*real, sim])
-                rows.append(f"| {seed} | {label} | {real[0].rate:g} | {ns} | {' | '.join(cells)} |")
+    for seed, label, raw, real in rerun_points(per_seed):
+        if twin not in raw:
+            continue
+        sim = Point(**raw[twin])
+        cells = []
+        for q in FIDELITY_QUANTILES:
+            runs = [quantile_ms(r, q) for r in real]
+            spread, error, ok = fidelity(runs, quantile_ms(sim, q))
+            within[q] += ok
+            spreads[q].append(spread)
+            errors[q].append(abs(error))
+            cells.append(
+                f"{' / '.join(f'{v:.0f}' for v in runs)} | {quantile_ms(sim, q):.0f} "
+                f"| {spread:.0%} | {error:+.0%} ({'yes' if ok else 'no'})"
+            )
+        ns = " / ".join(str(r.ok) for r in [*real, sim])
+        rows.append(f"| {seed} | {label} | {real[0].rate:g} | {ns} | {' | '.join(cells)} |")
     if not rows:
         return []
     n = len(rows)
@@ -434,23 +443,14 @@ def paired_section(per_seed: dict[str, dict[str, Any]]) -> list[str]:
     """Each point with a second real run, Rank by Rank: how the second real run follows the
     first, and how each twin follows each real run; none: no lines."""
     rows: list[str] = []
-    for seed, variants in per_seed.items():
-        for label, out in variants.items():
-            for i, raw in enumerate(out["points"]):
-                later = [Point(**run[i]) for run in out.get("again", []) if i < len(run)]
-                if not later:
-                    continue
-                first, second = Point(**raw["real"]), later[0]
-                pairs = [(first, second)] + [
-                    (real, Point(**raw[twin]))
-                    for twin in ("sim", "sim_served") if twin in raw
-                    for real in (first, second)
-                ]  # fmt: skip
-                cells = []
-                for a, b in pairs:
-                    got = paired(a, b)
-                    cells.append("-" if got is None else f"{got[0]:.2f}x, r {got[1]:.2f}")
-                rows.append(f"| {seed} | {label} | {first.rate:g} | {' | '.join(cells)} |")
+    for seed, label, raw, (first, second, *_) in rerun_points(per_seed):
+        twins = [Point(**raw[twin]) if twin in raw else None for twin in ("sim", "sim_served")]
+        pairs = [(first, second)] + [(real, twin) for twin in twins for real in (first, second)]
+        cells = []
+        for a, b in pairs:
+            got = None if b is None else paired(a, b)
+            cells.append("-" if got is None else f"{got[0]:.2f}x, r {got[1]:.2f}")
+        rows.append(f"| {seed} | {label} | {first.rate:g} | {' | '.join(cells)} |")
     if not rows:
         return []
     return [
