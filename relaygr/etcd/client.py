@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -10,6 +11,7 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.rpc
 
+from relaygr.aio import cancellation_requests
 from relaygr.errors import ConfigError, InvalidInput, Unavailable
 from relaygr.etcd.errors import EtcdAuthFailed, EtcdRejected
 from relaygr.etcd.lease import KeptLease, Lease
@@ -49,7 +51,8 @@ class EtcdClient:
 
     Invariants: at most one aetcd connection is open, to `endpoint`; it stays until a call on it
     finds the endpoint unreachable, then it is closed and the next endpoint (cyclically) is used,
-    each call trying every endpoint once more before raising `Unavailable`. Keys are str (UTF-8),
+    each call trying every endpoint once more before raising `Unavailable`; a call cancelled by
+    gRPC because another caller closed its channel so is tried again too. Keys are str (UTF-8),
     values bytes. Watches and kept leases started here are stopped by `close()`.
     """
 
@@ -109,10 +112,20 @@ class EtcdClient:
         # One more try than endpoints: a single endpoint that restarted gets a fresh channel
         # (gRPC's own reconnect backoff on the old one can lag the restart by seconds).
         last: BaseException | None = None
+        before = cancellation_requests()
         for _ in range(len(self._endpoints) + 1):
             client = self.current()
             try:
                 return await op(client)
+            except asyncio.CancelledError as err:
+                if cancellation_requests() > before:
+                    raise  # this caller was cancelled
+                # Another caller found the endpoint unreachable and closed the channel under
+                # this call, which gRPC cancels: try again on a fresh one. Raised on, it would
+                # end the caller's task as if cancelled (a lease keeper so ended left its lease
+                # to lapse while it still read connected).
+                last = err
+                await self.drop(client)
             except aetcd.InvalidArgumentError as err:
                 if any(refusal in str(err) for refusal in _AUTH_REFUSALS):
                     endpoint = self.endpoint

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import aetcd
 import aetcd.rpc
 
-from relaygr.aio import cancel_and_wait
+from relaygr.aio import cancel_and_wait, cancellation_requests
 from relaygr.errors import RelayGRError
 from relaygr.etcd.retry import Backoff, unreachable
 
@@ -107,6 +107,7 @@ class Watch:
 
     async def _run(self) -> None:
         backoff = Backoff()
+        before = cancellation_requests()
         while True:
             client = None
             try:
@@ -132,6 +133,13 @@ class Watch:
                 )
                 self._resync_needed = True
                 continue
+            except asyncio.CancelledError:
+                if cancellation_requests() > before:
+                    raise  # stopped
+                # gRPC cancelled a call of this watch's: another caller's failover closed the
+                # channel under it. Raised on, it would end the watch, its view frozen.
+                if client is not None:
+                    await self._etcd.drop(client)
             except RelayGRError as err:  # from a resync, which already failed over
                 log.debug("etcd watch %r resync failed: %s", self.prefix, err)
             except (aetcd.ClientError, aetcd.rpc.BaseError, TimeoutError) as err:
@@ -162,11 +170,11 @@ class Watch:
             # Best effort: unregister from aetcd's shared stream, which may already be closed;
             # one torn down under us cancels its own futures, which must not end this close
             # (only a cancellation of this task does).
+            before = cancellation_requests()
             try:
                 await asyncio.wait_for(stream.cancel(), timeout=1.0)
             except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
+                if cancellation_requests() > before:
                     raise
             except Exception:
                 pass

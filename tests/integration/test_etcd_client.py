@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -206,36 +208,111 @@ async def test_a_keepalive_failing_unexpectedly_does_not_stop_the_keeper(
         await client.close()
 
 
-class BrokenWatchOnce(EtcdClient):
-    """A real etcd client whose next watch stream fails with an error no client library
-    documents (a bug of its own), once."""
+class ClosedUnderNextKeepalive(EtcdClient):
+    """A real etcd client. Once asked, its next keepalive goes out to a stalled etcd (stopped
+    with SIGSTOP, so the call stays in flight); another caller, finding etcd unreachable, fails
+    over and closes the channel under it, which gRPC answers by cancelling the call; then etcd
+    resumes. `refreshed` counts keepalives that returned."""
 
-    def __init__(self, endpoints: list[str]) -> None:
+    def __init__(self, endpoints: list[str], etcd_pid: int) -> None:
+        super().__init__(endpoints)
+        self._etcd_pid = etcd_pid
+        self.close_under_next = False
+        self.closed_under = 0
+        self.refreshed = 0
+        self._fail_over: asyncio.Task[None] | None = None
+
+    async def refresh_lease(self, lease: Lease) -> bool:
+        if self.close_under_next:
+            self.close_under_next = False
+            os.kill(self._etcd_pid, signal.SIGSTOP)
+            # Runs once this task waits on the keepalive's reply, which etcd cannot send.
+            asyncio.get_running_loop().call_soon(self._close_under_call, self.current())
+        alive = await super().refresh_lease(lease)
+        self.refreshed += 1
+        return alive
+
+    def _close_under_call(self, client: Any) -> None:
+        async def fail_over() -> None:
+            try:
+                await self.drop(client)
+                self.closed_under += 1
+            finally:
+                os.kill(self._etcd_pid, signal.SIGCONT)
+
+        self._fail_over = asyncio.ensure_future(fail_over())
+
+
+async def test_a_keepalive_whose_channel_another_caller_closes_is_retried(
+    etcd_server: EtcdServer,
+) -> None:
+    """gRPC cancels a call in flight when another caller's failover closes its channel: the call
+    is tried again on a fresh channel, so the keeper goes on refreshing and its key outlives the
+    TTL, rather than the keeper ending as if cancelled while `connected` still read True."""
+    assert etcd_server.pid is not None
+    client = ClosedUnderNextKeepalive([etcd_server.endpoint], etcd_server.pid)
+    try:
+        kept = await client.keep_lease(
+            TTL_S, lambda lease: client.put("/t/rankers/r6", b"a", lease)
+        )
+        client.close_under_next = True
+        await eventually(lambda: client.closed_under == 1, "the channel closed under a keepalive")
+        closed_at = client.refreshed
+        # Refreshed again past the TTL after the closing: the keeper lives.
+        await eventually(
+            lambda: client.refreshed >= closed_at + 4, "the keeper refreshes again", timeout_s=10
+        )
+        assert kept.connected and kept.lease_id is not None
+        assert await client.get("/t/rankers/r6") == b"a"
+    finally:
+        os.kill(etcd_server.pid, signal.SIGCONT)
+        await client.close()
+
+
+class BrokenWatchOnce(EtcdClient):
+    """A real etcd client whose next watch stream fails once, raising `error`."""
+
+    def __init__(self, endpoints: list[str], error: BaseException) -> None:
         super().__init__(endpoints)
         self.broken = True
+        self._error = error
 
     def current(self) -> Any:
         if not self.broken:
             return super().current()
         self.broken = False
+        error = self._error
 
         class Broken:
             async def watch_prefix(self, *args: object, **kwargs: object) -> None:
-                raise RuntimeError("a client library's bug")
+                raise error
 
         return Broken()
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("a client library's bug"),  # an error no client library documents
+        # What gRPC raises in a call it cancels when another caller's failover closes the
+        # channel under it: not a cancellation of the watch.
+        asyncio.CancelledError(),
+    ],
+    ids=["bug", "cancelled-call"],
+)
 async def test_a_watch_failing_unexpectedly_is_re_created(
-    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
+    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture, error: BaseException
 ) -> None:
     """Whatever the client library raises, a watch goes on from its last revision: the change
-    made after the failure is delivered, and the failure is logged."""
-    client = BrokenWatchOnce([etcd_server.endpoint])
+    made after the failure is delivered, and a library's bug is logged."""
+    client = BrokenWatchOnce([etcd_server.endpoint], error)
     events: list[WatchEvent] = []
     try:
         await client.watch_prefix("/t/watched/", events.append, start_revision=1)
-        await eventually(lambda: "failed unexpectedly" in caplog.text, "the failure logged")
+        if isinstance(error, asyncio.CancelledError):
+            await eventually(lambda: not client.broken, "the broken stream handed out")
+        else:
+            await eventually(lambda: "failed unexpectedly" in caplog.text, "the failure logged")
         await client.put("/t/watched/a", b"1")
         await eventually(lambda: [e.key for e in events] == ["/t/watched/a"], "the put seen")
     finally:
