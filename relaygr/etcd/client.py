@@ -35,6 +35,8 @@ _CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 200,
     "grpc.max_reconnect_backoff_ms": 2_000,
 }
+# How long past its gRPC deadline an attempt may take before it counts as unreachable.
+_SLACK_S = 1.0
 # What etcd answers (INVALID_ARGUMENT) when a client's credentials are missing or wrong.
 _AUTH_REFUSALS = ("authentication failed", "user name is empty", "user name not found")
 
@@ -74,6 +76,7 @@ class EtcdClient:
         self._index = 0
         self._client: Any = None  # aetcd.Client, created lazily for self._index
         self._children: set[Watch | KeptLease] = set()
+        self._closing: set[asyncio.Task[None]] = set()  # failed clients being closed
 
     @property
     def endpoint(self) -> str:
@@ -101,12 +104,21 @@ class EtcdClient:
         return self._client
 
     async def drop(self, client: Any) -> None:
-        """Close `client` after it failed; if still current, move on to the next endpoint."""
+        """Give up `client` after it failed; if still current, move on to the next endpoint.
+
+        It is closed in the background: closing an aetcd client waits on its watcher's locks,
+        which a call stuck on the failing channel may hold, and the caller moves on now."""
         if self._client is client:
             self._client = None
             self._index = (self._index + 1) % len(self._endpoints)
-        with contextlib.suppress(Exception):  # best effort: the channel is already failing
-            await client.close()
+        task = asyncio.get_running_loop().create_task(self._close_failed(client))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_failed(self, client: Any) -> None:
+        # Best effort: the channel is already failing.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.close(), self._timeout_s)
 
     async def _call(self, what: str, op: Callable[[Any], Awaitable[T]]) -> T:
         # One more try than endpoints: a single endpoint that restarted gets a fresh channel
@@ -116,7 +128,10 @@ class EtcdClient:
         for _ in range(len(self._endpoints) + 1):
             client = self.current()
             try:
-                return await op(client)
+                # aetcd bounds its gRPC calls but not each of its own waits (a lock of its
+                # watcher's, say): a call held there must not hold its caller (a lease keeper)
+                # past its lease.
+                return await asyncio.wait_for(op(client), self._timeout_s + _SLACK_S)
             except asyncio.CancelledError as err:
                 if cancellation_requests() > before:
                     raise  # this caller was cancelled
@@ -218,6 +233,7 @@ class EtcdClient:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     @property
     def connected(self) -> bool:

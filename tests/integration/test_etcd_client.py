@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aetcd
 import pytest
 
 from relaygr.errors import ConfigError, Unavailable
@@ -210,9 +211,9 @@ async def test_a_keepalive_failing_unexpectedly_does_not_stop_the_keeper(
 
 class ClosedUnderNextKeepalive(EtcdClient):
     """A real etcd client. Once asked, its next keepalive goes out to a stalled etcd (stopped
-    with SIGSTOP, so the call stays in flight); another caller, finding etcd unreachable, fails
-    over and closes the channel under it, which gRPC answers by cancelling the call; then etcd
-    resumes. `refreshed` counts keepalives that returned."""
+    with SIGSTOP, so the call stays in flight); another caller closes the channel under it, as a
+    failover does, which gRPC answers by cancelling the call; then etcd resumes. `refreshed`
+    counts keepalives that returned."""
 
     def __init__(self, endpoints: list[str], etcd_pid: int) -> None:
         super().__init__(endpoints)
@@ -235,7 +236,7 @@ class ClosedUnderNextKeepalive(EtcdClient):
     def _close_under_call(self, client: Any) -> None:
         async def fail_over() -> None:
             try:
-                await self.drop(client)
+                await client.close()
                 self.closed_under += 1
             finally:
                 os.kill(self._etcd_pid, signal.SIGCONT)
@@ -267,6 +268,49 @@ async def test_a_keepalive_whose_channel_another_caller_closes_is_retried(
     finally:
         os.kill(etcd_server.pid, signal.SIGCONT)
         await client.close()
+
+
+class StuckConnection(EtcdClient):
+    """A real etcd client whose first connection is stuck inside the client library: a put on
+    it never returns (past any gRPC deadline) with `put_hangs`, else fails as unreachable; and
+    closing it never returns."""
+
+    def __init__(self, endpoints: list[str], put_hangs: bool) -> None:
+        super().__init__(endpoints, request_timeout_s=0.5)
+        self.stuck = True
+        self._put_hangs = put_hangs
+
+    def current(self) -> Any:
+        if not self.stuck:
+            return super().current()
+        owner = self
+
+        class Stuck:
+            async def put(self, *args: object, **kwargs: object) -> None:
+                owner.stuck = False  # the connection after this one is a real one
+                if not owner._put_hangs:
+                    raise aetcd.ConnectionFailedError()
+                await asyncio.Event().wait()
+
+            async def close(self) -> None:
+                await asyncio.Event().wait()
+
+        return Stuck()
+
+
+@pytest.mark.parametrize("put_hangs", [True, False], ids=["call-hangs", "close-hangs"])
+async def test_a_connection_stuck_in_the_client_library_holds_no_caller(
+    etcd_server: EtcdServer, put_hangs: bool
+) -> None:
+    """A call held inside the client library past its deadline counts as unreachable, and the
+    failed connection is closed without its caller waiting: the put lands over a fresh
+    connection, and closing the client ends too. A lease keeper held so would lose its lease."""
+    client = StuckConnection([etcd_server.endpoint], put_hangs)
+    try:
+        await asyncio.wait_for(client.put("/t/stuck", b"landed"), timeout=10)
+        assert await client.get("/t/stuck") == b"landed"
+    finally:
+        await asyncio.wait_for(client.close(), timeout=10)
 
 
 class BrokenWatchOnce(EtcdClient):
