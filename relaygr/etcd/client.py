@@ -103,6 +103,12 @@ class EtcdClient:
                 self._client = TlsAetcdClient(host, port, self._credentials, **kwargs)
         return self._client
 
+    @property
+    def attempt_timeout_s(self) -> float:
+        """How long one call into aetcd may take before it counts as unreachable: its gRPC
+        deadline and a second."""
+        return self._timeout_s + _SLACK_S
+
     async def drop(self, client: Any) -> None:
         """Give up `client` after it failed; if still current, move on to the next endpoint.
 
@@ -131,7 +137,7 @@ class EtcdClient:
                 # aetcd bounds its gRPC calls but not each of its own waits (a lock of its
                 # watcher's, say): a call held there must not hold its caller (a lease keeper)
                 # past its lease.
-                return await asyncio.wait_for(op(client), self._timeout_s + _SLACK_S)
+                return await asyncio.wait_for(op(client), self.attempt_timeout_s)
             except asyncio.CancelledError as err:
                 if cancellation_requests() > before:
                     raise  # this caller was cancelled

@@ -44,6 +44,11 @@ class WatchOwner(Protocol):
         """The connected aetcd client (connecting, or failing over, first)."""
         ...
 
+    @property
+    def attempt_timeout_s(self) -> float:
+        """How long one call into the client library may take before it counts as unreachable."""
+        ...
+
     async def drop(self, client: Any) -> None:
         """Give up `client` as unreachable (the next `current` fails over)."""
         ...
@@ -114,8 +119,12 @@ class Watch:
                 if self._resync_needed:
                     await self._resync()
                 client = self._etcd.current()
-                self._stream = await client.watch_prefix(
-                    self.prefix.encode(), start_revision=self.last_revision + 1
+                # Bounded: aetcd's own locks can hold a watch's creation on a failing channel.
+                self._stream = await asyncio.wait_for(
+                    client.watch_prefix(
+                        self.prefix.encode(), start_revision=self.last_revision + 1
+                    ),
+                    self._etcd.attempt_timeout_s,
                 )
                 self.connected = True
                 backoff.reset()
